@@ -1,0 +1,25 @@
+# The whole set-up: `make demo` and `make test` install what they need first.
+PYTHON ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -v python3)
+VENV   := .venv
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# --system-site-packages: pyverbs comes from the system's rdma-core (python3-pyverbs), as on real clusters.
+$(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
+	./scripts/install-system-deps.sh
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/python scripts/demo.py
+
+test: install
+	$(VENV)/bin/python -m pytest -rs
+
+clean:
+	rm -rf $(VENV) .demo build *.egg-info

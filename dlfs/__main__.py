@@ -1,0 +1,3 @@
+from dlfs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,349 @@
+"""The `dlfs` command: one small function per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from dlfs import __version__
+from dlfs.config import home_dir, load_cluster, parse_cluster_file
+from dlfs.errors import DlfsError, MountError, UsageError
+from dlfs.units import human_bytes, parse_size
+from dlfs.tasks import open_nursery
+
+log = logging.getLogger("dlfs")
+EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
+
+
+def _setup_logging(args: argparse.Namespace, default: str = "WARNING") -> None:
+    level = (args.log_level or default).upper()
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if args.log_file:
+        handlers = [logging.FileHandler(args.log_file)]
+    logging.basicConfig(level=level, handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    return load_cluster(args.cluster, home_dir(args.home))
+
+
+# --- node ---------------------------------------------------------------------------------------
+def cmd_node(args: argparse.Namespace) -> int:
+    from dlfs.node import NodeOptions, run_node
+
+    _setup_logging(args, "INFO")
+    home = home_dir(args.home)
+    cluster_file = args.cluster or os.environ.get("DLFS_CLUSTER")
+    cluster = parse_cluster_file(Path(cluster_file)) if cluster_file else None
+    opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port)
+    trio.run(run_node, opts)
+    return 0
+
+
+# --- ingest -------------------------------------------------------------------------------------
+class _RichProgress:
+    def __init__(self, name: str) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.bar = Progress(TextColumn(f"ingest {name}"), BarColumn(), TextColumn("{task.fields[files]}"),
+                            DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                            transient=False, disable=not sys.stderr.isatty(),
+                            console=__import__("rich.console").console.Console(stderr=True))
+        self.task = self.bar.add_task("ingest", total=None, files="")
+        self.files = self.total_files = 0
+
+    def start(self, files: int, nbytes: int) -> None:
+        self.total_files = files
+        self.bar.update(self.task, total=nbytes, files=f"0/{files} files")
+
+    def advance(self, files: int, nbytes: int) -> None:
+        self.files += files
+        self.bar.update(self.task, advance=nbytes, files=f"{self.files}/{self.total_files} files")
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from dlfs.ingest.run import ingest
+
+    _setup_logging(args)
+    cluster = _cluster(args)
+    if args.compress not in ("lz4", "none"):
+        raise UsageError("--compress takes lz4 or none")
+    progress = _RichProgress(args.name)
+    with progress.bar:
+        report = trio.run(lambda: ingest(cluster, args.src, args.name, parse_size(args.chunk_size),
+                                         args.compress == "lz4", progress, home_dir(args.home)))
+    info = report.info
+    for skipped in report.skipped[:10]:
+        print(f"skipped {os.fsdecode(skipped)} (not a file, directory or symlink)", file=sys.stderr)
+    if len(report.skipped) > 10:
+        print(f"skipped {len(report.skipped) - 10} more special files", file=sys.stderr)
+    print(f"ingested {info.name} version {info.version}: {info.files} files, {human_bytes(info.bytes)} "
+          f"in {info.chunks} chunks ({report.chunks_sent} sent, {report.chunks_present} already stored) "
+          f"in {report.seconds:.1f} s ({human_bytes(info.bytes / max(report.seconds, 1e-9))}/s)")
+    return 0
+
+
+# --- datasets, rm, status ---------------------------------------------------------------------
+async def _meta_call(args: argparse.Namespace, msg: Any, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    from dlfs.client.cluster import ClusterClient
+
+    cluster = _cluster(args)
+    async with open_nursery() as nursery:
+        client = ClusterClient(cluster, nursery)
+        out, _ = await client.call_meta(msg, meta)
+        nursery.cancel_scope.cancel()
+    return out
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    from dlfs.wire.protocol import Msg
+
+    _setup_logging(args)
+    rows = trio.run(_meta_call, args, Msg.LIST_DATASETS)["datasets"]
+    if not rows:
+        print("no datasets (add one with `dlfs ingest SRC --name NAME`)")
+        return 0
+    print(f"{'NAME':<24} {'VERSION':>7} {'FILES':>10} {'BYTES':>10} {'CHUNKS':>7}  CREATED")
+    for v in rows:
+        created = datetime.datetime.fromtimestamp(v["created"]).strftime("%Y-%m-%d %H:%M")
+        print(f"{v['name']:<24} {v['version']:>7} {v['files']:>10} {human_bytes(v['bytes']):>10} {v['chunks']:>7}  {created}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from dlfs.fuse.mount import parse_dataset_ref
+    from dlfs.wire.protocol import Msg
+
+    _setup_logging(args)
+    name, version = parse_dataset_ref(args.name)
+    out = trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version})
+    versions = ", ".join(str(v["version"]) for v in out["removed"])
+    print(f"removed {name} (version {versions}); freed {out['freed_chunks']} chunks")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dlfs.client.cluster import ClusterClient
+    from dlfs.wire.protocol import Msg
+
+    _setup_logging(args)
+    cluster = _cluster(args)
+
+    async def gather() -> list[tuple[str, dict[str, Any] | str, dict[str, Any] | str]]:
+        rows = []
+        async with open_nursery() as nursery:
+            client = ClusterClient(cluster, nursery)
+            for spec in cluster.nodes:
+                res: list[dict[str, Any] | str] = []
+                for service in ("meta", "data"):
+                    try:
+                        res.append((await client.call(spec, service, Msg.STATUS, timeout=5))[0])
+                    except DlfsError as exc:
+                        res.append(str(exc))
+                rows.append((spec.name, res[0], res[1]))
+            nursery.cancel_scope.cancel()
+        return rows
+
+    rows = trio.run(gather)
+    down = 0
+    print(f"cluster: {cluster.source}")
+    for name, meta, data in rows:
+        spec = cluster.node(name)
+        if isinstance(meta, str) or isinstance(data, str):
+            down += 1
+            reason = meta if isinstance(meta, str) else data
+            print(f"node {name}: DOWN ({reason})")
+            continue
+        print(f"node {name}: up  meta {spec.meta}  data {spec.data}")
+        print(f"  datasets {meta['datasets']} ({meta['versions']} versions), ingests in progress {meta['ingests']}")
+        print(f"  chunks {data['chunks']} ({human_bytes(data['bytes'])}), disk free {human_bytes(data['disk_free'])} "
+              f"of {human_bytes(data['disk_total'])} at {data['root']}")
+    if down:
+        if len(rows) == 1:
+            raise DlfsError(f"node {rows[0][0]} is not reachable: {rows[0][1] if isinstance(rows[0][1], str) else rows[0][2]}")
+        print(f"{down} of {len(rows)} nodes are down", file=sys.stderr)
+        return 3
+    return 0
+
+
+# --- mount, umount ------------------------------------------------------------------------------
+def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.fuse.mount import MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+
+    home = home_dir(args.home)
+    name, version = parse_dataset_ref(args.dataset)
+    mountpoint = Path(args.mountpoint).absolute()
+    check_mountpoint(mountpoint)
+    if not args.foreground:
+        return _mount_background(args, home, name, mountpoint)
+    _setup_logging(args, "INFO")
+    cluster = _cluster(args)
+    opts = MountOptions(home, cluster, name, version, mountpoint, parse_size(args.cache_size),
+                        parse_size(args.readahead), args.allow_other)
+    ready_fd = args.ready_fd
+
+    def ready(message: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok " + message.encode() + b"\n")
+            os.close(ready_fd)
+        else:
+            print(message, flush=True)
+
+    try:
+        trio.run(serve_mount, opts, ready)
+    except DlfsError as exc:
+        if ready_fd is not None:
+            os.write(ready_fd, f"error {type(exc).__name__} {exc.exit_code} {exc}\n".encode())
+        raise
+    return 0
+
+
+def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoint: Path) -> int:
+    """Start `dlfs mount --foreground` detached, and return once it reports the mount ready."""
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = Path(args.log_file) if args.log_file else logs / f"mount-{name}.log"
+    rfd, wfd = os.pipe()
+    cmd = [sys.executable, "-m", "dlfs", "--home", str(home), "mount", "--foreground", "--ready-fd", str(wfd),
+           "--cache-size", args.cache_size, "--readahead", args.readahead, "--log-file", str(log_path),
+           args.dataset, str(mountpoint)]
+    if args.cluster:
+        cmd[3:3] = ["--cluster", args.cluster]
+    if args.log_level:
+        cmd[3:3] = ["--log-level", args.log_level]
+    if not args.allow_other:
+        cmd.insert(cmd.index("--foreground") + 1, "--no-allow-other")
+    with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(wfd,),
+                                start_new_session=True)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        line = r.readline().decode(errors="replace").strip()
+    if line.startswith("ok "):
+        print(line[3:])
+        return 0
+    if line.startswith("error "):
+        _, _kind, code, message = line.split(" ", 3)
+        proc.wait(timeout=30)
+        err = DlfsError(message)
+        err.exit_code = int(code)
+        raise err
+    rc = proc.wait(timeout=30)
+    raise MountError(f"mount process exited ({rc}) before the mount was ready; see {log_path}")
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from dlfs.fuse.mount import unmount
+
+    _setup_logging(args)
+    unmount(home_dir(args.home), Path(args.mountpoint))
+    print(f"unmounted {Path(args.mountpoint).absolute()}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from dlfs.wire.auth import write_key
+
+    try:
+        write_key(Path(args.file))
+    except FileExistsError:
+        raise UsageError(f"{args.file} exists; remove it first to make a new key") from None
+    print(f"wrote a new cluster key to {args.file} (mode 0600); copy it to every node")
+    return 0
+
+
+# --- parser -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", help="state directory (default: $DLFS_HOME or ~/.dlfs)")
+    common.add_argument("--cluster", metavar="FILE", help="cluster file (default: $DLFS_CLUSTER; none: the local node)")
+    common.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"])
+    common.add_argument("--log-file", metavar="FILE", help="write log lines here instead of stderr")
+
+    p = argparse.ArgumentParser(prog="dlfs", description="dlfs: a distributed file system for deep-learning datasets.",
+                                epilog=EPILOG, parents=[common])
+    p.add_argument("--version", action="version", version=f"dlfs {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, parents=[common], epilog=EPILOG)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    sp = add("node", cmd_node, "Run this node's metadata and data daemons in the foreground until SIGINT/SIGTERM.")
+    sp.add_argument("--name", help="this node's name in the cluster file (default: the entry with a local address)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on with no cluster file (default 127.0.0.1)")
+    sp.add_argument("--meta-port", type=int, default=0, help="metadata port with no cluster file (default: any free port)")
+    sp.add_argument("--data-port", type=int, default=0, help="data port with no cluster file (default: any free port)")
+
+    sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.")
+    sp.add_argument("src", metavar="SRC", help="directory to ingest")
+    sp.add_argument("--name", required=True, help="dataset name (letters, digits, . _ -)")
+    sp.add_argument("--chunk-size", default="8M", metavar="SIZE", help="chunk size, e.g. 8M, 32MiB (default 8M)")
+    sp.add_argument("--compress", default="none", choices=["lz4", "none"],
+                    help="per-record lz4 compression (default none: JPEGs and the like do not compress)")
+
+    add("datasets", cmd_datasets, "List datasets: version, files, bytes, chunks.")
+
+    sp = add("rm", cmd_rm, "Remove a dataset (or NAME@VERSION, one version) and free its chunks.")
+    sp.add_argument("name", metavar="NAME[@VERSION]")
+
+    sp = add("mount", cmd_mount, "Mount a dataset read-only; returns once the mount is ready.")
+    sp.add_argument("dataset", metavar="NAME[@VERSION]", help="dataset to mount (default: its newest version)")
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+    sp.add_argument("--foreground", action="store_true", help="stay attached and serve until unmounted or interrupted")
+    sp.add_argument("--cache-size", default="2G", metavar="SIZE", help="memory for cached file data (default 2G)")
+    sp.add_argument("--readahead", default="4M", metavar="SIZE", help="bytes fetched per miss within a chunk (default 4M)")
+    sp.add_argument("--allow-other", dest="allow_other", action="store_true", default=os.geteuid() == 0,
+                    help="let other users read the mount (default when run as root)")
+    sp.add_argument("--no-allow-other", dest="allow_other", action="store_false", help=argparse.SUPPRESS)
+    sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    sp = add("umount", cmd_umount, "Unmount a dlfs mount and wait for its process to finish.")
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    add("status", cmd_status, "Show the node's (or cluster's) state; exits non-zero when a node is unreachable.")
+
+    sp = add("keygen", cmd_keygen, "Write a new random cluster key (mode 0600).")
+    sp.add_argument("file", metavar="FILE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except DlfsError as exc:
+        print(f"dlfs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("dlfs: interrupted", file=sys.stderr)
+        return 130
+    except BaseExceptionGroup as group:  # trio wraps task errors; show the dlfs one
+        for exc in _leaves(group):
+            if isinstance(exc, DlfsError):
+                print(f"dlfs: error: {exc}", file=sys.stderr)
+                return exc.exit_code
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+__all__ = ["main", "time"]

@@ -1,0 +1,1 @@
+"""The client side: talking to the cluster, and the chunk cache."""

@@ -1,0 +1,117 @@
+"""The mount's chunk cache: verified, decoded records in memory, fetched by ranges of a chunk.
+
+A miss fetches the missing record together with the records after it in the same chunk (one
+request, up to `readahead` bytes), verifies each against its checksum, and keeps them all: reading
+a dataset in any order then costs about one request per `readahead` bytes, not one per file.
+Concurrent misses of one record share one fetch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import trio
+
+from dlfs.client.cluster import ClusterClient
+from dlfs.errors import CorruptData, DlfsError
+from dlfs.format.chunk import decode_record
+from dlfs.format.index import Index
+
+log = logging.getLogger(__name__)
+
+
+class ChunkCache:
+    def __init__(self, index: Index, client: ClusterClient, capacity: int = 2 << 30,
+                 readahead: int = 4 << 20) -> None:
+        self.index = index
+        self.client = client
+        self.capacity = capacity
+        self.readahead = readahead
+        self._records: OrderedDict[int, bytes] = OrderedDict()
+        self._size = 0
+        self._inflight: dict[int, trio.Event] = {}
+        self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
+        self.corrupt = 0
+
+    def _insert(self, ext: int, data: bytes) -> None:
+        self._records[ext] = data
+        self._size += len(data)
+        while self._size > self.capacity and len(self._records) > 1:
+            _, old = self._records.popitem(last=False)
+            self._size -= len(old)
+            self.evictions += 1
+
+    async def record(self, ext: int) -> bytes:
+        """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes."""
+        while True:
+            data = self._records.get(ext)
+            if data is not None:
+                self._records.move_to_end(ext)
+                self.hits += 1
+                return data
+            pending = self._inflight.get(ext)
+            if pending is None:
+                break
+            await pending.wait()  # someone is fetching it; look again when they are done
+        self.misses += 1
+        return await self._fetch(ext)
+
+    def _run(self, ext: int) -> list[int]:
+        """`ext` and the extents right after it in its chunk, up to the readahead budget."""
+        first = self.index.extent(ext)
+        chunk = self.index.chunk(first.chunk)
+        end_ext = chunk.first_extent + chunk.n_extents
+        run = [ext]
+        start = first.record.offset
+        i = ext + 1
+        while i < end_ext and i not in self._records and i not in self._inflight:
+            e = self.index.extent(i)
+            if e.record.offset + e.record.stored_len - start > self.readahead:
+                break
+            run.append(i)
+            i += 1
+        return run
+
+    async def _fetch(self, ext: int) -> bytes:
+        run = self._run(ext)
+        done = trio.Event()
+        for i in run:
+            self._inflight[i] = done
+        try:
+            extents = [self.index.extent(i) for i in run]
+            chunk = self.index.chunk(extents[0].chunk)
+            base = extents[0].record.offset
+            end = extents[-1].record.offset + extents[-1].record.stored_len
+            data, node = await self.client.read_range(chunk.id, base, end - base)
+            self.fetches += 1
+            self.fetched_bytes += len(data)
+            view = memoryview(data)
+            wanted: bytes | None = None
+            for i, e in zip(run, extents):
+                rec = e.record
+                piece = view[rec.offset - base : rec.offset - base + rec.stored_len]
+                try:
+                    raw = decode_record(piece, rec, f"chunk {chunk.id.hex()} (from {node}) record at offset {rec.offset}")
+                except CorruptData:
+                    if i != ext:
+                        continue  # read ahead only: whoever needs it will fetch and report it
+                    self.corrupt += 1
+                    raise
+                raw = bytes(raw)
+                self._insert(i, raw)
+                if i == ext:
+                    wanted = raw
+            assert wanted is not None
+            return wanted
+        except DlfsError:
+            raise
+        finally:
+            for i in run:
+                self._inflight.pop(i, None)
+            done.set()
+
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
+                "fetched_bytes": self.fetched_bytes, "evictions": self.evictions,
+                "cached_bytes": self._size, "corrupt": self.corrupt}

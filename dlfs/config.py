@@ -1,0 +1,181 @@
+"""Where things are: DLFS_HOME, the cluster file, and the defaults for the embedded one-node cluster.
+
+With no cluster file, `dlfs node` runs a one-node cluster on localhost and records the addresses it
+bound in $DLFS_HOME/run/node.json; every other command on this machine finds it there. A cluster
+file (TOML) names the nodes instead:
+
+    replicas = 2                 # default: min(2, number of nodes)
+    key_file = "cluster.key"     # relative to this file
+    [[node]]
+    name = "n1"
+    address = "10.0.0.1"         # meta_port / data_port default to 7420 / 7421
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlfs.errors import Unreachable, UsageError
+from dlfs.transport.base import Address
+from dlfs.wire.auth import read_key, write_key
+
+META_PORT = 7420
+DATA_PORT = 7421
+DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def home_dir(explicit: str | None = None) -> Path:
+    """The state directory: --home, else $DLFS_HOME, else ~/.dlfs."""
+    raw = explicit or os.environ.get("DLFS_HOME") or "~/.dlfs"
+    return Path(raw).expanduser().absolute()
+
+
+def check_dataset_name(name: str) -> str:
+    if not DATASET_NAME.fullmatch(name):
+        raise UsageError(
+            f"bad dataset name {name!r}: use letters, digits, '.', '_' and '-' (128 at most), "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    meta: Address
+    data: Address
+
+
+@dataclass
+class Cluster:
+    """The nodes a command talks to, and the key that lets it in."""
+
+    nodes: list[NodeSpec]
+    key: bytes
+    replicas: int
+    source: str  # the cluster file, or the node.json of the embedded node
+    local: str | None = None  # the node on this machine, read first
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UsageError(f"no node named {name!r} in {self.source}")
+
+
+def key_path(home: Path) -> Path:
+    return home / "cluster.key"
+
+
+def ensure_home_key(home: Path) -> bytes:
+    """The embedded cluster's key, created (0600) on first use."""
+    path = key_path(home)
+    if not path.exists():
+        try:
+            return write_key(path)
+        except FileExistsError:
+            pass
+    return read_key(path)
+
+
+def runtime_file(home: Path) -> Path:
+    return home / "run" / "node.json"
+
+
+def write_runtime(home: Path, name: str, meta: Address, data: Address) -> None:
+    """Publish where the running node listens (atomically, for the commands that read it)."""
+    path = runtime_file(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"name": name, "meta": str(meta), "data": str(data), "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def load_cluster(cluster_file: str | None, home: Path) -> Cluster:
+    """The cluster of a command: from --cluster / $DLFS_CLUSTER, else the local embedded node."""
+    cluster_file = cluster_file or os.environ.get("DLFS_CLUSTER")
+    if cluster_file:
+        return parse_cluster_file(Path(cluster_file))
+    path = runtime_file(home)
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)") from None
+    except (OSError, ValueError) as exc:
+        raise Unreachable(f"cannot read {path}: {exc} (restart the node with `dlfs node`)") from None
+    if not _pid_alive(int(info.get("pid", 0))):
+        raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)")
+    spec = NodeSpec(info["name"], Address.parse(info["meta"]), Address.parse(info["data"]))
+    return Cluster([spec], ensure_home_key(home), 1, str(path), local=spec.name)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def parse_cluster_file(path: Path) -> Cluster:
+    """Read and check a cluster file; every mistake is one line naming the file."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"cluster file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"cluster file {path} is not valid TOML: {exc}") from None
+    raw_nodes = doc.get("node")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise UsageError(f"cluster file {path} lists no [[node]] entries")
+    nodes = []
+    for i, n in enumerate(raw_nodes):
+        if not isinstance(n, dict) or not isinstance(n.get("name"), str) or not isinstance(n.get("address"), str):
+            raise UsageError(f"cluster file {path}: node {i + 1} needs a name and an address")
+        host = n["address"]
+        nodes.append(NodeSpec(
+            n["name"],
+            Address(host, int(n.get("meta_port", doc.get("meta_port", META_PORT)))),
+            Address(host, int(n.get("data_port", doc.get("data_port", DATA_PORT)))),
+        ))
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise UsageError(f"cluster file {path}: node names are not unique")
+    replicas = int(doc.get("replicas", min(2, len(nodes))))
+    if not 1 <= replicas <= len(nodes):
+        raise UsageError(f"cluster file {path}: replicas = {replicas}, but there are {len(nodes)} nodes")
+    key_file = doc.get("key_file")
+    if not isinstance(key_file, str):
+        raise UsageError(f"cluster file {path} needs key_file = \"...\"")
+    key = read_key((path.parent / key_file).resolve())
+    local = _local_node(nodes)
+    return Cluster(nodes, key, replicas, str(path), local=local, extra=doc)
+
+
+def _local_node(nodes: list[NodeSpec]) -> str | None:
+    """The node whose address is one of this machine's, if any."""
+    for n in nodes:
+        try:
+            infos = socket.getaddrinfo(n.meta.host, None)
+        except OSError:
+            continue
+        for info in infos:
+            addr = info[4][0]
+            try:
+                with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+                    s.bind((addr, 0))
+                return n.name
+            except OSError:
+                continue
+    return None

@@ -1,0 +1,1 @@
+"""The data daemon: chunks on local disk, served by byte range."""

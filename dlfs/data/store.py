@@ -1,0 +1,170 @@
+"""The chunk store: immutable chunk files under one directory, no network.
+
+    chunks/<2 hex>/<32 hex>   one file per chunk, named by its content hash
+    tmp/                      chunks being written; renamed into place once whole and synced
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from dlfs.errors import CorruptData, DlfsError, NotFound, StorageFull
+from dlfs.format.chunk import ID_BYTES, chunk_id, verify_chunk
+
+log = logging.getLogger(__name__)
+
+
+def check_id(cid: object) -> bytes:
+    if not isinstance(cid, bytes) or len(cid) != ID_BYTES:
+        raise ValueError("a chunk id is 16 bytes")
+    return cid
+
+
+class ChunkStore:
+    """Chunk files on local disk. Thread-safe: the service calls it from worker threads."""
+
+    def __init__(self, root: Path, open_files: int = 256) -> None:
+        self.root = root
+        self.chunk_dir = root / "chunks"
+        self.tmp_dir = root / "tmp"
+        self.chunk_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.tmp_dir.iterdir():  # half-written chunks of a daemon that died
+            leftover.unlink(missing_ok=True)
+        self._fds: OrderedDict[bytes, int] = OrderedDict()
+        self._open_files = open_files
+        self._lock = threading.Lock()
+        self.count, self.bytes = 0, 0
+        for cid in self.list():
+            self.count += 1
+            self.bytes += self.path(cid).stat().st_size
+
+    def path(self, cid: bytes) -> Path:
+        h = cid.hex()
+        return self.chunk_dir / h[:2] / h
+
+    def put(self, cid: bytes, data: bytes | bytearray | memoryview) -> bool:
+        """Store a chunk after checking it whole; False if it was already here."""
+        path = self.path(cid)
+        if path.exists():
+            return False
+        verify_chunk(data, cid)
+        tmp = self.tmp_dir / f"{cid.hex()}.{threading.get_ident()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            path.parent.mkdir(exist_ok=True)
+            os.rename(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(f"data daemon disk is full at {self.root} (storing chunk {cid.hex()})") from None
+            raise DlfsError(f"data daemon cannot store chunk {cid.hex()}: {exc.strerror}") from None
+        with self._lock:
+            self.count += 1
+            self.bytes += len(data)
+        return True
+
+    def _fd(self, cid: bytes) -> int:
+        with self._lock:
+            fd = self._fds.get(cid)
+            if fd is not None:
+                self._fds.move_to_end(cid)
+                return fd
+        try:
+            fd = os.open(self.path(cid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound(f"chunk {cid.hex()} is not on this node") from None
+        with self._lock:
+            if cid in self._fds:  # another thread opened it meanwhile
+                os.close(fd)
+                return self._fds[cid]
+            self._fds[cid] = fd
+            while len(self._fds) > self._open_files:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+        return fd
+
+    def read_range(self, cid: bytes, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of a chunk; shorter if the file is (the reader checks)."""
+        if offset < 0 or length < 0:
+            raise ValueError("negative offset or length")
+        try:
+            return os.pread(self._fd(cid), length, offset)
+        except OSError as exc:
+            if exc.errno == errno.EBADF:  # closed by eviction between lookup and read: retry once
+                self._forget(cid)
+                return os.pread(self._fd(cid), length, offset)
+            raise CorruptData(f"chunk {cid.hex()}: read failed ({exc.strerror})") from None
+
+    def _forget(self, cid: bytes) -> None:
+        with self._lock:
+            fd = self._fds.pop(cid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def has(self, cid: bytes) -> bool:
+        return self.path(cid).exists()
+
+    def delete(self, cid: bytes) -> bool:
+        self._forget(cid)
+        path = self.path(cid)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self.count -= 1
+            self.bytes -= size
+        return True
+
+    def list(self) -> list[bytes]:
+        out = []
+        for sub in sorted(self.chunk_dir.iterdir()):
+            for f in sorted(sub.iterdir()):
+                try:
+                    out.append(bytes.fromhex(f.name))
+                except ValueError:
+                    log.warning("ignoring stray file %s in the chunk store", f)
+        return out
+
+    def verify(self, cid: bytes) -> str | None:
+        """None if the chunk is whole and matches its id, else why not."""
+        try:
+            data = self.path(cid).read_bytes()
+        except FileNotFoundError:
+            return "missing"
+        except OSError as exc:
+            return f"unreadable: {exc.strerror}"
+        try:
+            verify_chunk(data, cid)
+        except CorruptData as exc:
+            return str(exc)
+        return None
+
+    def disk(self) -> tuple[int, int]:
+        """(bytes free, bytes total) on the store's file system."""
+        u = shutil.disk_usage(self.root)
+        return u.free, u.total
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+__all__ = ["ChunkStore", "check_id", "chunk_id"]

@@ -1,0 +1,122 @@
+"""The one exception tree of dlfs, with exit codes and errno mapping.
+
+Every user-facing failure is a DlfsError: the CLI prints its message as one line and exits with
+its exit code; the FUSE boundary turns it into an errno.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class DlfsError(Exception):
+    """A failure with a one-line message for the user."""
+
+    exit_code = 1
+    errno = errno.EIO
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(DlfsError):
+    """Bad arguments or configuration."""
+
+    exit_code = 2
+    errno = errno.EINVAL
+
+
+class Unreachable(DlfsError):
+    """A node (daemon) cannot be reached or stopped answering."""
+
+    exit_code = 3
+    errno = errno.EIO
+
+
+class NotFound(DlfsError):
+    """A dataset, version, chunk or path does not exist."""
+
+    exit_code = 4
+    errno = errno.ENOENT
+
+
+class CorruptData(DlfsError):
+    """Bytes on disk or on the wire fail their checksum or do not parse."""
+
+    exit_code = 5
+    errno = errno.EIO
+
+
+class SourceError(DlfsError):
+    """The ingest source cannot be read, or changed while it was read."""
+
+    exit_code = 6
+    errno = errno.EIO
+
+
+class StorageFull(DlfsError):
+    """A daemon's disk is full."""
+
+    exit_code = 7
+    errno = errno.ENOSPC
+
+
+class ProtocolError(DlfsError):
+    """A peer sent a frame that does not parse or breaks the protocol."""
+
+    exit_code = 8
+
+
+class AuthError(DlfsError):
+    """A peer failed the cluster-key handshake."""
+
+    exit_code = 9
+    errno = errno.EACCES
+
+
+class Conflict(DlfsError):
+    """The request clashes with current state (e.g. commit of a stale ingest)."""
+
+    exit_code = 10
+    errno = errno.EBUSY
+
+
+class MountError(DlfsError):
+    """The mount could not be set up or torn down."""
+
+    exit_code = 11
+
+
+# Wire status codes: errors cross the protocol as (code, message) and are rebuilt on the other side.
+STATUS_OK = 0
+_BY_STATUS: dict[int, type[DlfsError]] = {
+    1: DlfsError,
+    2: UsageError,
+    3: Unreachable,
+    4: NotFound,
+    5: CorruptData,
+    6: SourceError,
+    7: StorageFull,
+    8: ProtocolError,
+    9: AuthError,
+    10: Conflict,
+    11: MountError,
+}
+_STATUS_OF = {cls: code for code, cls in _BY_STATUS.items()}
+
+
+def status_of(exc: DlfsError) -> int:
+    """The wire status code of an error (its nearest known class)."""
+    for cls in type(exc).__mro__:
+        if cls in _STATUS_OF:
+            return _STATUS_OF[cls]  # type: ignore[index]
+    return 1
+
+
+def error_from_status(status: int, message: str) -> DlfsError:
+    """Rebuild the error a peer reported."""
+    return _BY_STATUS.get(status, DlfsError)(message)

@@ -1,0 +1,1 @@
+"""On-disk formats: the only code that knows their bytes."""

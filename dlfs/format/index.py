@@ -1,0 +1,308 @@
+"""The index format: one dataset version's whole namespace, in one mmap-able file.
+
+Layout (little-endian; every section starts on an 8-byte boundary, in this order):
+
+    header   HEADER.size B  magic "DLFSINDX", version, counts, totals, chunk size, xxh3-64 of the
+                            body, xxh3-64 of the header bytes before it
+    chunks   32 B each      chunk id (16 B), chunk bytes u64, first extent u32, extents u32
+    inodes   48 B each      mode, uid, gid, nlink u32; size i64; mtime ns i64; ref u64; count u32;
+                            parent u32.  Inode number = position + 1 (the root is inode 1).
+                            ref/count: regular file -> extents; directory -> dirents;
+                            symlink -> the target in the names blob.
+    dirents  16 B each      name offset u64, name length u32, inode u32; each directory's entries
+                            are contiguous and sorted by name bytes (binary search for lookup)
+    extents  32 B each      chunk u32, offset u32, stored length u32, raw length u32, xxh3-64 u64,
+                            flags u32, spare u32; ordered by (chunk, offset), so a chunk's extents
+                            are one run and a file's extents are one run
+    names    bytes          names and symlink targets, as raw bytes (any byte but / and NUL)
+
+The file is read with mmap: opening touches only the header and a streaming checksum pass, so a
+10-million-file index costs its page cache, not Python objects.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+import xxhash
+
+from dlfs.errors import CorruptData
+from dlfs.format.chunk import Record
+
+MAGIC = b"DLFSINDX"
+VERSION = 1
+HEADER = struct.Struct("<8sII" + "Q" * 8 + "qQQ")
+CHUNK = struct.Struct("<16sQII")
+INODE = struct.Struct("<IIIIqqQII")
+DIRENT = struct.Struct("<QII")
+EXTENT = struct.Struct("<IIIIQII")
+ROOT_INO = 1
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass(frozen=True, slots=True)
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    mtime_ns: int
+    ref: int
+    count: int
+    parent: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """One piece of a file: a record in a chunk."""
+
+    chunk: int
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    id: bytes
+    size: int
+    first_extent: int
+    n_extents: int
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    inodes: int
+    dirents: int
+    extents: int
+    chunks: int
+    names_size: int
+    files: int
+    bytes: int
+    chunk_size: int
+    created_ns: int
+
+
+class IndexWriter:
+    """Collects one version's namespace and writes it as an index file.
+
+    Inode numbers are chosen by the caller (1..n, root first); `set_inode` may be called in any order.
+    """
+
+    def __init__(self, n_inodes: int, chunk_size: int, created_ns: int = 0) -> None:
+        self.inodes = bytearray(INODE.size * n_inodes)
+        self.n_inodes = n_inodes
+        self.dirents = bytearray()
+        self.extents = bytearray()
+        self.chunks = bytearray()
+        self.names = bytearray()
+        self.chunk_size = chunk_size
+        self.created_ns = created_ns
+        self.files = 0
+        self.bytes = 0
+
+    def add_name(self, name: bytes) -> tuple[int, int]:
+        off = len(self.names)
+        self.names += name
+        return off, len(name)
+
+    def add_chunk(self, cid: bytes, size: int, first_extent: int, n_extents: int) -> int:
+        self.chunks += CHUNK.pack(cid, size, first_extent, n_extents)
+        return len(self.chunks) // CHUNK.size - 1
+
+    def extents_count(self) -> int:
+        return len(self.extents) // EXTENT.size
+
+    def add_extent(self, chunk: int, rec: Record) -> int:
+        self.extents += EXTENT.pack(
+            chunk, rec.offset, rec.stored_len, rec.raw_len, rec.checksum, rec.flags, 0
+        )
+        return len(self.extents) // EXTENT.size - 1
+
+    def add_dirents(self, entries: list[tuple[bytes, int]]) -> tuple[int, int]:
+        """Add one directory's entries (name, inode); returns (first dirent, count)."""
+        first = len(self.dirents) // DIRENT.size
+        for name, ino in sorted(entries):
+            off, n = self.add_name(name)
+            self.dirents += DIRENT.pack(off, n, ino)
+        return first, len(entries)
+
+    def set_inode(
+        self, ino: int, mode: int, uid: int, gid: int, nlink: int, size: int, mtime_ns: int,
+        ref: int, count: int, parent: int,
+    ) -> None:
+        if stat.S_ISREG(mode):
+            self.files += 1
+            self.bytes += size
+        INODE.pack_into(
+            self.inodes, (ino - 1) * INODE.size,
+            mode, uid, gid, nlink, size, mtime_ns, ref, count, parent,
+        )
+
+    def write(self, out: BinaryIO) -> int:
+        """Write the index; returns the xxh3-64 of the whole file (its identity on the wire)."""
+        sections = [self.chunks, self.inodes, self.dirents, self.extents, self.names]
+        hasher = xxhash.xxh3_64()
+        pads = [b"\0" * (_align(len(s)) - len(s)) for s in sections]
+        for s, pad in zip(sections, pads):
+            hasher.update(s)
+            hasher.update(pad)
+        head = HEADER.pack(
+            MAGIC, VERSION, 0,
+            len(self.chunks) // CHUNK.size, self.n_inodes, len(self.dirents) // DIRENT.size,
+            len(self.extents) // EXTENT.size, len(self.names), self.files, self.bytes,
+            self.chunk_size, self.created_ns, hasher.intdigest(), 0,
+        )
+        head = head[:-8] + struct.pack("<Q", xxhash.xxh3_64_intdigest(head[:-8]))
+        whole = xxhash.xxh3_64(head)
+        out.write(head)
+        for s, pad in zip(sections, pads):
+            out.write(s)
+            out.write(pad)
+            whole.update(s)
+            whole.update(pad)
+        return whole.intdigest()
+
+
+def file_checksum(path: str | os.PathLike[str]) -> int:
+    """xxh3-64 of a whole file, read in pieces (never all in memory)."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.intdigest()
+
+
+class Index:
+    """A read-only, mmap'd index: every lookup reads the file's bytes in place."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(HEADER.size)
+            self.totals, body_sum = self._parse_header(head, size)
+            # Checksum by streaming reads, not through the mapping: pages read that way are
+            # page cache, not this process's resident memory.
+            h = xxhash.xxh3_64()
+            while block := f.read(1 << 22):
+                h.update(block)
+            if h.intdigest() != body_sum:
+                raise CorruptData(f"index {self.path}: checksum mismatch (corrupt file)")
+            self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        t = self.totals
+        self._chunks = HEADER.size
+        self._inodes = self._chunks + _align(t.chunks * CHUNK.size)
+        self._dirents = self._inodes + _align(t.inodes * INODE.size)
+        self._extents = self._dirents + _align(t.dirents * DIRENT.size)
+        self._names = self._extents + _align(t.extents * EXTENT.size)
+
+    def _parse_header(self, head: bytes, size: int) -> tuple[Totals, int]:
+        if len(head) < HEADER.size:
+            raise CorruptData(f"index {self.path}: truncated header ({len(head)} bytes)")
+        (magic, version, _flags, n_chunks, n_inodes, n_dirents, n_extents, names_size, files,
+         nbytes, chunk_size, created_ns, body_sum, head_sum) = HEADER.unpack(head)
+        if magic != MAGIC:
+            raise CorruptData(f"index {self.path}: not a dlfs index (bad magic)")
+        if xxhash.xxh3_64_intdigest(head[:-8]) != head_sum:
+            raise CorruptData(f"index {self.path}: header checksum mismatch")
+        if version != VERSION:
+            raise CorruptData(f"index {self.path}: index format version {version} is not supported")
+        expect = (HEADER.size + _align(n_chunks * CHUNK.size) + _align(n_inodes * INODE.size)
+                  + _align(n_dirents * DIRENT.size) + _align(n_extents * EXTENT.size)
+                  + _align(names_size))
+        if size != expect:
+            raise CorruptData(f"index {self.path}: truncated ({size} bytes, header says {expect})")
+        if n_inodes < 1:
+            raise CorruptData(f"index {self.path}: no root inode")
+        totals = Totals(n_inodes, n_dirents, n_extents, n_chunks, names_size, files, nbytes,
+                        chunk_size, created_ns)
+        return totals, body_sum
+
+    def close(self) -> None:
+        self._map.close()
+
+    def _bad(self, what: str) -> CorruptData:
+        return CorruptData(f"index {self.path}: {what}")
+
+    def inode(self, ino: int) -> Inode:
+        if not 1 <= ino <= self.totals.inodes:
+            raise self._bad(f"inode {ino} out of range")
+        return Inode(ino, *INODE.unpack_from(self._map, self._inodes + (ino - 1) * INODE.size))
+
+    def name(self, off: int, n: int) -> bytes:
+        if off + n > self.totals.names_size:
+            raise self._bad("name runs past the names section")
+        return self._map[self._names + off : self._names + off + n]
+
+    def dirent(self, i: int) -> tuple[bytes, int]:
+        """(name, inode) of dirent i."""
+        off, n, ino = DIRENT.unpack_from(self._map, self._dirents + i * DIRENT.size)
+        return self.name(off, n), ino
+
+    def entries(self, dir_ino: int, start: int = 0) -> Iterator[tuple[int, bytes, int]]:
+        """(position, name, inode) of a directory's entries from position `start`."""
+        node = self.inode(dir_ino)
+        if node.ref + node.count > self.totals.dirents:
+            raise self._bad(f"directory inode {dir_ino} points past the dirents")
+        for pos in range(start, node.count):
+            name, ino = self.dirent(node.ref + pos)
+            yield pos, name, ino
+
+    def lookup(self, dir_ino: int, name: bytes) -> int | None:
+        """The inode of `name` in a directory, by binary search, or None."""
+        node = self.inode(dir_ino)
+        lo, hi = node.ref, node.ref + node.count
+        if hi > self.totals.dirents:
+            raise self._bad(f"directory inode {dir_ino} points past the dirents")
+        m, base, size = self._map, self._dirents, DIRENT.size
+        while lo < hi:
+            mid = (lo + hi) // 2
+            off, n, ino = DIRENT.unpack_from(m, base + mid * size)
+            probe = m[self._names + off : self._names + off + n]
+            if probe == name:
+                return ino
+            if probe < name:
+                lo = mid + 1
+            else:
+                hi = mid
+        return None
+
+    def extent(self, i: int) -> Extent:
+        if not 0 <= i < self.totals.extents:
+            raise self._bad(f"extent {i} out of range")
+        chunk, off, stored, raw, checksum, flags, _ = EXTENT.unpack_from(
+            self._map, self._extents + i * EXTENT.size
+        )
+        return Extent(chunk, Record(off, stored, raw, checksum, flags))
+
+    def chunk(self, i: int) -> ChunkRef:
+        if not 0 <= i < self.totals.chunks:
+            raise self._bad(f"chunk {i} out of range")
+        return ChunkRef(*CHUNK.unpack_from(self._map, self._chunks + i * CHUNK.size))
+
+    def chunk_ids(self) -> list[bytes]:
+        return [self.chunk(i).id for i in range(self.totals.chunks)]
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.inode(ino)
+        return self.name(node.ref, node.count)
+
+    def walk(self) -> Iterator[tuple[bytes, Inode]]:
+        """(path relative to the root, inode) of every entry, the root first as b"" (for tools)."""
+        stack: list[tuple[bytes, int]] = [(b"", ROOT_INO)]
+        while stack:
+            path, ino = stack.pop()
+            node = self.inode(ino)
+            yield path, node
+            if stat.S_ISDIR(node.mode):
+                for _, name, child in self.entries(ino):
+                    stack.append((path + b"/" + name if path else name, child))

@@ -1,0 +1,1 @@
+"""The read-only FUSE mount (pyfuse3 + trio)."""

@@ -1,0 +1,196 @@
+"""Mount lifecycle: fetch and open the index, start the FUSE session, serve, unmount cleanly."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from dlfs.client.cache import ChunkCache
+from dlfs.client.cluster import ClusterClient
+from dlfs.config import Cluster
+from dlfs.errors import CorruptData, MountError, NotFound, UsageError
+from dlfs.format.index import Index, file_checksum
+from dlfs.fuse.ops import DlfsOperations
+from dlfs.meta.store import VersionInfo
+from dlfs.units import human_bytes
+from dlfs.wire.protocol import Msg
+from dlfs.tasks import open_nursery
+
+log = logging.getLogger(__name__)
+INDEX_PIECE = 16 << 20
+READ_AHEAD_KB = 4096
+
+
+@dataclass
+class MountOptions:
+    home: Path
+    cluster: Cluster
+    dataset: str
+    version: int | None
+    mountpoint: Path
+    cache_size: int = 2 << 30
+    readahead: int = 4 << 20
+    allow_other: bool = False
+
+
+def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
+    """NAME or NAME@VERSION."""
+    name, sep, version = ref.partition("@")
+    if not sep:
+        return name, None
+    if not version.isdigit():
+        raise UsageError(f"bad dataset version in {ref!r} (use NAME@VERSION, e.g. imagenet@2)")
+    return name, int(version)
+
+
+def check_mountpoint(path: Path) -> None:
+    if not path.exists():
+        raise UsageError(f"mountpoint {path} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"mountpoint {path} is not a directory")
+    if os.path.ismount(path):
+        raise MountError(f"{path} is already a mount point (unmount it first)")
+    if not os.path.exists("/dev/fuse"):
+        raise MountError("/dev/fuse is missing: this machine cannot mount FUSE file systems")
+
+
+async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> Path:
+    """The version's index in the local index cache, fetched once and checked by its checksum."""
+    cache_dir = home / "mounts" / "index"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"{info.name}.{info.version}.{info.index_sum:016x}.idx"
+    if path.exists() and path.stat().st_size == info.index_size:
+        if await trio.to_thread.run_sync(file_checksum, path) == info.index_sum:
+            return path
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            offset = 0
+            while offset < info.index_size:
+                _, piece = await client.call_meta(Msg.READ_INDEX, {"name": info.name, "version": info.version,
+                                                                    "offset": offset, "length": INDEX_PIECE})
+                if not piece:
+                    raise CorruptData(f"index of {info.name}@{info.version} ends early at {offset} bytes")
+                f.write(piece)
+                offset += len(piece)
+        if await trio.to_thread.run_sync(file_checksum, tmp) != info.index_sum:
+            raise CorruptData(f"index of {info.name}@{info.version} arrived corrupt (checksum mismatch)")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _raise_read_ahead(dev: int) -> None:
+    """Let the kernel send 1 MiB reads rather than 128 KiB ones (best effort; needs root)."""
+    knob = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    try:
+        knob.write_text(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.info("could not raise %s: %s", knob, exc.strerror)
+
+
+def mount_record(home: Path, mountpoint: Path) -> Path:
+    key = os.path.abspath(mountpoint).replace("/", "%")  # never resolve(): it would stat the mount itself
+    return home / "run" / "mounts" / f"{key}.json"
+
+
+async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
+    """Mount and serve until unmounted or signalled; `ready` is told once the mount is live."""
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(open_nursery())
+        client = ClusterClient(opts.cluster, nursery)
+        meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": opts.dataset, "version": opts.version})
+        info = VersionInfo(**meta)
+        index = Index(await fetch_index(client, info, opts.home))
+        stack.callback(index.close)
+        cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
+        label = f"{info.name}@{info.version}"
+        ops = DlfsOperations(index, cache, label)
+        options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
+        if opts.allow_other:
+            options.add("allow_other")
+        try:
+            pyfuse3.init(ops, str(opts.mountpoint), options)
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount {opts.mountpoint}: {exc}") from None
+        # Still mounted when we leave unless the kernel ended the session (fusermount3 -u).
+        signalled = False
+
+        def unmount() -> None:
+            pyfuse3.close(unmount=signalled or not ended_by_kernel)
+
+        ended_by_kernel = False
+
+        stack.callback(unmount)
+        record = mount_record(opts.home, opts.mountpoint)
+
+        async def announce() -> None:
+            # A stat through the kernel proves the session answers; only then is the mount ready.
+            st = await trio.to_thread.run_sync(os.stat, opts.mountpoint)
+            _raise_read_ahead(st.st_dev)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "dataset": label}))
+            stack.callback(record.unlink, missing_ok=True)
+            log.info("mounted %s at %s (%d files, %d bytes)", label, opts.mountpoint, info.files, info.bytes)
+            ready(f"mounted {label} at {opts.mountpoint} ({info.files} files, {human_bytes(info.bytes)})")
+
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for sig in signals:
+                    log.info("%s: %s, unmounting", label, signal.Signals(sig).name)
+                    nonlocal signalled
+                    signalled = True
+                    pyfuse3.terminate()
+                    return
+
+        nursery.start_soon(announce, name="dlfs-mount-announce")
+        nursery.start_soon(on_signal, name="dlfs-mount-signals")
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        # main() returns when the kernel ended the session (fusermount3 -u) or after terminate().
+        ended_by_kernel = not signalled
+        log.info("%s: unmounted from %s; cache %s", label, opts.mountpoint, cache.stats())
+        nursery.cancel_scope.cancel()
+
+
+def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
+    """Unmount and wait for the mount process to finish."""
+    mountpoint = mountpoint.absolute()
+    record = mount_record(home, mountpoint)
+    pid = None
+    try:
+        pid = int(json.loads(record.read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        pass
+    if not os.path.ismount(mountpoint):
+        raise NotFound(f"{mountpoint} is not mounted")
+    proc = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        msg = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        if "busy" in msg.lower():
+            raise MountError(f"cannot unmount {mountpoint}: it is busy (a process has a file open there)")
+        raise MountError(f"cannot unmount {mountpoint}: {msg}")
+    deadline = time.monotonic() + timeout
+    while pid and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    if pid:
+        log.warning("mount process %d still running after unmount", pid)
+
+
+__all__ = ["MountOptions", "serve_mount", "unmount", "parse_dataset_ref", "check_mountpoint", "errno"]

@@ -1,0 +1,218 @@
+"""pyfuse3 Operations: thin handlers over the mmap'd index and the chunk cache.
+
+Metadata never leaves this process. Domain errors become FUSEError(errno) here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from functools import wraps
+from typing import Any, Awaitable, Callable, TypeVar
+
+import pyfuse3
+
+from dlfs.client.cache import ChunkCache
+from dlfs.errors import CorruptData, DlfsError
+from dlfs.format.index import Index, Inode
+
+log = logging.getLogger(__name__)
+# A mounted version never changes: the kernel may keep names and attributes as long as it likes.
+TIMEOUT = 86400.0
+BLKSIZE = 128 << 10
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def fuse_errors(fn: F) -> F:
+    """Map dlfs errors to errnos at the FUSE boundary."""
+
+    @wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except DlfsError as exc:
+            log.error("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+async def _erofs(*args: Any, **kwargs: Any) -> Any:
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
+class DlfsOperations(pyfuse3.Operations):
+    def __init__(self, index: Index, cache: ChunkCache, label: str) -> None:
+        super().__init__()
+        self.index = index
+        self.cache = cache
+        self.label = label
+        self.reads = 0
+        self.bytes_read = 0
+        self.errors = 0
+
+    def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.ino
+        a.generation = 0
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        a.st_mode = node.mode
+        a.st_nlink = node.nlink
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_rdev = 0
+        a.st_size = node.size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = (node.size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = node.mtime_ns
+        return a
+
+    @fuse_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        if name == b".":
+            return self.attrs(self.index.inode(parent_inode))
+        if name == b"..":
+            return self.attrs(self.index.inode(self.index.inode(parent_inode).parent))
+        parent = self.index.inode(parent_inode)
+        if not stat.S_ISDIR(parent.mode):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        ino = self.index.lookup(parent_inode, name)
+        if ino is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self.attrs(self.index.inode(ino))
+
+    async def forget(self, inode_list: Any) -> None:
+        pass  # inodes live in the index for the life of the mount
+
+    @fuse_errors
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return self.attrs(self.index.inode(inode))
+
+    @fuse_errors
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        node = self.index.inode(inode)
+        if not stat.S_ISLNK(node.mode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return self.index.readlink(inode)
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        if not stat.S_ISDIR(self.index.inode(inode).mode):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @fuse_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # Positions 0 and 1 are "." and ".."; entry i of the directory is position i + 2.
+        if start_id == 0:
+            node = self.index.inode(fh)
+            if not pyfuse3.readdir_reply(token, b".", self.attrs(node), 1):
+                return
+            start_id = 1
+        if start_id == 1:
+            node = self.index.inode(fh)
+            if not pyfuse3.readdir_reply(token, b"..", self.attrs(self.index.inode(node.parent)), 2):
+                return
+            start_id = 2
+        for pos, name, ino in self.index.entries(fh, start_id - 2):
+            if not pyfuse3.readdir_reply(token, name, self.attrs(self.index.inode(ino)), pos + 3):
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    @fuse_errors
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if stat.S_ISDIR(self.index.inode(inode).mode):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        # The handle is the inode itself: open and release need no state at all.
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        try:
+            data = await self._read(fh, off, size)
+        except DlfsError as exc:
+            self.errors += 1
+            where = self._path_of(fh)
+            log.error("read of %s in %s failed: %s", where, self.label, exc)
+            raise pyfuse3.FUSEError(exc.errno if not isinstance(exc, CorruptData) else errno.EIO) from None
+        self.reads += 1
+        self.bytes_read += len(data)
+        return data
+
+    async def _read(self, ino: int, off: int, size: int) -> bytes:
+        node = self.index.inode(ino)
+        if off >= node.size or size <= 0 or node.count == 0:
+            return b""
+        end = min(off + size, node.size)
+        if node.count == 1:
+            return (await self.cache.record(node.ref))[off:end]
+        parts = []
+        pos = 0
+        for ext in range(node.ref, node.ref + node.count):
+            n = self.index.extent(ext).record.raw_len
+            if pos + n > off and pos < end:
+                data = await self.cache.record(ext)
+                parts.append(data[max(off - pos, 0) : end - pos])
+            pos += n
+            if pos >= end:
+                break
+        return b"".join(parts)
+
+    def _path_of(self, ino: int) -> str:
+        """A name of the inode, for log lines only (a scan, so only on errors)."""
+        try:
+            for path, node in self.index.walk():
+                if node.ino == ino:
+                    return repr(os.fsdecode(b"/" + path))
+        except DlfsError:
+            pass
+        return f"inode {ino}"
+
+    async def release(self, fh: int) -> None:
+        pass
+
+    async def flush(self, fh: int) -> None:
+        pass
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        pass  # nothing is ever dirty
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        pass
+
+    @fuse_errors
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        t = self.index.totals
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = (t.bytes + 4095) // 4096
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = t.inodes
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    @fuse_errors
+    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
+        if mode & os.W_OK:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        self.index.inode(inode)
+        return True
+
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        return []
+
+    # Nothing changes a mounted version.
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _erofs  # type: ignore[assignment]
+    create = write = setxattr = removexattr = _erofs  # type: ignore[assignment]

@@ -1,0 +1,101 @@
+"""Packing files into chunks: runs in one worker thread, reading straight into chunk buffers."""
+
+from __future__ import annotations
+
+import os
+import queue
+from dataclasses import dataclass
+from typing import Callable
+
+from dlfs.errors import SourceError
+from dlfs.format.chunk import HEADER, RECORD, ChunkWriter
+from dlfs.format.index import IndexWriter
+from dlfs.ingest.walk import Node, Tree
+
+# A file is split across chunks only when it could never fit in one, or when this much of the
+# current chunk would otherwise go unused.
+SPLIT_MIN_ROOM = 256 << 10
+
+
+@dataclass
+class Packed:
+    """A sealed chunk, on its way to the data daemons; `buf` goes back to the pool after."""
+
+    number: int
+    cid: bytes
+    data: memoryview
+    buf: bytearray
+
+
+class Packer:
+    """Fills chunks with the tree's files in inode order and records every extent in the index."""
+
+    def __init__(self, tree: Tree, writer: IndexWriter, chunk_size: int, compress: bool,
+                 pool: "queue.Queue[bytearray]", emit: Callable[[Packed], None],
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.tree = tree
+        self.writer = writer
+        self.compress = compress
+        self.pool = pool
+        self.emit = emit
+        self.progress = progress
+        self.chunk = ChunkWriter(chunk_size, pool.get())
+        self.number = 0
+        self.first_extent = 0
+        self.extents: dict[int, tuple[int, int]] = {}  # ino -> (first extent, count)
+
+    def _seal(self) -> None:
+        if not self.chunk.records:
+            return
+        cid, data = self.chunk.finish()
+        n_ext = len(self.chunk.records)
+        self.writer.add_chunk(cid, len(data), self.first_extent, n_ext)
+        self.emit(Packed(self.number, cid, data, self.chunk.buf))
+        self.number += 1
+        self.first_extent += n_ext
+        self.chunk.reset(self.pool.get())
+
+    def _where(self, node: Node) -> str:
+        return os.fsdecode(os.path.join(self.tree.root, node.path))
+
+    def add_file(self, node: Node) -> None:
+        try:
+            fd = os.open(os.path.join(self.tree.root, node.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceError(f"cannot read {self._where(node)}: {exc.strerror}; nothing was published") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != node.size:
+                raise SourceError(f"{self._where(node)} changed while being ingested "
+                                  f"(size {node.size} -> {size}); nothing was published")
+            first = self.writer.extents_count()
+            left = size
+            while left:
+                room = self.chunk.room()
+                fits_whole = left <= self.chunk.capacity - HEADER.size - RECORD.size
+                if left > room and (fits_whole or room < SPLIT_MIN_ROOM):
+                    self._seal()
+                    continue
+                piece = min(left, room)
+                try:
+                    rec = self.chunk.add_from(fd, piece, self.compress)
+                except EOFError:
+                    raise SourceError(f"{self._where(node)} shrank while being ingested; nothing was published") from None
+                self.writer.add_extent(self.number, rec)
+                left -= piece
+            if os.read(fd, 1):
+                raise SourceError(f"{self._where(node)} grew while being ingested; nothing was published")
+        except OSError as exc:
+            raise SourceError(f"cannot read {self._where(node)}: {exc.strerror}; nothing was published") from None
+        finally:
+            os.close(fd)
+        self.extents[node.ino] = (first, self.writer.extents_count() - first)
+        if self.progress:
+            self.progress(1, size)
+
+    def run(self) -> dict[int, tuple[int, int]]:
+        """Pack every regular file; returns each file inode's extent run."""
+        for node in self.tree.files:
+            self.add_file(node)
+        self._seal()
+        return self.extents

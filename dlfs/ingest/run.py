@@ -1,0 +1,171 @@
+"""One ingest, end to end: walk, pack and store chunks, upload the index, commit it atomically.
+
+Nothing is visible until the metadata daemon commits the index, and it commits only once every
+chunk the index names is stored on its replicas. Packing is deterministic (sorted walk, content
+-named chunks), so running a failed ingest again finds the chunks it already stored and skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+from dlfs.client.cluster import ClusterClient, placement
+from dlfs.config import Cluster, check_dataset_name
+from dlfs.errors import UsageError
+from dlfs.format.chunk import MAX_CHUNK_SIZE
+from dlfs.format.index import IndexWriter
+from dlfs.ingest.pack import Packed, Packer
+from dlfs.ingest.walk import Tree, walk
+from dlfs.meta.store import VersionInfo
+from dlfs.wire.protocol import Msg
+from dlfs.tasks import open_nursery
+
+log = logging.getLogger(__name__)
+INDEX_PIECE = 8 << 20
+UPLOADERS = 3
+MIN_CHUNK_SIZE = 64 << 10
+
+
+@dataclass
+class IngestReport:
+    info: VersionInfo
+    tree_entries: int
+    skipped: list[bytes]
+    chunks_sent: int
+    chunks_present: int
+    bytes_sent: int
+    seconds: float
+
+
+class Progress:
+    """What the caller's progress display is told: the totals once, then increments."""
+
+    def start(self, files: int, nbytes: int) -> None: ...
+
+    def advance(self, files: int, nbytes: int) -> None: ...
+
+
+def build_index(tree: Tree, extents: dict[int, tuple[int, int]], writer: IndexWriter) -> None:
+    """Fill the inode and directory tables once every file's extents are known."""
+    import stat as st
+
+    for n in tree.nodes:
+        if st.S_ISDIR(n.mode):
+            ref, count = writer.add_dirents(n.children)
+        elif st.S_ISLNK(n.mode):
+            ref, count = writer.add_name(n.target)
+        else:
+            ref, count = extents.get(n.ino, (0, 0))
+        writer.set_inode(n.ino, n.mode, n.uid, n.gid, n.nlink, n.size, n.mtime_ns, ref, count, n.parent)
+
+
+async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 20, compress: bool = False,
+                 progress: Progress | None = None, tmp_dir: Path | None = None) -> IngestReport:
+    check_dataset_name(name)
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"--chunk-size must be between {MIN_CHUNK_SIZE >> 10} KiB and {MAX_CHUNK_SIZE >> 20} MiB")
+    t0 = time.monotonic()
+    async with open_nursery() as nursery:
+        client = ClusterClient(cluster, nursery)
+        meta, _ = await client.call_meta(Msg.BEGIN_INGEST, {"name": name})
+        session = meta["session"]
+        try:
+            report = await _ingest(client, session, src, name, chunk_size, compress, progress, tmp_dir)
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await client.call_meta(Msg.ABORT_INGEST, {"session": session}, timeout=5)
+                except Exception as exc:  # the ingest's own error is the one to report
+                    log.info("could not abort ingest session %s: %s", session, exc)
+            raise
+        nursery.cancel_scope.cancel()
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+async def _ingest(client: ClusterClient, session: str, src: str, name: str, chunk_size: int, compress: bool,
+                  progress: Progress | None, tmp_dir: Path | None) -> IngestReport:
+    tree = await trio.to_thread.run_sync(walk, src)
+    files = tree.files
+    if progress:
+        progress.start(len(files), sum(f.size for f in files))
+    writer = IndexWriter(len(tree.nodes), chunk_size, time.time_ns())
+    # Chunk buffers are reused: a pool bounds memory and makes the packer wait for the uploaders.
+    pool: queue.Queue[bytearray] = queue.Queue()
+    for _ in range(UPLOADERS + 2):
+        pool.put(bytearray(chunk_size))
+    send, recv = trio.open_memory_channel[Packed](0)
+    stats = {"sent": 0, "present": 0, "bytes": 0}
+    token = trio.lowlevel.current_trio_token()
+
+    def emit(p: Packed) -> None:
+        trio.from_thread.run(send.send, p, trio_token=token)
+
+    def tick(nfiles: int, nbytes: int) -> None:
+        if progress:
+            progress.advance(nfiles, nbytes)
+
+    async def upload(recv: trio.MemoryReceiveChannel[Packed]) -> None:
+        async with recv:
+            async for p in recv:
+                try:
+                    await _store_chunk(client, session, p, stats)
+                finally:
+                    pool.put(p.buf)
+
+    def pack() -> dict[int, tuple[int, int]]:
+        return Packer(tree, writer, chunk_size, compress, pool, emit, tick).run()
+
+    async with open_nursery() as n:
+        for _ in range(UPLOADERS):
+            n.start_soon(upload, recv.clone())
+        recv.close()
+        async with send:
+            extents = await trio.to_thread.run_sync(pack)
+    build_index(tree, extents, writer)
+    info = await _commit_index(client, session, writer, tmp_dir)
+    return IngestReport(info, len(tree.nodes), tree.skipped, stats["sent"], stats["present"], stats["bytes"], 0.0)
+
+
+async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: dict[str, int]) -> None:
+    """Pin the chunk (so no collection takes it), then send it to every replica lacking it."""
+    await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": [p.cid]})
+    targets = placement(p.cid, client.cluster.nodes, client.cluster.replicas)
+
+    async def put(spec_name: str) -> None:
+        spec = client.cluster.node(spec_name)
+        meta, _ = await client.call(spec, "data", Msg.HAS_CHUNKS, {"ids": [p.cid]})
+        if not meta["missing"]:
+            stats["present"] += 1
+            return
+        await client.call(spec, "data", Msg.PUT_CHUNK, {"id": p.cid}, p.data, timeout=120)
+        stats["sent"] += 1
+        stats["bytes"] += len(p.data)
+
+    async with open_nursery() as n:
+        for spec in targets:
+            n.start_soon(put, spec.name)
+
+
+async def _commit_index(client: ClusterClient, session: str, writer: IndexWriter, tmp_dir: Path | None) -> VersionInfo:
+    with tempfile.TemporaryFile(dir=tmp_dir) as f:
+        checksum = await trio.to_thread.run_sync(writer.write, f)
+        size = f.tell()
+        f.seek(0)
+        offset = 0
+        while piece := await trio.to_thread.run_sync(f.read, INDEX_PIECE):
+            await client.call_meta(Msg.PUT_INDEX, {"session": session, "offset": offset}, piece)
+            offset += len(piece)
+    meta, _ = await client.call_meta(Msg.COMMIT, {"session": session, "size": size, "checksum": checksum}, timeout=300)
+    return VersionInfo(**meta)
+
+
+__all__ = ["ingest", "IngestReport", "Progress"]

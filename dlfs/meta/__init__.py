@@ -1,0 +1,1 @@
+"""The metadata daemon: the catalog of datasets and their index files."""

@@ -1,0 +1,99 @@
+"""`dlfs node`: this node's metadata daemon and data daemon, in the foreground until a signal."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from dlfs.client.cluster import ClusterClient
+from dlfs.config import Cluster, NodeSpec, ensure_home_key, runtime_file, write_runtime
+from dlfs.data.service import DataService
+from dlfs.data.store import ChunkStore
+from dlfs.errors import UsageError
+from dlfs.meta.service import MetaService
+from dlfs.meta.store import MetaStore
+from dlfs.transport.base import Address
+from dlfs.wire.rpc import serve
+from dlfs.tasks import open_nursery
+
+log = logging.getLogger(__name__)
+SHUTDOWN_DEADLINE = 10.0
+
+
+@dataclass
+class NodeOptions:
+    home: Path
+    cluster: Cluster | None = None
+    name: str | None = None
+    host: str = "127.0.0.1"
+    meta_port: int = 0
+    data_port: int = 0
+
+
+def _lock_home(home: Path) -> int:
+    """Hold $DLFS_HOME/run/node.lock: two nodes on one state directory would corrupt it."""
+    path = home / "run" / "node.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"a dlfs node is already running under {home}") from None
+    return fd
+
+
+async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled or signalled; reports this node's addresses once both listen."""
+    home = opts.home
+    home.mkdir(parents=True, exist_ok=True)
+    lock_fd = _lock_home(home)
+    try:
+        if opts.cluster is None:
+            key = ensure_home_key(home)
+            name = opts.name or "local"
+            meta_addr, data_addr = Address(opts.host, opts.meta_port), Address(opts.host, opts.data_port)
+        else:
+            key = opts.cluster.key
+            name = opts.name or opts.cluster.local or ""
+            if not name:
+                raise UsageError(f"no node of {opts.cluster.source} has an address of this machine; pass --name")
+            spec = opts.cluster.node(name)
+            meta_addr, data_addr = spec.meta, spec.data
+        chunks = ChunkStore(home / "data")
+        meta_store = MetaStore(home / "meta")
+        log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",
+                 name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
+        try:
+            async with open_nursery() as nursery:
+                data_bound = (await nursery.start(serve, DataService(chunks, key, name), data_addr))[0]
+                if opts.cluster is None:
+                    cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
+                else:
+                    cluster = opts.cluster
+                ledger = ClusterClient(cluster, nursery)
+                meta_bound = (await nursery.start(serve, MetaService(meta_store, key, name, ledger), meta_addr))[0]
+                me = NodeSpec(name, meta_bound, data_bound)
+                if opts.cluster is None:
+                    write_runtime(home, name, meta_bound, data_bound)
+                log.info("node %s: metadata daemon on %s, data daemon on %s", name, meta_bound, data_bound)
+                task_status.started(me)
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for sig in signals:
+                        log.info("node %s: %s, stopping", name, signal.Signals(sig).name)
+                        break
+                nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_DEADLINE
+                nursery.cancel_scope.cancel()
+        finally:
+            chunks.close()
+            if opts.cluster is None:
+                runtime_file(home).unlink(missing_ok=True)
+            log.info("node %s: stopped", name)
+    finally:
+        os.close(lock_fd)

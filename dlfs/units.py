@@ -1,0 +1,26 @@
+"""Human sizes: parse "8M", "16MiB", "1g"; print 1.5 GB."""
+
+from __future__ import annotations
+
+import re
+
+from dlfs.errors import UsageError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as 4096, 8M, 16MiB or 1g (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise UsageError(f"not a size: {text!r} (use e.g. 8M, 64MiB, 1G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def human_bytes(n: float) -> str:
+    """A short decimal rendering: 1.5 GB, 310 kB, 12 B."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

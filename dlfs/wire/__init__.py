@@ -1,0 +1,1 @@
+"""The wire: frames, numbered messages, and the cluster-key handshake."""

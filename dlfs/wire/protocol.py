@@ -1,0 +1,176 @@
+"""The dlfs protocol: framed, versioned, numbered messages with request ids for pipelining.
+
+Every frame (little-endian):
+
+    header  20 B  magic u16 0xD1F5, version u8, kind u8 (0 request, 1 response), message id u16,
+                  status u16 (0 ok, else an errors.py status), request id u32, meta length u32,
+                  data length u32
+    meta          msgpack map (a request's arguments, a response's results or error message)
+    data          raw bytes (chunk contents, index pieces), received straight into one buffer
+
+A frame that does not parse, or breaks a size limit, closes its connection (ProtocolError); the
+peer's other connections and the daemon are unaffected.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import trio
+
+from dlfs.errors import ProtocolError, Unreachable
+
+MAGIC = 0xD1F5
+VERSION = 1
+HEADER = struct.Struct("<HBBHHIII")
+REQUEST, RESPONSE = 0, 1
+MAX_META = 1 << 20
+MAX_DATA = 320 << 20
+# Before the handshake a peer is unknown: it gets tiny frames only.
+MAX_DATA_UNAUTHENTICATED = 0
+MAX_META_UNAUTHENTICATED = 4096
+
+
+class Msg(enum.IntEnum):
+    """Every message of every service, numbered once. Never renumber; only add."""
+
+    # handshake (auth.py)
+    HELLO = 1
+    AUTH = 2
+    AUTH_OK = 3
+    # any daemon
+    PING = 10
+    STATUS = 11
+    # metadata daemon
+    LIST_DATASETS = 20
+    GET_DATASET = 21
+    READ_INDEX = 22
+    BEGIN_INGEST = 23
+    PIN_CHUNKS = 24
+    PUT_INDEX = 25
+    COMMIT = 26
+    ABORT_INGEST = 27
+    REMOVE = 28
+    # data daemon
+    PUT_CHUNK = 50
+    READ_RANGE = 51
+    HAS_CHUNKS = 52
+    DELETE_CHUNKS = 53
+    LIST_CHUNKS = 54
+    VERIFY_CHUNKS = 55
+
+
+@dataclass(slots=True)
+class Frame:
+    kind: int
+    msg: int
+    req_id: int
+    status: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    data: bytes | bytearray | memoryview = b""
+
+
+def encode_header(f: Frame, meta: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, f.kind, f.msg, f.status, f.req_id, len(meta), len(f.data))
+
+
+def pack_meta(meta: dict[str, Any]) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
+
+
+def unpack_meta(raw: bytes | bytearray) -> dict[str, Any]:
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"malformed frame: meta does not decode ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError("malformed frame: meta is not a map")
+    return meta
+
+
+class FrameStream:
+    """Frames over one byte stream; receive() fills buffers sized from the header."""
+
+    def __init__(self, stream: trio.abc.Stream, peer: str = "peer") -> None:
+        self.stream = stream
+        self.peer = peer
+        self._pending = bytearray()
+        self.max_meta = MAX_META_UNAUTHENTICATED
+        self.max_data = MAX_DATA_UNAUTHENTICATED
+        # recv_into straight into the destination where the stream is a real socket.
+        sock = getattr(stream, "socket", None)
+        self._recv_into = getattr(sock, "recv_into", None)
+
+    def authenticated(self) -> None:
+        self.max_meta, self.max_data = MAX_META, MAX_DATA
+
+    async def send(self, f: Frame) -> None:
+        meta = pack_meta(f.meta)
+        if len(meta) > MAX_META:
+            raise ProtocolError(f"meta of {len(meta)} bytes is over the {MAX_META} limit")
+        if len(f.data) > MAX_DATA:
+            raise ProtocolError(f"data of {len(f.data)} bytes is over the {MAX_DATA} limit")
+        head = encode_header(f, meta) + meta
+        if len(f.data) <= 65536:
+            await self.stream.send_all(head + bytes(f.data))
+        else:
+            await self.stream.send_all(head)
+            await self.stream.send_all(f.data)
+
+    async def _fill(self, view: memoryview) -> None:
+        """Fill `view` exactly: leftover bytes first, then the socket."""
+        got = min(len(self._pending), len(view))
+        if got:
+            view[:got] = self._pending[:got]
+            del self._pending[:got]
+        while got < len(view):
+            if self._recv_into is not None:
+                n = await self._recv_into(view[got:])
+                if n == 0:
+                    raise trio.EndOfChannel
+                got += n
+            else:
+                block = await self.stream.receive_some(len(view) - got)
+                if not block:
+                    raise trio.EndOfChannel
+                view[got : got + len(block)] = block
+                got += len(block)
+
+    async def receive(self) -> Frame:
+        """The next frame; EndOfChannel at a clean end, ProtocolError on garbage."""
+        head = bytearray(HEADER.size)
+        try:
+            await self._fill(memoryview(head))
+        except trio.EndOfChannel:
+            raise
+        magic, version, kind, msg, status, req_id, meta_len, data_len = HEADER.unpack(head)
+        if magic != MAGIC:
+            raise ProtocolError(f"malformed frame from {self.peer}: bad magic {magic:#06x}")
+        if version != VERSION:
+            raise ProtocolError(f"frame from {self.peer}: protocol version {version} not spoken")
+        if kind not in (REQUEST, RESPONSE):
+            raise ProtocolError(f"malformed frame from {self.peer}: kind {kind}")
+        if meta_len > self.max_meta or data_len > self.max_data:
+            raise ProtocolError(
+                f"frame from {self.peer} over the size limit (meta {meta_len}, data {data_len})"
+            )
+        raw_meta = bytearray(meta_len)
+        data = bytearray(data_len)
+        try:
+            await self._fill(memoryview(raw_meta))
+            await self._fill(memoryview(data))
+        except trio.EndOfChannel:
+            raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
+        meta = unpack_meta(raw_meta) if meta_len else {}
+        return Frame(kind, msg, req_id, status, meta, data)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def connection_lost(peer: str, exc: BaseException) -> Unreachable:
+    return Unreachable(f"lost connection to {peer} ({type(exc).__name__}: {exc})")

@@ -1,0 +1,235 @@
+"""Requests and responses over frames: a pipelined client connection and the server's loop."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import trio
+
+from dlfs.errors import (AuthError, DlfsError, ProtocolError, Unreachable, error_from_status,
+                         status_of)
+from dlfs.transport.base import Address
+from dlfs.transport.tcp import TRANSPORT
+from dlfs.wire.auth import client_handshake, server_handshake
+from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, FrameStream, Msg
+from dlfs.tasks import open_nursery
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 10.0
+CALL_TIMEOUT = 60.0
+Reply = tuple[dict[str, Any], bytes | bytearray | memoryview]
+Handler = Callable[[dict[str, Any], bytearray], Awaitable[Reply]]
+
+
+@dataclass
+class _Waiter:
+    event: trio.Event
+    frame: Frame | None = None
+    error: DlfsError | None = None
+
+
+class Connection:
+    """One authenticated connection to a daemon; many calls may be in flight at once."""
+
+    def __init__(self, fs: FrameStream, node: str) -> None:
+        self.fs = fs
+        self.node = node
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Waiter] = {}
+        self._send_lock = trio.Lock()
+        self.closed: DlfsError | None = None
+        self.done = trio.Event()
+
+    async def _read_responses(self) -> None:
+        try:
+            while True:
+                f = await self.fs.receive()
+                w = self._waiting.pop(f.req_id, None)
+                if w is not None:
+                    w.frame = f
+                    w.event.set()
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.closed = Unreachable(f"lost connection to {self.node} at {self.fs.peer} ({type(exc).__name__})")
+        except ProtocolError as exc:
+            self.closed = exc
+        finally:
+            if self.closed is None:
+                self.closed = Unreachable(f"connection to {self.node} at {self.fs.peer} closed")
+            for w in self._waiting.values():
+                w.error = self.closed
+                w.event.set()
+            self._waiting.clear()
+            self.done.set()
+
+    async def call(self, msg: Msg, meta: dict[str, Any] | None = None,
+                   data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Reply:
+        """Send one request and wait for its response; a daemon's error is raised here."""
+        if self.closed:
+            raise self.closed
+        req_id = next(self._ids) & 0xFFFFFFFF
+        w = _Waiter(trio.Event())
+        self._waiting[req_id] = w
+        try:
+            with trio.fail_after(timeout):
+                async with self._send_lock:
+                    await self.fs.send(Frame(REQUEST, msg, req_id, 0, meta or {}, data))
+                await w.event.wait()
+        except trio.TooSlowError:
+            raise Unreachable(f"{self.node} at {self.fs.peer} did not answer {msg.name} within {timeout:g} s") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise Unreachable(f"lost connection to {self.node} at {self.fs.peer} ({type(exc).__name__})") from None
+        finally:
+            self._waiting.pop(req_id, None)
+        if w.error:
+            raise w.error
+        assert w.frame is not None
+        if w.frame.status:
+            raise error_from_status(w.frame.status, str(w.frame.meta.get("error", "daemon error")))
+        return w.frame.meta, w.frame.data
+
+
+@asynccontextmanager
+async def connect(address: Address, key: bytes, service: str) -> AsyncIterator[Connection]:
+    """An authenticated connection to the `service` daemon at `address`, closed on exit."""
+    try:
+        with trio.fail_after(CONNECT_TIMEOUT):
+            stream = await TRANSPORT.connect(address)
+    except (OSError, trio.TooSlowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise Unreachable(f"cannot reach the {service} daemon at {address}: {reason}") from None
+    fs = FrameStream(stream, str(address))
+    try:
+        try:
+            node = await client_handshake(fs, key, service)
+        except trio.TooSlowError:
+            raise Unreachable(f"the {service} daemon at {address} did not finish the handshake") from None
+        except (trio.EndOfChannel, trio.BrokenResourceError, OSError):
+            raise Unreachable(f"the {service} daemon at {address} closed the connection during the handshake") from None
+        conn = Connection(fs, node)
+        async with open_nursery() as nursery:
+            nursery.start_soon(conn._read_responses, name=f"dlfs-rpc-reader {address}")
+            try:
+                yield conn
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await fs.aclose()
+
+
+class Service:
+    """A daemon's request handlers by message id; `serve_stream` runs one connection."""
+
+    name = "service"
+    concurrency = 64
+
+    def __init__(self, key: bytes, node: str) -> None:
+        self.key = key
+        self.node = node
+        self.handlers: dict[int, Handler] = {Msg.PING: self._ping}
+
+    async def _ping(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        return {"node": self.node}, b""
+
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one peer until it leaves; bad frames or keys close this connection only."""
+        peer = _peer_name(stream)
+        fs = FrameStream(stream, peer)
+        try:
+            try:
+                await server_handshake(fs, self.key, self.name, self.node)
+            except AuthError as exc:
+                log.warning("%s daemon: %s", self.name, exc)
+                return
+            except (ProtocolError, trio.TooSlowError, trio.EndOfChannel) as exc:
+                log.warning("%s daemon: closing connection from %s: handshake failed (%s)",
+                            self.name, peer, exc or type(exc).__name__)
+                return
+            send_lock = trio.Lock()
+            limiter = trio.CapacityLimiter(self.concurrency)
+            async with open_nursery() as nursery:
+                while True:
+                    try:
+                        f = await fs.receive()
+                    except trio.EndOfChannel:
+                        break
+                    except ProtocolError as exc:
+                        log.warning("%s daemon: closing connection from %s: %s", self.name, peer, exc)
+                        break
+                    if f.kind != REQUEST:
+                        log.warning("%s daemon: closing connection from %s: a response sent as a request", self.name, peer)
+                        break
+                    token = object()
+                    await limiter.acquire_on_behalf_of(token)
+                    nursery.start_soon(self._answer, fs, send_lock, limiter, token, f)
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.info("%s daemon: connection from %s dropped (%s)", self.name, peer, type(exc).__name__)
+        except Exception:
+            # Whatever one connection does, the daemon keeps serving the others.
+            log.exception("%s daemon: connection from %s failed", self.name, peer)
+        finally:
+            with trio.CancelScope(shield=True):
+                await fs.aclose()
+
+    async def _answer(self, fs: FrameStream, send_lock: trio.Lock, limiter: trio.CapacityLimiter,
+                      token: object, f: Frame) -> None:
+        try:
+            handler = self.handlers.get(f.msg)
+            try:
+                if handler is None:
+                    raise ProtocolError(f"the {self.name} daemon does not handle message {f.msg}")
+                meta, data = await handler(f.meta, f.data)  # type: ignore[arg-type]
+                reply = Frame(RESPONSE, f.msg, f.req_id, 0, meta, data)
+            except DlfsError as exc:
+                reply = Frame(RESPONSE, f.msg, f.req_id, status_of(exc), {"error": exc.message})
+            except (KeyError, TypeError, ValueError) as exc:
+                # Arguments of the wrong shape: the caller's bug, reported to it, not fatal here.
+                reply = Frame(RESPONSE, f.msg, f.req_id, status_of(ProtocolError("")),
+                              {"error": f"bad request {_msg_name(f.msg)}: {type(exc).__name__}: {exc}"})
+            except Exception as exc:
+                # A bug in one handler must not take the daemon down with it.
+                log.exception("%s daemon: %s failed", self.name, _msg_name(f.msg))
+                reply = Frame(RESPONSE, f.msg, f.req_id, 1, {"error": f"internal error in {_msg_name(f.msg)}: {exc}"})
+            async with send_lock:
+                await fs.send(reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            limiter.release_on_behalf_of(token)
+
+
+def _msg_name(msg: int) -> str:
+    try:
+        return Msg(msg).name
+    except ValueError:
+        return f"message {msg}"
+
+
+def _peer_name(stream: trio.abc.Stream) -> str:
+    sock = getattr(stream, "socket", None)
+    try:
+        name = sock.getpeername() if sock is not None else None
+    except OSError:
+        name = None
+    if isinstance(name, tuple):
+        return f"{name[0]}:{name[1]}"
+    return str(name or "local peer")
+
+
+async def serve(service: Service, address: Address, *,
+                task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Listen on `address` and serve `service` until cancelled; reports the bound addresses."""
+    listeners = await TRANSPORT.listen(address)
+    bound = []
+    for lst in listeners:
+        name = lst.socket.getsockname()  # type: ignore[attr-defined]
+        bound.append(Address(path=name) if isinstance(name, str) else Address(name[0], name[1]))
+    async with open_nursery() as nursery:
+        task_status.started(bound)
+        await trio.serve_listeners(service.serve_stream, listeners, handler_nursery=nursery)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages dlfs needs (FUSE, its headers for pyfuse3, the RDMA verbs bindings,
+# and the squashfs baseline tools), only those missing; apt-get update runs only if needed.
+set -euo pipefail
+PKGS=(fuse3 libfuse3-dev pkg-config python3-venv python3-dev python3-pyverbs squashfs-tools squashfuse iproute2 psmisc)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "dlfs: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+    SUDO=sudo
+fi
+echo "installing system packages: ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
