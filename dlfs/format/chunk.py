@@ -164,8 +164,11 @@ def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> I
         raise CorruptData(f"{name}: header checksum mismatch")
     if version != VERSION:
         raise CorruptData(f"{name}: chunk format version {version} is not supported")
-    if HEADER.size + payload != len(view):
+    if HEADER.size + payload > len(view):
         raise CorruptData(f"{name}: truncated ({len(view)} bytes, header says {HEADER.size + payload})")
+    # Too long is not truncation: say so, or repair hunts for a missing tail that is not missing.
+    if HEADER.size + payload < len(view):
+        raise CorruptData(f"{name}: {len(view) - HEADER.size - payload} stray bytes after the payload")
     pos = HEADER.size
     for i in range(n_records):
         if pos + RECORD.size > len(view):

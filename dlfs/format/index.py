@@ -219,8 +219,10 @@ class Index:
         expect = (HEADER.size + _align(n_chunks * CHUNK.size) + _align(n_inodes * INODE.size)
                   + _align(n_dirents * DIRENT.size) + _align(n_extents * EXTENT.size)
                   + _align(names_size))
-        if size != expect:
+        if size < expect:
             raise CorruptData(f"index {self.path}: truncated ({size} bytes, header says {expect})")
+        if size > expect:  # too long is not truncation: say what is wrong
+            raise CorruptData(f"index {self.path}: {size - expect} stray bytes after the last section")
         if n_inodes < 1:
             raise CorruptData(f"index {self.path}: no root inode")
         totals = Totals(n_inodes, n_dirents, n_extents, n_chunks, names_size, files, nbytes,
@@ -299,10 +301,15 @@ class Index:
     def walk(self) -> Iterator[tuple[bytes, Inode]]:
         """(path relative to the root, inode) of every entry, the root first as b"" (for tools)."""
         stack: list[tuple[bytes, int]] = [(b"", ROOT_INO)]
+        seen_dirs: set[int] = set()
         while stack:
             path, ino = stack.pop()
             node = self.inode(ino)
             yield path, node
             if stat.S_ISDIR(node.mode):
+                # A directory reached twice means a cycle: the walk would never end.
+                if ino in seen_dirs:
+                    raise self._bad(f"directory cycle at inode {ino} ({path!r})")
+                seen_dirs.add(ino)
                 for _, name, child in self.entries(ino):
                     stack.append((path + b"/" + name if path else name, child))

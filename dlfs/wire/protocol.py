@@ -99,6 +99,7 @@ class FrameStream:
         self.stream = stream
         self.peer = peer
         self._pending = bytearray()
+        self._got = 0
         self.max_meta = MAX_META_UNAUTHENTICATED
         self.max_data = MAX_DATA_UNAUTHENTICATED
         # recv_into straight into the destination where the stream is a real socket.
@@ -122,8 +123,11 @@ class FrameStream:
             await self.stream.send_all(f.data)
 
     async def _fill(self, view: memoryview) -> None:
-        """Fill `view` exactly: leftover bytes first, then the socket."""
-        got = min(len(self._pending), len(view))
+        """Fill `view` exactly: leftover bytes first, then the socket.
+
+        EndOfChannel if the peer ends first; `self._got` says how much arrived by then.
+        """
+        self._got = got = min(len(self._pending), len(view))
         if got:
             view[:got] = self._pending[:got]
             del self._pending[:got]
@@ -139,6 +143,7 @@ class FrameStream:
                     raise trio.EndOfChannel
                 view[got : got + len(block)] = block
                 got += len(block)
+            self._got = got
 
     async def receive(self) -> Frame:
         """The next frame; EndOfChannel at a clean end, ProtocolError on garbage."""
@@ -146,6 +151,8 @@ class FrameStream:
         try:
             await self._fill(memoryview(head))
         except trio.EndOfChannel:
+            if self._got:  # a partial header is a broken frame, not a clean end
+                raise ProtocolError(f"connection from {self.peer} ended inside a frame header") from None
             raise
         magic, version, kind, msg, status, req_id, meta_len, data_len = HEADER.unpack(head)
         if magic != MAGIC:

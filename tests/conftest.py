@@ -1,0 +1,230 @@
+"""Fixtures for the integration tests: a real `dlfs node`, the real CLI, real FUSE mounts.
+
+Every node runs under its own DLFS_HOME in a temporary directory; teardown unmounts whatever is
+still mounted under the test's directories, stops the node with SIGTERM and checks it exited 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DLFS = [sys.executable, "-m", "dlfs"]
+START_TIMEOUT = 15.0
+STOP_TIMEOUT = 15.0
+CLI_TIMEOUT = 120.0
+
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse and fusermount3")
+
+
+def dlfs_env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["DLFS_HOME"] = str(home)
+    env.pop("DLFS_CLUSTER", None)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_dlfs(home: Path, *args: str | os.PathLike[str], check: bool = True,
+             timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run the dlfs CLI with DLFS_HOME=home; text output captured."""
+    proc = subprocess.run([*DLFS, *map(str, args)], env=dlfs_env(home), capture_output=True, text=True,
+                          errors="surrogateescape", timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dlfs {' '.join(map(str, args))} exited {proc.returncode}\n"
+                             f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
+    return proc
+
+
+def _unescape_mount_field(field_: str) -> str:
+    # /proc/self/mounts writes space, tab, newline and backslash as \ooo octal escapes.
+    out, i = [], 0
+    while i < len(field_):
+        if field_[i] == "\\" and field_[i + 1 : i + 4].isdigit() and len(field_[i + 1 : i + 4]) == 3:
+            out.append(chr(int(field_[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field_[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_under(base: Path) -> list[str]:
+    """Mount points at or below `base`, deepest first."""
+    prefix = str(base.absolute())
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            mnt = _unescape_mount_field(line.split()[1])
+            if mnt == prefix or mnt.startswith(prefix + "/"):
+                found.append(mnt)
+    return sorted(found, key=len, reverse=True)
+
+
+def force_unmount(base: Path) -> list[str]:
+    """Unmount everything under `base` (fusermount3 -u, then umount -l); returns what was mounted."""
+    left = mounts_under(base)
+    for mnt in left:
+        if subprocess.run(["fusermount3", "-u", mnt], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+    return left
+
+
+@dataclass
+class Node:
+    """A running `dlfs node` and the CLI pointed at it."""
+
+    home: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+    mounts: list[Path] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dlfs_env(self.home)
+
+    def run(self, *args: str | os.PathLike[str], check: bool = True,
+            timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+        return run_dlfs(self.home, *args, check=check, timeout=timeout)
+
+    def ingest(self, src: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return self.run("ingest", src, "--name", name, *extra)
+
+    def mount(self, name: str, mountpoint: Path) -> Path:
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        self.mounts.append(mountpoint)
+        self.run("mount", name, mountpoint)
+        assert os.path.ismount(mountpoint)
+        return mountpoint
+
+    def umount(self, mountpoint: Path) -> None:
+        self.run("umount", mountpoint)
+        assert not os.path.ismount(mountpoint)
+
+    def mount_log(self, name: str) -> Path:
+        return self.home / "logs" / f"mount-{name}.log"
+
+    def node_log(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = START_TIMEOUT) -> None:
+    """Until node.json exists and `dlfs status` succeeds, bounded."""
+    deadline = time.monotonic() + timeout
+    runtime = home / "run" / "node.json"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"dlfs node exited {proc.returncode} while starting:\n{log.read_text()}")
+        if runtime.exists() and run_dlfs(home, "status", check=False, timeout=10).returncode == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"dlfs node did not come up within {timeout} s:\n{log.read_text()}")
+
+
+def start_node_process(home: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    home.mkdir(parents=True, exist_ok=True)
+    log = home.parent / f"{home.name}-node.log"
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen([*DLFS, "node"], env=dlfs_env(home), stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=REPO)
+    return proc, log
+
+
+def stop_node(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> int:
+    """Signal the node and wait (bounded); kills it if it does not stop. Returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+            raise AssertionError(f"dlfs node did not stop within {timeout} s of {signal.Signals(sig).name}")
+    return proc.returncode
+
+
+@contextmanager
+def running_node(home: Path, scratch: Path) -> Iterator[Node]:
+    """A node under `home`; on leaving, unmounts everything under `scratch` and stops the node."""
+    proc, log = start_node_process(home)
+    node = Node(home, proc, log)
+    try:
+        wait_for_node(home, proc, log)
+        yield node
+    finally:
+        force_unmount(scratch)
+        rc = stop_node(proc)
+        assert rc == 0, f"dlfs node exited {rc} after SIGTERM:\n{log.read_text(errors='replace')}"
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    """A fresh node for one test, DLFS_HOME=tmp_path/home."""
+    with running_node(tmp_path / "home", tmp_path) as n:
+        yield n
+
+
+@contextmanager
+def mounted_dataset(node: Node, src: Path, name: str, mountpoint: Path, *ingest_args: str) -> Iterator[Path]:
+    """Ingest `src` as `name`, mount it, and always unmount on leaving."""
+    node.ingest(src, name, *ingest_args)
+    try:
+        yield node.mount(name, mountpoint)
+    finally:
+        if os.path.ismount(mountpoint):
+            if node.run("umount", mountpoint, check=False).returncode != 0:
+                force_unmount(mountpoint)
+
+
+@pytest.fixture
+def mounted(node: Node, tmp_path: Path) -> Iterator[object]:
+    """mounted(src, name, *ingest_args) -> mountpoint: ingest, mount, unmount at teardown."""
+    stack: list[Path] = []
+
+    def make(src: Path, name: str, *ingest_args: str) -> Path:
+        mnt = tmp_path / f"mnt-{name}"
+        node.ingest(src, name, *ingest_args)
+        stack.append(mnt)
+        return node.mount(name, mnt)
+
+    yield make
+    for mnt in reversed(stack):
+        if os.path.ismount(mnt) and node.run("umount", mnt, check=False).returncode != 0:
+            force_unmount(mnt)
+
+
+def mount_pids(home: Path) -> list[int]:
+    """Pids of the mount processes recorded under a home."""
+    pids = []
+    for rec in (home / "run" / "mounts").glob("*.json"):
+        try:
+            pids.append(int(json.loads(rec.read_text())["pid"]))
+        except (OSError, ValueError, KeyError):
+            pass
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent, not us, reaps it).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

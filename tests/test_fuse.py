@@ -1,0 +1,399 @@
+"""A real node, a real ingest of the edge-case tree, a real FUSE mount: compared with the source
+by os.lstat, by content, and by the ordinary tools a user would reach for (ls, find, diff, md5sum,
+tar); then read-only errnos, statfs, random access, corruption and concurrent reads."""
+
+from __future__ import annotations
+
+import errno
+import filecmp
+import os
+import random
+import stat
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import Node, needs_fuse, running_node
+from dlfs.format.index import ROOT_INO, Index
+from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
+
+pytestmark = needs_fuse
+NAME = "edge"
+CHUNK = "64K"
+C_ENV = {**os.environ, "LC_ALL": "C"}
+
+
+@dataclass
+class Edge:
+    node: Node
+    base: Path
+    src: Path
+    mnt: Path
+    ingest_stderr: str
+
+    @property
+    def bsrc(self) -> bytes:
+        return os.fsencode(self.src)
+
+    @property
+    def bmnt(self) -> bytes:
+        return os.fsencode(self.mnt)
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    """The edge tree ingested (64K chunks, lz4) and mounted once for the comparison tests."""
+    base = tmp_path_factory.mktemp("edge")
+    src = base / "src"
+    make_edge_tree(src)
+    with running_node(base / "home", base) as node:
+        out = node.ingest(src, NAME, "--chunk-size", CHUNK, "--compress", "lz4")
+        mnt = node.mount(NAME, base / "mnt")  # a sibling of src: ".." of both roots is the same
+        yield Edge(node, base, src, mnt, out.stderr)
+        node.umount(mnt)
+
+
+def tree(root: bytes, skip: tuple[bytes, ...] = ()) -> dict[bytes, os.stat_result]:
+    """lstat of every entry under root by relative bytes path (the root is b"")."""
+    out = {b"": os.lstat(root)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            if rel not in skip:
+                out[rel] = os.lstat(path)
+    return out
+
+
+def tool(*cmd: str | bytes, cwd: Path | None = None, ok: tuple[int, ...] = (0,)) -> bytes:
+    proc = subprocess.run(list(cmd), capture_output=True, cwd=cwd, env=C_ENV, timeout=60)
+    assert proc.returncode in ok, f"{cmd} exited {proc.returncode}: {proc.stderr.decode(errors='replace')}"
+    return proc.stdout
+
+
+def link_groups(entries: dict[bytes, os.stat_result]) -> set[frozenset[bytes]]:
+    by_ino: dict[int, set[bytes]] = {}
+    for rel, st in entries.items():
+        if stat.S_ISREG(st.st_mode):
+            by_ino.setdefault(st.st_ino, set()).add(rel)
+    return {frozenset(names) for names in by_ino.values()}
+
+
+# --- the tree, entry by entry -----------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_tree_matches_source_by_lstat(edge: Edge) -> None:
+    src = tree(edge.bsrc, SPECIALS)
+    mnt = tree(edge.bmnt)
+    assert set(mnt) == set(src)
+    assert len(mnt) > MANY_FILES + 80
+    for rel, s in src.items():
+        m = mnt[rel]
+        what = repr(rel)
+        assert stat.S_IFMT(m.st_mode) == stat.S_IFMT(s.st_mode), what
+        assert m.st_mode & 0o7777 == s.st_mode & 0o7777, what
+        assert (m.st_uid, m.st_gid) == (s.st_uid, s.st_gid), what
+        assert m.st_mtime_ns == s.st_mtime_ns, what
+        if not stat.S_ISDIR(s.st_mode):
+            assert m.st_size == s.st_size, what
+        if not stat.S_ISLNK(s.st_mode):
+            assert m.st_nlink == s.st_nlink, what
+        if stat.S_ISLNK(s.st_mode):
+            assert os.readlink(os.path.join(edge.bmnt, rel)) == os.readlink(os.path.join(edge.bsrc, rel)), what
+    # Hard links: the same names share one inode in the mount, and no other names do.
+    groups = link_groups(mnt)
+    assert groups == link_groups(src)
+    assert frozenset({b"links/pair-a", b"names/pair-b"}) in groups
+    assert frozenset({b"links/triple-1", b"links/triple-2", b"links/triple-3"}) in groups
+    assert len({m.st_ino for m in mnt.values()}) == len(mnt) - 3  # pair: one name shared, triple: two
+
+
+@pytest.mark.timeout(60)
+def test_file_contents_equal(edge: Edge) -> None:
+    src = tree(edge.bsrc, SPECIALS)
+    files = [rel for rel, st in src.items() if stat.S_ISREG(st.st_mode)]
+    assert len(files) > MANY_FILES
+    filecmp.clear_cache()
+    for rel in files:
+        assert filecmp.cmp(os.path.join(edge.bsrc, rel), os.path.join(edge.bmnt, rel), shallow=False), rel
+    # Following symlinks through the mount reaches the same bytes (relative, to a dir, odd names).
+    assert (edge.mnt / "links/relative").read_bytes() == (edge.src / "sizes/4096.bin").read_bytes()
+    assert (edge.mnt / "links/to-dir/with spaces.txt").read_bytes() == b"spaces\n"
+    assert (edge.mnt / "names/link to spaces").read_bytes() == b"spaces\n"
+    assert open(os.path.join(edge.bmnt, b"names/link-to-bad-bytes"), "rb").read().startswith(b"inside")
+    assert not os.path.exists(edge.mnt / "links/dangling")
+    assert os.path.lexists(edge.mnt / "links/dangling")
+
+
+@pytest.mark.timeout(30)
+def test_specials_skipped_with_warning(edge: Edge) -> None:
+    for rel in SPECIALS:
+        assert os.fsdecode(rel) in edge.ingest_stderr
+        assert not os.path.lexists(os.path.join(edge.bmnt, rel))
+    assert (edge.mnt / "special/regular").is_file()
+
+
+# --- ordinary tools ---------------------------------------------------------------------------
+def _drop_specials_ls(out: bytes) -> list[bytes]:
+    lines = []
+    for line in out.split(b"\n"):
+        if line.startswith(b"total "):
+            continue  # block counts: allocation on ext4 differs from size-based st_blocks
+        if line[:1] in (b"p", b"s") and line.rsplit(b" ", 1)[-1] in (b"fifo", b"sock"):
+            continue
+        lines.append(line)
+    return lines
+
+
+@pytest.mark.timeout(60)
+def test_ls_laR(edge: Edge) -> None:
+    args = ("ls", "-laR", "--time-style=full-iso", "--quoting-style=escape", ".")
+    src = _drop_specials_ls(tool(*args, cwd=edge.src))
+    mnt = _drop_specials_ls(tool(*args, cwd=edge.mnt))
+    assert mnt == src
+    assert any(b"one megabyte.bin" in line for line in mnt)
+
+
+def _find(root: Path) -> list[bytes]:
+    out = tool("find", ".", "-printf", r"%P %y %m %s %T@ %U:%G %n %l\0", cwd=root)
+    return sorted(out.split(b"\0"))
+
+
+@pytest.mark.timeout(60)
+def test_find_printf(edge: Edge) -> None:
+    src = [r for r in _find(edge.src) if not any(r.startswith(s + b" ") for s in SPECIALS)]
+    mnt = _find(edge.mnt)
+    assert mnt == src
+    assert len(mnt) > MANY_FILES
+
+
+@pytest.mark.timeout(60)
+def test_cat_diff_md5sum(edge: Edge) -> None:
+    assert tool("cat", edge.mnt / os.fsdecode(TEXT)) == (edge.src / os.fsdecode(TEXT)).read_bytes()
+    assert tool("cat", edge.mnt / os.fsdecode(BIG)) == (edge.src / os.fsdecode(BIG)).read_bytes()
+    out = tool("diff", "-r", "--no-dereference", edge.src, edge.mnt, ok=(1,))
+    assert sorted(out.splitlines()) == sorted(
+        b"Only in %s/special: %s" % (os.fsencode(edge.src), os.path.basename(s)) for s in SPECIALS)
+    cmd = ("sh", "-c", "find . -type f -print0 | sort -z | xargs -0 md5sum")
+    src, mnt = tool(*cmd, cwd=edge.src), tool(*cmd, cwd=edge.mnt)
+    assert mnt == src
+    assert mnt.count(b"\n") >= MANY_FILES
+
+
+def _tar_listing(root: Path, *exclude: str) -> bytes:
+    tar = subprocess.Popen(["tar", "--sort=name", "--format=posix", *exclude, "-cf", "-", "-C", str(root), "."],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=C_ENV)
+    listing = subprocess.run(["tar", "-tvf", "-", "--numeric-owner", "--full-time"], stdin=tar.stdout,
+                             capture_output=True, env=C_ENV, timeout=60)
+    assert tar.stdout is not None
+    tar.stdout.close()
+    tar.wait(timeout=60)
+    assert tar.returncode == 0, tar.stderr.read() if tar.stderr else b""
+    assert listing.returncode == 0, listing.stderr
+    return listing.stdout
+
+
+@pytest.mark.timeout(60)
+def test_tar_listing(edge: Edge) -> None:
+    excludes = [f"--exclude=./{os.fsdecode(s)}" for s in SPECIALS]
+    src = _tar_listing(edge.src, *excludes)
+    mnt = _tar_listing(edge.mnt)
+    assert mnt == src
+    assert b"link to ./links/triple-1" in mnt
+
+
+# --- read-only, errnos, statfs ----------------------------------------------------------------
+def _errno(fn: object, *args: object) -> int:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except OSError as exc:
+        return exc.errno or 0
+    raise AssertionError(f"{fn}{args} did not fail")
+
+
+@pytest.mark.timeout(30)
+def test_read_only(edge: Edge) -> None:
+    m = edge.mnt
+    f = m / "text/small.txt"
+    cases = [
+        (os.open, f, os.O_WRONLY), (os.open, f, os.O_RDWR), (os.open, f, os.O_RDONLY | os.O_TRUNC),
+        (open, f, "ab"), (os.mkdir, m / "newdir"), (os.rmdir, m / "empty/inner-empty"), (os.unlink, f),
+        (os.rename, f, m / "text/renamed"), (os.utime, f, (1, 1)), (os.chmod, f, 0o777), (os.chown, f, 1, 1),
+        (os.open, m / "newfile", os.O_CREAT | os.O_WRONLY, 0o644), (os.symlink, "x", m / "newlink"),
+        (os.link, f, m / "text/hardlink"), (os.truncate, f, 0), (os.setxattr, f, "user.x", b"1"),
+        (os.mkfifo, m / "fifo"),
+    ]
+    for fn, *args in cases:
+        assert _errno(fn, *args) == errno.EROFS, (fn, args)
+    assert f.read_bytes() == b"hello, dlfs\n" * 20  # nothing changed
+
+
+@pytest.mark.timeout(30)
+def test_errnos(edge: Edge) -> None:
+    m = edge.mnt
+    assert _errno(os.open, m / "missing", os.O_RDONLY) == errno.ENOENT
+    assert _errno(os.lstat, m / "names/missing") == errno.ENOENT
+    assert _errno(os.open, m / "text/small.txt/x", os.O_RDONLY) == errno.ENOTDIR
+    assert _errno(os.lstat, m / "text/small.txt/x") == errno.ENOTDIR
+    assert _errno(os.listdir, m / "text/small.txt") == errno.ENOTDIR
+    assert _errno(os.readlink, m / "text/small.txt") == errno.EINVAL
+    fd = os.open(m / "names", os.O_RDONLY)
+    try:
+        assert _errno(os.read, fd, 10) == errno.EISDIR
+    finally:
+        os.close(fd)
+    with pytest.raises(IsADirectoryError):
+        open(m / "names", "rb")
+    assert os.listxattr(m / "text/small.txt") == []
+    assert _errno(os.getxattr, m / "text/small.txt", "user.x") == errno.ENODATA
+    assert os.listdir(m / "empty/inner-empty") == []
+    assert sorted(os.listdir(m / "empty")) == ["inner-empty"]
+
+
+@pytest.mark.timeout(30)
+def test_statfs(edge: Edge) -> None:
+    src = tree(edge.bsrc, SPECIALS)
+    inodes = {st.st_ino: st for st in src.values()}
+    total = sum(st.st_size for st in inodes.values() if stat.S_ISREG(st.st_mode))
+    sv = os.statvfs(edge.mnt)
+    assert total <= sv.f_blocks * sv.f_frsize <= total + 4096
+    assert sv.f_files >= len(inodes)
+    assert sv.f_bavail == 0  # read-only: no room for anything
+
+
+# --- reads through a fresh mount --------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_random_access_across_chunks(edge: Edge) -> None:
+    mnt = edge.node.mount(NAME, edge.base / "mnt-random")  # its own page cache: reads reach dlfs
+    try:
+        data = (edge.src / os.fsdecode(BIG)).read_bytes()
+        size = len(data)
+        chunk = 64 << 10
+        rng = random.Random(7)
+        offsets = [max(0, k * chunk + d) for k in range(size // chunk + 1) for d in (-3, 0, 5)]
+        offsets += [rng.randrange(size) for _ in range(200)]
+        rng.shuffle(offsets)
+        flags = [os.O_RDONLY, os.O_RDONLY | os.O_DIRECT]  # O_DIRECT: every pread goes to dlfs as is
+        for flag in flags:
+            fd = os.open(mnt / os.fsdecode(BIG), flag)
+            try:
+                for off in offsets:
+                    n = rng.choice([1, 7, 4096, 70_000, 200_000])
+                    assert os.pread(fd, n, off) == data[off : off + n], (flag, off, n)
+                assert os.pread(fd, 100, size) == b""
+                assert os.pread(fd, 100, size + 12345) == b""
+                assert os.pread(fd, 100, size - 10) == data[-10:]
+            finally:
+                os.close(fd)
+    finally:
+        edge.node.umount(mnt)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_readers(edge: Edge) -> None:
+    mnt = edge.node.mount(NAME, edge.base / "mnt-threads")
+    try:
+        names = [os.path.join(MANY_DIR, n) for n in sorted(os.listdir(os.path.join(edge.bsrc, MANY_DIR)))]
+        assert len(names) == MANY_FILES
+        expect = {n: open(os.path.join(edge.bsrc, n), "rb").read() for n in names}
+        bad: list[str] = []
+        barrier = threading.Barrier(8)
+
+        def reader(seed: int) -> None:
+            order = names[:]
+            random.Random(seed).shuffle(order)
+            barrier.wait(timeout=10)
+            for n in order:
+                try:
+                    with open(os.path.join(os.fsencode(mnt), n), "rb") as f:
+                        got = f.read()
+                except OSError as exc:
+                    bad.append(f"{n!r}: {exc}")
+                    continue
+                if got != expect[n]:
+                    bad.append(f"{n!r}: {len(got)} bytes differ")
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=50)
+        assert not any(t.is_alive() for t in threads)
+        assert bad == []
+    finally:
+        edge.node.umount(mnt)
+
+
+# --- corruption -------------------------------------------------------------------------------
+def _inode_of(idx: Index, rel: str) -> int:
+    ino = ROOT_INO
+    for part in rel.split("/"):
+        found = idx.lookup(ino, part.encode())
+        assert found is not None, rel
+        ino = found
+    return ino
+
+
+@pytest.mark.timeout(90)
+def test_corrupt_and_truncated_chunks_give_eio(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "c").mkdir(parents=True)
+    rng = random.Random(3)
+    for i in range(60):
+        (src / f"c/f{i:02d}").write_bytes(rng.randbytes(10_000))
+    node.ingest(src, "corrupt", "--chunk-size", "64K")
+    idx = Index(node.home / "meta/index/corrupt/1.idx")
+    try:
+        where: dict[str, tuple[bytes, int, int, int]] = {}  # file -> (chunk id, chunk size, offset, end)
+        for i in range(60):
+            rel = f"c/f{i:02d}"
+            inode = idx.inode(_inode_of(idx, rel))
+            assert inode.count == 1  # 10 kB files never split at 64K chunks
+            ext = idx.extent(inode.ref)
+            ch = idx.chunk(ext.chunk)
+            where[rel] = (ch.id, ch.size, ext.record.offset, ext.record.offset + ext.record.stored_len)
+    finally:
+        idx.close()
+
+    def chunk_file(cid: bytes) -> Path:
+        return node.home / "data/chunks" / cid.hex()[:2] / cid.hex()
+
+    chunk_ids = sorted({w[0] for w in where.values()}, key=lambda c: min(w[2] for w in where.values() if w[0] == c))
+    assert len(chunk_ids) >= 4
+    # One flipped byte inside f-something's record in one chunk...
+    flipped = next(r for r, w in sorted(where.items()) if w[0] == chunk_ids[1])
+    cid_a, _, off_a, _ = where[flipped]
+    with open(chunk_file(cid_a), "r+b") as f:
+        f.seek(off_a + 100)
+        byte = f.read(1)
+        f.seek(off_a + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    # ...and another chunk cut to half its length.
+    cid_b = chunk_ids[2]
+    size_b = chunk_file(cid_b).stat().st_size
+    os.truncate(chunk_file(cid_b), size_b // 2)
+    cut = sorted(r for r, w in where.items() if w[0] == cid_b and w[3] > size_b // 2)
+    assert cut
+
+    mnt = node.mount("corrupt", tmp_path / "mnt")  # fresh: nothing cached
+    broken = {flipped, *cut}
+    for rel in sorted(broken):
+        with pytest.raises(OSError) as info:
+            (mnt / rel).read_bytes()
+        assert info.value.errno == errno.EIO, rel
+    for rel in sorted(set(where) - broken):
+        assert (mnt / rel).read_bytes() == (src / rel).read_bytes(), rel
+
+    log = node.mount_log("corrupt").read_text(errors="replace")
+    for rel, cid in [(flipped, cid_a), (cut[0], cid_b)]:
+        assert any(cid.hex() in line and f"/{rel}" in line for line in log.splitlines()), (rel, log)
+    # Still up: the mount answers, the node answers, the broken file still fails the same way.
+    assert len(os.listdir(mnt / "c")) == 60
+    assert node.run("status").returncode == 0
+    with pytest.raises(OSError) as info:
+        (mnt / flipped).read_bytes()
+    assert info.value.errno == errno.EIO
+    node.umount(mnt)

@@ -1,0 +1,266 @@
+"""Unit tests for the frame protocol and the key handshake, over in-memory streams and real sockets."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+
+import dlfs.wire.auth as auth
+from dlfs.errors import AuthError, ProtocolError
+from dlfs.wire.auth import client_handshake, server_handshake
+from dlfs.wire.protocol import (HEADER, MAGIC, MAX_DATA, MAX_META, MAX_META_UNAUTHENTICATED, REQUEST, RESPONSE,
+                                VERSION, Frame, FrameStream, Msg, pack_meta)
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
+
+def _memory_pair() -> tuple[FrameStream, FrameStream]:
+    a, b = trio.testing.memory_stream_pair()
+    return FrameStream(a, "a"), FrameStream(b, "b")
+
+
+def _socket_pair() -> tuple[FrameStream, FrameStream]:
+    a, b = trio.socket.socketpair()
+    return FrameStream(trio.SocketStream(a), "a"), FrameStream(trio.SocketStream(b), "b")
+
+
+PAIRS: dict[str, Callable[[], tuple[FrameStream, FrameStream]]] = {"memory": _memory_pair, "socket": _socket_pair}
+
+
+def _header(*, magic: int = MAGIC, version: int = VERSION, kind: int = REQUEST, msg: int = Msg.PING,
+            status: int = 0, req_id: int = 1, meta_len: int = 0, data_len: int = 0) -> bytes:
+    return HEADER.pack(magic, version, kind, msg, status, req_id, meta_len, data_len)
+
+
+async def _receive_raw(raw: bytes, authenticated: bool = False, close: bool = True) -> Frame:
+    """What a FrameStream makes of exactly these bytes from its peer."""
+    a, b = trio.testing.memory_stream_pair()
+    fs = FrameStream(b, "tester")
+    if authenticated:
+        fs.authenticated()
+    await a.send_all(raw)
+    if close:
+        await a.send_eof()
+    return await fs.receive()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", list(PAIRS))
+async def test_frames_round_trip(kind: str) -> None:
+    left, right = PAIRS[kind]()
+    left.authenticated()
+    right.authenticated()
+    big = os.urandom(5 << 20)
+    sent = [
+        Frame(REQUEST, Msg.PING, 1),
+        Frame(REQUEST, Msg.READ_RANGE, 2, meta={"id": b"\x00" * 16, "offset": 7, "length": 1 << 40}),
+        Frame(RESPONSE, Msg.PUT_CHUNK, 0xFFFFFFFF, 5, {"error": "chunk ab: checksum mismatch \u2603"}),
+        Frame(REQUEST, Msg.PUT_CHUNK, 3, meta={"id": b"x" * 16}, data=big),
+        Frame(RESPONSE, Msg.LIST_CHUNKS, 4, data=memoryview(b"0123456789abcdef" * 3)),
+    ]
+    got: list[Frame] = []
+
+    async def reader() -> None:
+        for _ in sent:
+            got.append(await right.receive())
+
+    async with trio.open_nursery() as n:
+        n.start_soon(reader)
+        for f in sent:
+            await left.send(f)
+    assert len(got) == len(sent)
+    for s, g in zip(sent, got):
+        assert (g.kind, g.msg, g.req_id, g.status, g.meta) == (s.kind, s.msg, s.req_id, s.status, s.meta)
+        assert bytes(g.data) == bytes(s.data)
+    assert bytes(got[3].data) == big
+    # A clean close between frames is the end of the channel, not an error.
+    await left.aclose()
+    with pytest.raises(trio.EndOfChannel):
+        await right.receive()
+    await right.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_socket_stream_uses_recv_into() -> None:
+    left, right = _socket_pair()
+    assert right._recv_into is not None  # the zero-copy path is the one under test
+    right.authenticated()
+    payload = os.urandom(3 << 20)
+    async with trio.open_nursery() as n:
+        n.start_soon(left.send, Frame(REQUEST, Msg.PUT_CHUNK, 9, meta={"k": 1}, data=payload))
+        f = await right.receive()
+    assert f.meta == {"k": 1} and f.data == payload and isinstance(f.data, bytearray)
+    await left.aclose()
+    await right.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_bad_magic() -> None:
+    with pytest.raises(ProtocolError, match="bad magic 0xbeef"):
+        await _receive_raw(_header(magic=0xBEEF))
+
+
+@pytest.mark.timeout(10)
+async def test_wrong_version() -> None:
+    with pytest.raises(ProtocolError, match="protocol version 2 not spoken"):
+        await _receive_raw(_header(version=2))
+
+
+@pytest.mark.timeout(10)
+async def test_bad_kind() -> None:
+    with pytest.raises(ProtocolError, match="kind 7"):
+        await _receive_raw(_header(kind=7))
+
+
+@pytest.mark.timeout(10)
+async def test_size_limits_before_handshake() -> None:
+    with pytest.raises(ProtocolError, match="over the size limit"):
+        await _receive_raw(_header(meta_len=MAX_META_UNAUTHENTICATED + 1), close=False)
+    with pytest.raises(ProtocolError, match="over the size limit"):
+        await _receive_raw(_header(data_len=1), close=False)
+    # Exactly at the limit is allowed.
+    meta = {"pad": b"p" * (MAX_META_UNAUTHENTICATED - 8)}  # map, key "pad", bin16 header: 8 bytes
+    raw = pack_meta(meta)
+    assert len(raw) == MAX_META_UNAUTHENTICATED
+    f = await _receive_raw(_header(meta_len=len(raw)) + raw)
+    assert f.meta == meta
+
+
+@pytest.mark.timeout(10)
+async def test_size_limits_after_handshake() -> None:
+    with pytest.raises(ProtocolError, match="over the size limit"):
+        await _receive_raw(_header(meta_len=MAX_META + 1), authenticated=True, close=False)
+    with pytest.raises(ProtocolError, match="over the size limit"):
+        await _receive_raw(_header(data_len=MAX_DATA + 1), authenticated=True, close=False)
+    # Bigger than the unauthenticated limits is fine once authenticated.
+    meta = pack_meta({"x": b"m" * 10_000})
+    f = await _receive_raw(_header(meta_len=len(meta), data_len=100_000) + meta + b"d" * 100_000, authenticated=True)
+    assert f.meta == {"x": b"m" * 10_000} and len(f.data) == 100_000
+
+
+@pytest.mark.timeout(10)
+async def test_send_refuses_oversize_meta() -> None:
+    left, right = _memory_pair()
+    with pytest.raises(ProtocolError, match="over the 1048576 limit"):
+        await left.send(Frame(REQUEST, Msg.PUT_INDEX, 1, meta={"x": b"y" * MAX_META}))
+
+
+@pytest.mark.timeout(10)
+async def test_truncated_frames() -> None:
+    meta = pack_meta({"a": 1, "b": b"x" * 50})
+    with pytest.raises(ProtocolError, match="ended inside a frame"):
+        await _receive_raw(_header(meta_len=len(meta)) + meta[:10])
+    with pytest.raises(ProtocolError, match="ended inside a frame"):
+        await _receive_raw(_header(meta_len=len(meta), data_len=100) + meta + b"d" * 99, authenticated=True)
+    # A peer that stops halfway through a header sent a broken frame too, not a clean end.
+    with pytest.raises(ProtocolError, match="ended inside a frame"):
+        await _receive_raw(_header()[:7])
+
+
+@pytest.mark.timeout(10)
+async def test_garbage_meta() -> None:
+    with pytest.raises(ProtocolError, match="meta does not decode"):
+        await _receive_raw(_header(meta_len=5) + b"\xc1" * 5)  # 0xc1 is never valid msgpack
+    trailing = pack_meta({"a": 1}) + b"\x01"
+    with pytest.raises(ProtocolError, match="meta does not decode"):
+        await _receive_raw(_header(meta_len=len(trailing)) + trailing)
+    as_list = msgpack.packb([1, 2, 3])
+    with pytest.raises(ProtocolError, match="meta is not a map"):
+        await _receive_raw(_header(meta_len=len(as_list)) + as_list)
+
+
+async def _handshake(server_key: bytes, client_key: bytes, client_service: str = "data") -> dict[str, Any]:
+    """Run both sides over a memory stream pair; returns each side's result or exception."""
+    client_fs, server_fs = _memory_pair()
+    out: dict[str, Any] = {}
+
+    async def server() -> None:
+        try:
+            await server_handshake(server_fs, server_key, "data", "node-7")
+            out["server"] = "ok"
+        except Exception as exc:
+            out["server"] = exc
+        finally:
+            await server_fs.aclose()
+
+    async def client() -> None:
+        try:
+            out["client"] = await client_handshake(client_fs, client_key, client_service)
+        except Exception as exc:
+            out["client"] = exc
+        finally:
+            await client_fs.aclose()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            n.start_soon(server)
+            n.start_soon(client)
+    out["client_fs"], out["server_fs"] = client_fs, server_fs
+    return out
+
+
+@pytest.mark.timeout(10)
+async def test_handshake_right_key() -> None:
+    out = await _handshake(KEY, KEY)
+    assert out["client"] == "node-7" and out["server"] == "ok"
+    assert out["client_fs"].max_data == MAX_DATA and out["server_fs"].max_data == MAX_DATA
+
+
+@pytest.mark.timeout(10)
+async def test_handshake_wrong_key() -> None:
+    out = await _handshake(KEY, OTHER_KEY)
+    assert isinstance(out["client"], AuthError) and "refused us: wrong cluster key" in str(out["client"])
+    assert isinstance(out["server"], AuthError) and "wrong cluster key" in str(out["server"])
+    # Neither side lifted its size limits.
+    assert out["client_fs"].max_data == 0 and out["server_fs"].max_data == 0
+
+
+@pytest.mark.timeout(10)
+async def test_handshake_wrong_service() -> None:
+    out = await _handshake(KEY, KEY, client_service="meta")
+    assert isinstance(out["client"], ProtocolError) and "is a data daemon, not meta" in str(out["client"])
+    assert not isinstance(out["server"], str)  # the server never authenticated that peer
+
+
+@pytest.mark.timeout(10)
+async def test_client_refuses_a_server_without_the_key() -> None:
+    """A fake daemon that accepts any client but cannot prove the key is refused by the client."""
+    client_fs, server_fs = _memory_pair()
+
+    async def impostor() -> None:
+        await server_fs.send(Frame(RESPONSE, Msg.HELLO, 0, meta={"service": "data", "node": "x", "nonce": b"n" * 32}))
+        f = await server_fs.receive()
+        await server_fs.send(Frame(RESPONSE, Msg.AUTH_OK, f.req_id, meta={"mac": b"m" * 32}))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(impostor)
+        with pytest.raises(AuthError, match="does not know the cluster key"):
+            await client_handshake(client_fs, KEY, "data")
+    assert client_fs.max_data == 0
+
+
+@pytest.mark.timeout(10)
+async def test_server_refuses_a_peer_that_skips_the_handshake() -> None:
+    client_fs, server_fs = _memory_pair()
+    async with trio.open_nursery() as n:
+        n.start_soon(client_fs.send, Frame(REQUEST, Msg.PING, 1))
+        with pytest.raises(ProtocolError, match="did not start with the handshake"):
+            await server_handshake(server_fs, KEY, "data", "n")
+        hello = await client_fs.receive()
+        assert hello.msg == Msg.HELLO and hello.meta["service"] == "data"
+
+
+@pytest.mark.timeout(10)
+async def test_server_handshake_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 0.3)
+    _client_fs, server_fs = _memory_pair()
+    start = trio.current_time()
+    with pytest.raises(trio.TooSlowError):
+        await server_handshake(server_fs, KEY, "data", "n")  # the peer never answers
+    assert trio.current_time() - start < 2
