@@ -6,19 +6,20 @@ import argparse
 import datetime
 import logging
 import os
+import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
 from dlfs import __version__
-from dlfs.config import home_dir, load_cluster, parse_cluster_file
-from dlfs.errors import DlfsError, MountError, UsageError
+from dlfs.config import check_dataset_name, home_dir, load_cluster, parse_cluster_file
+from dlfs.errors import Conflict, DlfsError, MountError, UsageError
+from dlfs.tasks import leaves, open_nursery
 from dlfs.units import human_bytes, parse_size
-from dlfs.tasks import open_nursery
 
 log = logging.getLogger("dlfs")
 EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
@@ -53,8 +54,14 @@ def cmd_node(args: argparse.Namespace) -> int:
 # --- ingest -------------------------------------------------------------------------------------
 class _RichProgress:
     def __init__(self, name: str) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         self.bar = Progress(TextColumn(f"ingest {name}"), BarColumn(), TextColumn("{task.fields[files]}"),
                             DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
@@ -73,16 +80,38 @@ class _RichProgress:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dlfs.ingest.run import ingest
+    from dlfs.ingest.run import IngestReport, check_chunk_size, ingest
 
     _setup_logging(args)
-    cluster = _cluster(args)
+    # Mistakes in the arguments are reported before the cluster is needed.
+    check_dataset_name(args.name)
+    chunk_size = check_chunk_size(parse_size(args.chunk_size))
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
+    cluster = _cluster(args)
     progress = _RichProgress(args.name)
+
+    async def run() -> IngestReport | None:
+        # Ctrl-C cancels the ingest, which then gives its session up; a KeyboardInterrupt would
+        # land in whichever task runs at that moment and could break the connection it needs.
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            async with open_nursery() as nursery:
+                async def on_signal() -> None:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(on_signal, name="dlfs-ingest-signals")
+                report = await ingest(cluster, args.src, args.name, chunk_size, args.compress == "lz4", progress,
+                                      home_dir(args.home))
+                nursery.cancel_scope.cancel()
+                return report
+        return None  # cancelled by the signal
+
     with progress.bar:
-        report = trio.run(lambda: ingest(cluster, args.src, args.name, parse_size(args.chunk_size),
-                                         args.compress == "lz4", progress, home_dir(args.home)))
+        report = trio.run(run)
+    if report is None:
+        raise KeyboardInterrupt
     info = report.info
     for skipped in report.skipped[:10]:
         print(f"skipped {os.fsdecode(skipped)} (not a file, directory or symlink)", file=sys.stderr)
@@ -122,11 +151,16 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from dlfs.fuse.mount import parse_dataset_ref
+    from dlfs.fuse.mount import local_mounts, parse_dataset_ref
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
     name, version = parse_dataset_ref(args.name)
+    # Removal frees the chunks at once: a mount of the version would fail every read it has not cached.
+    for label, mountpoint in local_mounts(home_dir(args.home)):
+        mounted_name, _, mounted_version = label.rpartition("@")
+        if mounted_name == name and (version is None or mounted_version == str(version)):
+            raise Conflict(f"{label} is mounted at {mountpoint}; unmount it first (dlfs umount {mountpoint})")
     out = trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version})
     versions = ", ".join(str(v["version"]) for v in out["removed"])
     print(f"removed {name} (version {versions}); freed {out['freed_chunks']} chunks")
@@ -185,12 +219,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     name, version = parse_dataset_ref(args.dataset)
     mountpoint = Path(args.mountpoint).absolute()
     check_mountpoint(mountpoint)
+    cache_size, readahead = parse_size(args.cache_size), parse_size(args.readahead)
+    # Here, not in the background process: its errors would reach the user only through its log.
+    cluster = _cluster(args)
     if not args.foreground:
         return _mount_background(args, home, name, mountpoint)
     _setup_logging(args, "INFO")
-    cluster = _cluster(args)
-    opts = MountOptions(home, cluster, name, version, mountpoint, parse_size(args.cache_size),
-                        parse_size(args.readahead), args.allow_other)
+    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -265,11 +300,20 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 # --- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--home", help="state directory (default: $DLFS_HOME or ~/.dlfs)")
-    common.add_argument("--cluster", metavar="FILE", help="cluster file (default: $DLFS_CLUSTER; none: the local node)")
-    common.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"])
-    common.add_argument("--log-file", metavar="FILE", help="write log lines here instead of stderr")
+    def common_options(default: Any) -> argparse.ArgumentParser:
+        common = argparse.ArgumentParser(add_help=False)
+        common.add_argument("--home", default=default, help="state directory (default: $DLFS_HOME or ~/.dlfs)")
+        common.add_argument("--cluster", default=default, metavar="FILE",
+                            help="cluster file (default: $DLFS_CLUSTER; none: the local node)")
+        common.add_argument("--log-level", default=default,
+                            choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"])
+        common.add_argument("--log-file", default=default, metavar="FILE",
+                            help="write log lines here instead of stderr")
+        return common
+
+    # Accepted before and after the subcommand; after it, a default would overwrite the value
+    # given before it (`dlfs --home H status`), so there the defaults are suppressed.
+    common, sub_common = common_options(None), common_options(argparse.SUPPRESS)
 
     p = argparse.ArgumentParser(prog="dlfs", description="dlfs: a distributed file system for deep-learning datasets.",
                                 epilog=EPILOG, parents=[common])
@@ -277,15 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, parents=[common], epilog=EPILOG)
+        sp = sub.add_parser(name, help=help, description=help, parents=[sub_common], epilog=EPILOG)
         sp.set_defaults(fn=fn)
         return sp
 
     sp = add("node", cmd_node, "Run this node's metadata and data daemons in the foreground until SIGINT/SIGTERM.")
     sp.add_argument("--name", help="this node's name in the cluster file (default: the entry with a local address)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on with no cluster file (default 127.0.0.1)")
-    sp.add_argument("--meta-port", type=int, default=0, help="metadata port with no cluster file (default: any free port)")
-    sp.add_argument("--data-port", type=int, default=0, help="data port with no cluster file (default: any free port)")
+    sp.add_argument("--meta-port", type=int, default=0,
+                    help="metadata port with no cluster file (default: the last run's, else any free port)")
+    sp.add_argument("--data-port", type=int, default=0,
+                    help="data port with no cluster file (default: the last run's, else any free port)")
 
     sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.")
     sp.add_argument("src", metavar="SRC", help="directory to ingest")
@@ -332,18 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         print("dlfs: interrupted", file=sys.stderr)
         return 130
     except BaseExceptionGroup as group:  # trio wraps task errors; show the dlfs one
-        for exc in _leaves(group):
-            if isinstance(exc, DlfsError):
-                print(f"dlfs: error: {exc}", file=sys.stderr)
-                return exc.exit_code
+        errors = leaves(group)
+        if any(isinstance(e, KeyboardInterrupt) for e in errors):
+            print("dlfs: interrupted", file=sys.stderr)  # what broke on the way out is not news
+            return 130
+        for e in errors:
+            if isinstance(e, DlfsError):
+                print(f"dlfs: error: {e}", file=sys.stderr)
+                return e.exit_code
         raise
 
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
-
-
-__all__ = ["main", "time"]

@@ -89,13 +89,31 @@ def runtime_file(home: Path) -> Path:
     return home / "run" / "node.json"
 
 
+def ports_file(home: Path) -> Path:
+    return home / "run" / "ports.json"
+
+
 def write_runtime(home: Path, name: str, meta: Address, data: Address) -> None:
     """Publish where the running node listens (atomically, for the commands that read it)."""
     path = runtime_file(home)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"name": name, "meta": str(meta), "data": str(data), "pid": os.getpid()}))
-    os.replace(tmp, path)
+    for target, doc in ((ports_file(home), {"meta": meta.port, "data": data.port}),
+                        (path, {"name": name, "meta": str(meta), "data": str(data), "pid": os.getpid()})):
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, target)
+
+
+def last_ports(home: Path) -> tuple[int, int]:
+    """(meta, data) ports of the node's last run under `home`, or (0, 0).
+
+    A restarted node listens where it did before, so mounts made before the restart reconnect.
+    """
+    try:
+        doc = json.loads(ports_file(home).read_text())
+        return int(doc["meta"]), int(doc["data"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0
 
 
 def load_cluster(cluster_file: str | None, home: Path) -> Cluster:

@@ -12,15 +12,15 @@ from pathlib import Path
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.config import Cluster, NodeSpec, ensure_home_key, runtime_file, write_runtime
+from dlfs.config import Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import UsageError
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
-from dlfs.transport.base import Address
-from dlfs.wire.rpc import serve
 from dlfs.tasks import open_nursery
+from dlfs.transport.base import Address
+from dlfs.wire.rpc import Service, serve
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE = 10.0
@@ -49,16 +49,34 @@ def _lock_home(home: Path) -> int:
     return fd
 
 
+async def _listen(nursery: trio.Nursery, service: Service, address: Address, fallback: Address | None) -> Address:
+    """Serve `service` on `address`, or on `fallback` if that is given and `address` is taken."""
+    try:
+        return (await nursery.start(serve, service, address))[0]
+    except OSError as exc:
+        if fallback is None:
+            raise
+        log.info("%s daemon: %s is taken (%s); listening on %s", service.name, address, exc.strerror, fallback)
+        return (await nursery.start(serve, service, fallback))[0]
+
+
 async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled or signalled; reports this node's addresses once both listen."""
     home = opts.home
     home.mkdir(parents=True, exist_ok=True)
     lock_fd = _lock_home(home)
     try:
+        meta_fallback = data_fallback = None
         if opts.cluster is None:
             key = ensure_home_key(home)
             name = opts.name or "local"
             meta_addr, data_addr = Address(opts.host, opts.meta_port), Address(opts.host, opts.data_port)
+            # Listen where the last run did, so that mounts made before a restart reconnect.
+            last_meta, last_data = last_ports(home)
+            if opts.meta_port == 0 and last_meta:
+                meta_addr, meta_fallback = Address(opts.host, last_meta), meta_addr
+            if opts.data_port == 0 and last_data:
+                data_addr, data_fallback = Address(opts.host, last_data), data_addr
         else:
             key = opts.cluster.key
             name = opts.name or opts.cluster.local or ""
@@ -72,13 +90,14 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                  name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
         try:
             async with open_nursery() as nursery:
-                data_bound = (await nursery.start(serve, DataService(chunks, key, name), data_addr))[0]
+                data_bound = await _listen(nursery, DataService(chunks, key, name), data_addr, data_fallback)
                 if opts.cluster is None:
                     cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
                 else:
                     cluster = opts.cluster
                 ledger = ClusterClient(cluster, nursery)
-                meta_bound = (await nursery.start(serve, MetaService(meta_store, key, name, ledger), meta_addr))[0]
+                meta_service = MetaService(meta_store, key, name, ledger)
+                meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
                 me = NodeSpec(name, meta_bound, data_bound)
                 if opts.cluster is None:
                     write_runtime(home, name, meta_bound, data_bound)

@@ -7,8 +7,8 @@ FUSE boundary) want the DlfsError inside, so a group with one real error is unwr
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import trio
 

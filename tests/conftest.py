@@ -10,13 +10,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -42,7 +43,7 @@ def run_dlfs(home: Path, *args: str | os.PathLike[str], check: bool = True,
              timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
     """Run the dlfs CLI with DLFS_HOME=home; text output captured."""
     proc = subprocess.run([*DLFS, *map(str, args)], env=dlfs_env(home), capture_output=True, text=True,
-                          errors="surrogateescape", timeout=timeout, cwd=REPO)
+                          errors="surrogateescape", timeout=timeout, cwd=REPO, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"dlfs {' '.join(map(str, args))} exited {proc.returncode}\n"
                              f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
@@ -78,8 +79,8 @@ def force_unmount(base: Path) -> list[str]:
     """Unmount everything under `base` (fusermount3 -u, then umount -l); returns what was mounted."""
     left = mounts_under(base)
     for mnt in left:
-        if subprocess.run(["fusermount3", "-u", mnt], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", mnt], capture_output=True)
+        if subprocess.run(["fusermount3", "-u", mnt], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", mnt], capture_output=True, check=False)
     return left
 
 
@@ -91,6 +92,8 @@ class Node:
     proc: subprocess.Popen[bytes]
     log: Path
     mounts: list[Path] = field(default_factory=list)
+    cluster: Path | None = None  # the cluster file, for a node of a cluster (not the embedded one)
+    name: str | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -98,6 +101,8 @@ class Node:
 
     def run(self, *args: str | os.PathLike[str], check: bool = True,
             timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+        if self.cluster is not None:
+            args = ("--cluster", self.cluster, *args)
         return run_dlfs(self.home, *args, check=check, timeout=timeout)
 
     def ingest(self, src: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -120,26 +125,42 @@ class Node:
     def node_log(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        rc = stop_node(self.proc, sig)
+        assert rc == 0, f"dlfs node exited {rc} after {signal.Signals(sig).name}:\n{self.node_log()}"
 
-def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = START_TIMEOUT) -> None:
-    """Until node.json exists and `dlfs status` succeeds, bounded."""
+    def start(self) -> None:
+        """Start the node again on the same home (after stop)."""
+        assert self.proc.poll() is not None
+        self.proc, self.log = start_node_process(self.home, *self.node_args())
+        wait_for_node(self.home, self.proc, self.log, self.cluster)
+
+    def node_args(self) -> list[str]:
+        return [] if self.cluster is None else ["--cluster", str(self.cluster), "--name", str(self.name)]
+
+
+def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, cluster: Path | None = None,
+                  timeout: float = START_TIMEOUT) -> None:
+    """Until node.json exists (embedded node) and `dlfs status` succeeds, bounded."""
     deadline = time.monotonic() + timeout
     runtime = home / "run" / "node.json"
+    status = ["status"] if cluster is None else ["--cluster", str(cluster), "status"]
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"dlfs node exited {proc.returncode} while starting:\n{log.read_text()}")
-        if runtime.exists() and run_dlfs(home, "status", check=False, timeout=10).returncode == 0:
+        if (cluster is not None or runtime.exists()) and run_dlfs(home, *status, check=False,
+                                                                   timeout=10).returncode == 0:
             return
         time.sleep(0.05)
     raise AssertionError(f"dlfs node did not come up within {timeout} s:\n{log.read_text()}")
 
 
-def start_node_process(home: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_node_process(home: Path, *node_args: str) -> tuple[subprocess.Popen[bytes], Path]:
     home.mkdir(parents=True, exist_ok=True)
     log = home.parent / f"{home.name}-node.log"
     with open(log, "ab") as logf:
-        proc = subprocess.Popen([*DLFS, "node"], env=dlfs_env(home), stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=REPO)
+        proc = subprocess.Popen([*DLFS, "node", *node_args], env=dlfs_env(home), stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
     return proc, log
 
 
@@ -152,7 +173,7 @@ def stop_node(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
-            raise AssertionError(f"dlfs node did not stop within {timeout} s of {signal.Signals(sig).name}")
+            raise AssertionError(f"dlfs node did not stop within {timeout} s of {signal.Signals(sig).name}") from None
     return proc.returncode
 
 
@@ -166,8 +187,45 @@ def running_node(home: Path, scratch: Path) -> Iterator[Node]:
         yield node
     finally:
         force_unmount(scratch)
-        rc = stop_node(proc)
-        assert rc == 0, f"dlfs node exited {rc} after SIGTERM:\n{log.read_text(errors='replace')}"
+        node.stop()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@contextmanager
+def running_cluster(base: Path, n: int = 2, replicas: int = 2) -> Iterator[list[Node]]:
+    """n nodes on localhost from one cluster file, each with its own home; stopped on leaving."""
+    base.mkdir(parents=True, exist_ok=True)
+    run_dlfs(base, "keygen", base / "cluster.key")
+    ports = _free_ports(2 * n)
+    lines = [f"replicas = {replicas}", 'key_file = "cluster.key"']
+    for i in range(n):
+        lines += ["[[node]]", f'name = "n{i + 1}"', 'address = "127.0.0.1"',
+                  f"meta_port = {ports[2 * i]}", f"data_port = {ports[2 * i + 1]}"]
+    cluster = base / "cluster.toml"
+    cluster.write_text("\n".join(lines) + "\n")
+    nodes: list[Node] = []
+    try:
+        for i in range(n):
+            home, name = base / f"h{i + 1}", f"n{i + 1}"
+            proc, log = start_node_process(home, "--cluster", str(cluster), "--name", name)
+            nodes.append(Node(home, proc, log, cluster=cluster, name=name))
+        for node in nodes:
+            wait_for_node(node.home, node.proc, node.log, cluster)
+        yield nodes
+    finally:
+        force_unmount(base)
+        for node in nodes:
+            node.stop()
 
 
 @pytest.fixture
@@ -177,21 +235,9 @@ def node(tmp_path: Path) -> Iterator[Node]:
         yield n
 
 
-@contextmanager
-def mounted_dataset(node: Node, src: Path, name: str, mountpoint: Path, *ingest_args: str) -> Iterator[Path]:
-    """Ingest `src` as `name`, mount it, and always unmount on leaving."""
-    node.ingest(src, name, *ingest_args)
-    try:
-        yield node.mount(name, mountpoint)
-    finally:
-        if os.path.ismount(mountpoint):
-            if node.run("umount", mountpoint, check=False).returncode != 0:
-                force_unmount(mountpoint)
-
-
 @pytest.fixture
-def mounted(node: Node, tmp_path: Path) -> Iterator[object]:
-    """mounted(src, name, *ingest_args) -> mountpoint: ingest, mount, unmount at teardown."""
+def mounted(node: Node, tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """mounted(src, name, *ingest_args) -> mountpoint: ingest, mount, and unmount at teardown, always."""
     stack: list[Path] = []
 
     def make(src: Path, name: str, *ingest_args: str) -> Path:

@@ -11,8 +11,18 @@ import lz4.block
 import pytest
 
 from dlfs.errors import CorruptData
-from dlfs.format.chunk import (FLAG_LZ4, HEADER, RECORD, ChunkWriter, Record, chunk_id, decode_record,
-                               iter_records, record_checksum, verify_chunk)
+from dlfs.format.chunk import (
+    FLAG_LZ4,
+    HEADER,
+    RECORD,
+    ChunkWriter,
+    Record,
+    chunk_id,
+    decode_record,
+    iter_records,
+    record_checksum,
+    verify_chunk,
+)
 
 CAP = 4 << 20
 
@@ -207,7 +217,7 @@ def test_decode_record_truncated() -> None:
 @pytest.mark.timeout(10)
 def test_decode_record_corrupt_lz4_with_forged_checksum() -> None:
     text = b"compressible " * 1000
-    _, data, (rec,) = _chunk([text], compress=True)
+    _, _, (rec,) = _chunk([text], compress=True)
     assert rec.flags & FLAG_LZ4
     garbage = bytes([0xF0]) + b"\xff" * 40  # a literal run whose length runs past the input
     with pytest.raises(lz4.block.LZ4BlockError):
@@ -220,7 +230,7 @@ def test_decode_record_corrupt_lz4_with_forged_checksum() -> None:
 @pytest.mark.timeout(10)
 def test_decode_record_lz4_that_decodes_short() -> None:
     text = b"compressible " * 1000
-    _, data, (rec,) = _chunk([text], compress=True)
+    _, _, (rec,) = _chunk([text], compress=True)
     # Valid lz4 of fewer bytes than the record claims: the length check must catch it.
     short = lz4.block.compress(text[:-13], store_size=False)
     forged = Record(rec.offset, len(short), rec.raw_len, record_checksum(short), rec.flags)

@@ -163,7 +163,7 @@ def test_big_directory_binary_search(tmp_path: Path) -> None:
     w = IndexWriter(1 + len(names), 1 << 20)
     ref, n = w.add_dirents(list(by_name.items()))
     w.set_inode(1, DIR, 0, 0, 2, 0, 0, ref, n, 1)
-    for name, ino in by_name.items():
+    for ino in by_name.values():
         w.set_inode(ino, REG, 0, 0, 1, ino, 0, 0, 0, 1)
     path = tmp_path / "big.idx"
     with open(path, "wb") as out:

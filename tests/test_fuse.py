@@ -1,25 +1,28 @@
 """A real node, a real ingest of the edge-case tree, a real FUSE mount: compared with the source
 by os.lstat, by content, and by the ordinary tools a user would reach for (ls, find, diff, md5sum,
-tar); then read-only errnos, statfs, random access, corruption and concurrent reads."""
+tar); then read-only errnos, permissions for other users, statfs, random access, corrupt chunks,
+concurrent reads, a node restart under a mount, and failover from a damaged replica."""
 
 from __future__ import annotations
 
 import errno
 import filecmp
+import mmap
 import os
 import random
+import shutil
 import stat
 import subprocess
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
-from conftest import Node, needs_fuse, running_node
-from dlfs.format.index import ROOT_INO, Index
+from conftest import Node, needs_fuse, running_cluster, running_node
 from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
+
+from dlfs.format.index import ROOT_INO, Index
 
 pytestmark = needs_fuse
 NAME = "edge"
@@ -69,8 +72,8 @@ def tree(root: bytes, skip: tuple[bytes, ...] = ()) -> dict[bytes, os.stat_resul
     return out
 
 
-def tool(*cmd: str | bytes, cwd: Path | None = None, ok: tuple[int, ...] = (0,)) -> bytes:
-    proc = subprocess.run(list(cmd), capture_output=True, cwd=cwd, env=C_ENV, timeout=60)
+def tool(*cmd: str | bytes | os.PathLike[str], cwd: Path | None = None, ok: tuple[int, ...] = (0,)) -> bytes:
+    proc = subprocess.run(list(cmd), capture_output=True, cwd=cwd, env=C_ENV, timeout=60, check=False)
     assert proc.returncode in ok, f"{cmd} exited {proc.returncode}: {proc.stderr.decode(errors='replace')}"
     return proc.stdout
 
@@ -123,7 +126,8 @@ def test_file_contents_equal(edge: Edge) -> None:
     assert (edge.mnt / "links/relative").read_bytes() == (edge.src / "sizes/4096.bin").read_bytes()
     assert (edge.mnt / "links/to-dir/with spaces.txt").read_bytes() == b"spaces\n"
     assert (edge.mnt / "names/link to spaces").read_bytes() == b"spaces\n"
-    assert open(os.path.join(edge.bmnt, b"names/link-to-bad-bytes"), "rb").read().startswith(b"inside")
+    with open(os.path.join(edge.bmnt, b"names/link-to-bad-bytes"), "rb") as f:
+        assert f.read().startswith(b"inside")
     assert not os.path.exists(edge.mnt / "links/dangling")
     assert os.path.lexists(edge.mnt / "links/dangling")
 
@@ -154,7 +158,7 @@ def test_ls_laR(edge: Edge) -> None:
     src = _drop_specials_ls(tool(*args, cwd=edge.src))
     mnt = _drop_specials_ls(tool(*args, cwd=edge.mnt))
     assert mnt == src
-    assert any(b"one megabyte.bin" in line for line in mnt)
+    assert any(line.endswith(b"one\\ megabyte.bin") for line in mnt)
 
 
 def _find(root: Path) -> list[bytes]:
@@ -183,11 +187,30 @@ def test_cat_diff_md5sum(edge: Edge) -> None:
     assert mnt.count(b"\n") >= MANY_FILES
 
 
+@pytest.mark.timeout(60)
+def test_cp_sendfile_and_mmap(edge: Edge, tmp_path: Path) -> None:
+    big, text = os.fsdecode(BIG), os.fsdecode(TEXT)
+    tool("cp", edge.mnt / big, tmp_path / "cp.bin")  # copy_file_range / sendfile, as cp chooses
+    assert (tmp_path / "cp.bin").read_bytes() == (edge.src / big).read_bytes()
+    shutil.copyfile(edge.mnt / text, tmp_path / "sendfile.txt")  # sendfile(2) on Linux
+    assert (tmp_path / "sendfile.txt").read_bytes() == (edge.src / text).read_bytes()
+    tool("cp", "-a", edge.mnt / "links", tmp_path / "links")
+    assert os.readlink(tmp_path / "links/dangling") == "does/not/exist"
+    assert os.stat(tmp_path / "links/triple-2").st_ino == os.stat(tmp_path / "links/triple-3").st_ino
+    with open(edge.mnt / "big/two and a half MB.bin", "rb") as f, \
+            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:  # how numpy.memmap and torch read
+        data = (edge.src / "big/two and a half MB.bin").read_bytes()
+        assert len(m) == len(data)
+        for off in (0, 65_000, 1_000_001, len(data) - 5):
+            assert m[off : off + 5000] == data[off : off + 5000]
+        assert m[:] == data
+
+
 def _tar_listing(root: Path, *exclude: str) -> bytes:
     tar = subprocess.Popen(["tar", "--sort=name", "--format=posix", *exclude, "-cf", "-", "-C", str(root), "."],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=C_ENV)
     listing = subprocess.run(["tar", "-tvf", "-", "--numeric-owner", "--full-time"], stdin=tar.stdout,
-                             capture_output=True, env=C_ENV, timeout=60)
+                             capture_output=True, env=C_ENV, timeout=60, check=False)
     assert tar.stdout is not None
     tar.stdout.close()
     tar.wait(timeout=60)
@@ -229,6 +252,10 @@ def test_read_only(edge: Edge) -> None:
     for fn, *args in cases:
         assert _errno(fn, *args) == errno.EROFS, (fn, args)
     assert f.read_bytes() == b"hello, dlfs\n" * 20  # nothing changed
+    # A dataset is data: its setuid bits and device nodes must not take effect.
+    with open("/proc/self/mounts") as mounts:
+        options = next(line.split()[3].split(",") for line in mounts if line.split()[1] == str(m))
+    assert {"ro", "nosuid", "nodev"} <= set(options)
 
 
 @pytest.mark.timeout(30)
@@ -246,11 +273,42 @@ def test_errnos(edge: Edge) -> None:
     finally:
         os.close(fd)
     with pytest.raises(IsADirectoryError):
-        open(m / "names", "rb")
+        (m / "names").read_bytes()
     assert os.listxattr(m / "text/small.txt") == []
     assert _errno(os.getxattr, m / "text/small.txt", "user.x") == errno.ENODATA
     assert os.listdir(m / "empty/inner-empty") == []
     assert sorted(os.listdir(m / "empty")) == ["inner-empty"]
+
+
+NOBODY_PROBE = r"""
+import errno, os, sys
+os.fchdir(int(sys.argv[1]))  # the mount, passed in: the test's own directories are closed to other users
+def probe(fn, *args):
+    try:
+        fn(*args)
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+read = lambda p: open(p, "rb").read()
+print(probe(read, "text/small.txt"), probe(read, "perms/0755"), probe(read, "owners/foreign"),
+      probe(read, "perms/0600"), probe(read, "perms/0000"), probe(os.listdir, "perms/dir-0700"),
+      probe(os.listdir, "perms/dir-0555"), probe(os.open, "text/small.txt", os.O_WRONLY),
+      probe(read, "links/to-dir/with spaces.txt"))
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+@pytest.mark.timeout(30)
+def test_other_users_get_the_source_permissions(edge: Edge) -> None:
+    fd = os.open(edge.mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                               "-c", NOBODY_PROBE, str(fd)], pass_fds=(fd,), capture_output=True, text=True, timeout=20,
+                              check=False)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok", "ok", "ok", "EACCES", "EACCES", "EACCES", "ok", "EROFS", "ok"]
 
 
 @pytest.mark.timeout(30)
@@ -298,7 +356,7 @@ def test_concurrent_readers(edge: Edge) -> None:
     try:
         names = [os.path.join(MANY_DIR, n) for n in sorted(os.listdir(os.path.join(edge.bsrc, MANY_DIR)))]
         assert len(names) == MANY_FILES
-        expect = {n: open(os.path.join(edge.bsrc, n), "rb").read() for n in names}
+        expect = {n: Path(os.fsdecode(os.path.join(edge.bsrc, n))).read_bytes() for n in names}
         bad: list[str] = []
         barrier = threading.Barrier(8)
 
@@ -397,3 +455,68 @@ def test_corrupt_and_truncated_chunks_give_eio(node: Node, tmp_path: Path) -> No
         (mnt / flipped).read_bytes()
     assert info.value.errno == errno.EIO
     node.umount(mnt)
+
+
+# --- the node restarts under a mount ----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_mount_survives_node_restart(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "before").write_bytes(os.urandom(40_000))
+    (src / "after").write_bytes(os.urandom(40_000))
+    node.ingest(src, "restart", "--chunk-size", "64K")  # one file a chunk: reading one caches nothing of the other
+    mnt = node.mount("restart", tmp_path / "mnt")
+    assert (mnt / "before").read_bytes() == (src / "before").read_bytes()
+    node.stop()
+    # With the node down an uncached read fails at once with EIO: no hang, and the mount stays.
+    with pytest.raises(OSError) as info:
+        (mnt / "after").read_bytes()
+    assert info.value.errno == errno.EIO
+    assert sorted(os.listdir(mnt)) == ["after", "before"]
+    node.start()
+    # Back up: the same mount reads again, without remounting.
+    assert (mnt / "after").read_bytes() == (src / "after").read_bytes()
+    node.umount(mnt)
+
+
+# --- two replicas -----------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_bad_replica_fails_over_to_a_good_one(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(9)
+    for i in range(8):
+        (src / f"f{i}").write_bytes(rng.randbytes(40_000))
+    with running_cluster(tmp_path / "cluster", 2) as (n1, n2):
+        n1.ingest(src, "twice", "--chunk-size", "64K")
+        chunks = {p.name: p for p in (n1.home / "data/chunks").rglob("*") if p.is_file()}
+        assert chunks and chunks.keys() == {p.name for p in (n2.home / "data/chunks").rglob("*") if p.is_file()}
+        # Every chunk of the replica read first (this machine's first node) is damaged: one flipped
+        # byte in some, cut short in others. The other replica is whole.
+        for k, path in enumerate(sorted(chunks.values())):
+            if k % 2:
+                os.truncate(path, path.stat().st_size // 2)
+            else:
+                with open(path, "r+b") as f:
+                    f.seek(1000)
+                    byte = f.read(1)
+                    f.seek(1000)
+                    f.write(bytes([byte[0] ^ 0x55]))
+        mnt = n1.mount("twice", tmp_path / "mnt")
+        try:
+            for p in sorted(src.iterdir()):
+                assert (mnt / p.name).read_bytes() == p.read_bytes(), p.name
+            log = n1.mount_log("twice").read_text()
+            assert "(from n1)" in log and "next replica" in log
+        finally:
+            n1.umount(mnt)
+        # With the good replica's node down too, the damage shows: EIO, not wrong bytes.
+        n2.stop()
+        mnt = n1.mount("twice", tmp_path / "mnt")
+        try:
+            with pytest.raises(OSError) as info:
+                (mnt / "f0").read_bytes()
+            assert info.value.errno == errno.EIO
+        finally:
+            n1.umount(mnt)
+        n2.start()

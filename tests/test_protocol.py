@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pytest
 import trio
 import trio.testing
 
-import dlfs.wire.auth as auth
-from dlfs.errors import AuthError, ProtocolError
+from dlfs.errors import AuthError, DlfsError, ProtocolError
+from dlfs.wire import auth
 from dlfs.wire.auth import client_handshake, server_handshake
-from dlfs.wire.protocol import (HEADER, MAGIC, MAX_DATA, MAX_META, MAX_META_UNAUTHENTICATED, REQUEST, RESPONSE,
-                                VERSION, Frame, FrameStream, Msg, pack_meta)
+from dlfs.wire.protocol import (
+    HEADER,
+    MAGIC,
+    MAX_DATA,
+    MAX_META,
+    MAX_META_UNAUTHENTICATED,
+    REQUEST,
+    RESPONSE,
+    VERSION,
+    Frame,
+    FrameStream,
+    Msg,
+    pack_meta,
+)
 
 KEY = bytes(range(32))
+HANDSHAKE_FAILURES = (DlfsError, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError)
 OTHER_KEY = bytes(range(1, 33))
 
 
@@ -146,7 +160,7 @@ async def test_size_limits_after_handshake() -> None:
 
 @pytest.mark.timeout(10)
 async def test_send_refuses_oversize_meta() -> None:
-    left, right = _memory_pair()
+    left, _right = _memory_pair()
     with pytest.raises(ProtocolError, match="over the 1048576 limit"):
         await left.send(Frame(REQUEST, Msg.PUT_INDEX, 1, meta={"x": b"y" * MAX_META}))
 
@@ -184,7 +198,7 @@ async def _handshake(server_key: bytes, client_key: bytes, client_service: str =
         try:
             await server_handshake(server_fs, server_key, "data", "node-7")
             out["server"] = "ok"
-        except Exception as exc:
+        except HANDSHAKE_FAILURES as exc:
             out["server"] = exc
         finally:
             await server_fs.aclose()
@@ -192,7 +206,7 @@ async def _handshake(server_key: bytes, client_key: bytes, client_service: str =
     async def client() -> None:
         try:
             out["client"] = await client_handshake(client_fs, client_key, client_service)
-        except Exception as exc:
+        except HANDSHAKE_FAILURES as exc:
             out["client"] = exc
         finally:
             await client_fs.aclose()

@@ -152,7 +152,7 @@ def specials_of(root: str | os.PathLike[str] | bytes) -> list[bytes]:
     return [os.path.join(os.fsencode(root), rel) for rel in SPECIALS]
 
 
-__all__ = ["make_edge_tree", "specials_of", "SPECIALS", "BIG", "TEXT", "MANY_DIR", "MANY_FILES", "DEPTH", "OWNER"]
+__all__ = ["BIG", "DEPTH", "MANY_DIR", "MANY_FILES", "OWNER", "SPECIALS", "TEXT", "make_edge_tree", "specials_of"]
 
 
 if __name__ == "__main__":  # python tests/treegen.py DEST: look at the tree by hand

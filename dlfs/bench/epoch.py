@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import xxhash
 import logging
 import multiprocessing as mp
 import os
@@ -13,6 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 A miss fetches the missing record together with the records after it in the same chunk (one
 request, up to `readahead` bytes), verifies each against its checksum, and keeps them all: reading
 a dataset in any order then costs about one request per `readahead` bytes, not one per file.
-Concurrent misses of one record share one fetch.
+Concurrent misses of one record share one fetch. A replica that is down, or whose bytes fail
+their checksum, is passed over for the next one.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from collections import OrderedDict
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.errors import CorruptData, DlfsError
+from dlfs.errors import CorruptData, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
-from dlfs.format.index import Index
+from dlfs.format.index import Extent, Index
+from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
+FETCH_TIMEOUT = 30.0
 
 
 class ChunkCache:
@@ -83,33 +86,54 @@ class ChunkCache:
             chunk = self.index.chunk(extents[0].chunk)
             base = extents[0].record.offset
             end = extents[-1].record.offset + extents[-1].record.stored_len
-            data, node = await self.client.read_range(chunk.id, base, end - base)
-            self.fetches += 1
-            self.fetched_bytes += len(data)
-            view = memoryview(data)
-            wanted: bytes | None = None
-            for i, e in zip(run, extents):
-                rec = e.record
-                piece = view[rec.offset - base : rec.offset - base + rec.stored_len]
+            # Replica by replica (the local one first): bytes that fail their checksum on one
+            # replica are read again from the next, as are replicas that are down.
+            errors: list[str] = []
+            corrupt = False
+            for spec in self.client.replicas(chunk.id):
                 try:
-                    raw = decode_record(piece, rec, f"chunk {chunk.id.hex()} (from {node}) record at offset {rec.offset}")
-                except CorruptData:
-                    if i != ext:
-                        continue  # read ahead only: whoever needs it will fetch and report it
+                    _, data = await self.client.call(spec, "data", Msg.READ_RANGE,
+                                                     {"id": chunk.id, "offset": base, "length": end - base},
+                                                     timeout=FETCH_TIMEOUT)
+                except (Unreachable, NotFound, CorruptData) as exc:
+                    errors.append(f"{spec.name}: {exc}")
+                    continue
+                self.fetches += 1
+                self.fetched_bytes += len(data)
+                try:
+                    return self._keep(run, extents, chunk.id, base, data, spec.name, ext)
+                except CorruptData as exc:
                     self.corrupt += 1
-                    raise
-                raw = bytes(raw)
-                self._insert(i, raw)
-                if i == ext:
-                    wanted = raw
-            assert wanted is not None
-            return wanted
-        except DlfsError:
-            raise
+                    corrupt = True
+                    log.warning("%s; trying the next replica", exc)
+                    errors.append(str(exc))
+            cls = CorruptData if corrupt else Unreachable
+            raise cls(f"chunk {chunk.id.hex()}: no replica has good bytes ({'; '.join(errors)})")
         finally:
             for i in run:
                 self._inflight.pop(i, None)
             done.set()
+
+    def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
+              data: bytes | bytearray | memoryview, node: str, ext: int) -> bytes:
+        """Verify and cache the fetched records; returns `ext`'s, or CorruptData if it is bad."""
+        view = memoryview(data)
+        wanted: bytes | None = None
+        for i, e in zip(run, extents):
+            rec = e.record
+            piece = view[rec.offset - base : rec.offset - base + rec.stored_len]
+            try:
+                raw = decode_record(piece, rec, f"chunk {cid.hex()} (from {node}) record at offset {rec.offset}")
+            except CorruptData:
+                if i != ext:
+                    continue  # read ahead only: whoever needs it will fetch and report it
+                raise
+            raw = bytes(raw)
+            self._insert(i, raw)
+            if i == ext:
+                wanted = raw
+        assert wanted is not None
+        return wanted
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,

@@ -10,9 +10,9 @@ import xxhash
 
 from dlfs.config import Cluster, NodeSpec
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
+from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Reply, connect
-from dlfs.tasks import open_nursery
 
 log = logging.getLogger(__name__)
 

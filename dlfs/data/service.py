@@ -8,7 +8,7 @@ from typing import Any
 import trio
 
 from dlfs.data.store import ChunkStore, check_id
-from dlfs.wire.protocol import Msg
+from dlfs.wire.protocol import MAX_DATA, Msg
 from dlfs.wire.rpc import Reply, Service
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,11 @@ class DataService(Service):
 
     async def read_range(self, meta: dict[str, Any], data: bytearray) -> Reply:
         cid = check_id(meta["id"])
+        length = int(meta["length"])
+        if length > MAX_DATA:  # the reply could not be sent, and pread would allocate it all first
+            raise ValueError(f"length {length} is over the {MAX_DATA}-byte frame limit")
         out = await trio.to_thread.run_sync(
-            self.store.read_range, cid, int(meta["offset"]), int(meta["length"]), limiter=self.io
+            self.store.read_range, cid, int(meta["offset"]), length, limiter=self.io
         )
         self.reads += 1
         self.bytes_served += len(out)

@@ -66,23 +66,32 @@ class ChunkStore:
             finally:
                 os.close(fd)
             path.parent.mkdir(exist_ok=True)
-            os.rename(tmp, path)
+            # Two puts of one chunk may race here: only the first into place counts it.
+            with self._lock:
+                if path.exists():
+                    tmp.unlink()
+                    return False
+                os.rename(tmp, path)
+                self.count += 1
+                self.bytes += len(data)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFull(f"data daemon disk is full at {self.root} (storing chunk {cid.hex()})") from None
             raise DlfsError(f"data daemon cannot store chunk {cid.hex()}: {exc.strerror}") from None
-        with self._lock:
-            self.count += 1
-            self.bytes += len(data)
         return True
 
     def _fd(self, cid: bytes) -> int:
+        """A descriptor of the chunk file that the caller owns and closes.
+
+        A duplicate of the cached one: eviction or deletion may close the cached one while the
+        caller reads, and its number may be reused at once by another chunk's file.
+        """
         with self._lock:
             fd = self._fds.get(cid)
             if fd is not None:
                 self._fds.move_to_end(cid)
-                return fd
+                return os.dup(fd)
         try:
             fd = os.open(self.path(cid), os.O_RDONLY)
         except FileNotFoundError:
@@ -90,24 +99,24 @@ class ChunkStore:
         with self._lock:
             if cid in self._fds:  # another thread opened it meanwhile
                 os.close(fd)
-                return self._fds[cid]
+                return os.dup(self._fds[cid])
             self._fds[cid] = fd
             while len(self._fds) > self._open_files:
                 _, old = self._fds.popitem(last=False)
                 os.close(old)
-        return fd
+            return os.dup(fd)
 
     def read_range(self, cid: bytes, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) of a chunk; shorter if the file is (the reader checks)."""
         if offset < 0 or length < 0:
             raise ValueError("negative offset or length")
+        fd = self._fd(cid)
         try:
-            return os.pread(self._fd(cid), length, offset)
+            return os.pread(fd, length, offset)
         except OSError as exc:
-            if exc.errno == errno.EBADF:  # closed by eviction between lookup and read: retry once
-                self._forget(cid)
-                return os.pread(self._fd(cid), length, offset)
             raise CorruptData(f"chunk {cid.hex()}: read failed ({exc.strerror})") from None
+        finally:
+            os.close(fd)
 
     def _forget(self, cid: bytes) -> None:
         with self._lock:

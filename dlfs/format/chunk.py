@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import lz4.block
 import xxhash
@@ -142,6 +142,8 @@ def decode_record(stored: bytes | memoryview, rec: Record, where: str) -> bytes 
     if record_checksum(stored) != rec.checksum:
         raise CorruptData(f"{where}: checksum mismatch")
     if not rec.flags & FLAG_LZ4:
+        if rec.raw_len != rec.stored_len:  # readers place bytes by raw length: they must agree
+            raise CorruptData(f"{where}: stored record of {rec.stored_len} bytes claims {rec.raw_len} raw bytes")
         return stored
     try:
         raw = lz4.block.decompress(stored, uncompressed_size=rec.raw_len)

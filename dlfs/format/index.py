@@ -26,8 +26,9 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import xxhash
 

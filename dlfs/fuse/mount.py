@@ -9,10 +9,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pyfuse3
 import trio
@@ -24,9 +24,9 @@ from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.ops import DlfsOperations
 from dlfs.meta.store import VersionInfo
+from dlfs.tasks import open_nursery
 from dlfs.units import human_bytes
 from dlfs.wire.protocol import Msg
-from dlfs.tasks import open_nursery
 
 log = logging.getLogger(__name__)
 INDEX_PIECE = 16 << 20
@@ -165,6 +165,20 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         nursery.cancel_scope.cancel()
 
 
+def local_mounts(home: Path) -> list[tuple[str, Path]]:
+    """(dataset@version, mountpoint) of every live mount made from this home on this machine."""
+    found = []
+    for record in sorted((home / "run" / "mounts").glob("*.json")):
+        try:
+            doc = json.loads(record.read_text())
+            label, mountpoint, pid = str(doc["dataset"]), Path(doc["mountpoint"]), int(doc["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _running(pid) and os.path.ismount(mountpoint):
+            found.append((label, mountpoint))
+    return found
+
+
 def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
     """Unmount and wait for the mount process to finish."""
     mountpoint = mountpoint.absolute()
@@ -184,13 +198,26 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
         raise MountError(f"cannot unmount {mountpoint}: {msg}")
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             return
         time.sleep(0.05)
     if pid:
         log.warning("mount process %d still running after unmount", pid)
 
 
-__all__ = ["MountOptions", "serve_mount", "unmount", "parse_dataset_ref", "check_mountpoint", "errno"]
+def _running(pid: int) -> bool:
+    """Whether a process is alive; an exited one that its parent (often init) has not reaped yet is not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+__all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "parse_dataset_ref", "serve_mount", "unmount"]

@@ -9,8 +9,9 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from functools import wraps
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import pyfuse3
 

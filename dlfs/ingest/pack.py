@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dlfs.errors import SourceError
 from dlfs.format.chunk import HEADER, RECORD, ChunkWriter
@@ -31,7 +31,7 @@ class Packer:
     """Fills chunks with the tree's files in inode order and records every extent in the index."""
 
     def __init__(self, tree: Tree, writer: IndexWriter, chunk_size: int, compress: bool,
-                 pool: "queue.Queue[bytearray]", emit: Callable[[Packed], None],
+                 pool: queue.Queue[bytearray], emit: Callable[[Packed], None],
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.tree = tree
         self.writer = writer
@@ -58,22 +58,32 @@ class Packer:
     def _where(self, node: Node) -> str:
         return os.fsdecode(os.path.join(self.tree.root, node.path))
 
+    def _check_unmodified(self, node: Node, mtime_ns: int) -> None:
+        # A rewrite that keeps the size shows only in the mtime: the index would pair the new
+        # bytes with the old time, and the dataset would match no state the source was ever in.
+        if mtime_ns != node.mtime_ns:
+            raise SourceError(f"{self._where(node)} changed while being ingested (modified after it was "
+                              "listed); nothing was published")
+
     def add_file(self, node: Node) -> None:
         try:
             fd = os.open(os.path.join(self.tree.root, node.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise SourceError(f"cannot read {self._where(node)}: {exc.strerror}; nothing was published") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size != node.size:
                 raise SourceError(f"{self._where(node)} changed while being ingested "
                                   f"(size {node.size} -> {size}); nothing was published")
+            self._check_unmodified(node, st.st_mtime_ns)
             first = self.writer.extents_count()
             left = size
             while left:
                 room = self.chunk.room()
                 fits_whole = left <= self.chunk.capacity - HEADER.size - RECORD.size
-                if left > room and (fits_whole or room < SPLIT_MIN_ROOM):
+                # An empty chunk always takes a piece: sealing it would seal nothing, forever.
+                if left > room and self.chunk.records and (fits_whole or room < SPLIT_MIN_ROOM):
                     self._seal()
                     continue
                 piece = min(left, room)
@@ -85,6 +95,7 @@ class Packer:
                 left -= piece
             if os.read(fd, 1):
                 raise SourceError(f"{self._where(node)} grew while being ingested; nothing was published")
+            self._check_unmodified(node, os.fstat(fd).st_mtime_ns)
         except OSError as exc:
             raise SourceError(f"cannot read {self._where(node)}: {exc.strerror}; nothing was published") from None
         finally:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import queue
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 import trio
 
@@ -25,8 +26,8 @@ from dlfs.format.index import IndexWriter
 from dlfs.ingest.pack import Packed, Packer
 from dlfs.ingest.walk import Tree, walk
 from dlfs.meta.store import VersionInfo
-from dlfs.wire.protocol import Msg
 from dlfs.tasks import open_nursery
+from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 INDEX_PIECE = 8 << 20
@@ -45,7 +46,11 @@ class IngestReport:
     seconds: float
 
 
-class Progress:
+class _Stopped(Exception):
+    """The packer thread's way out once its ingest has been cancelled."""
+
+
+class Progress(Protocol):
     """What the caller's progress display is told: the totals once, then increments."""
 
     def start(self, files: int, nbytes: int) -> None: ...
@@ -67,11 +72,17 @@ def build_index(tree: Tree, extents: dict[int, tuple[int, int]], writer: IndexWr
         writer.set_inode(n.ino, n.mode, n.uid, n.gid, n.nlink, n.size, n.mtime_ns, ref, count, n.parent)
 
 
+def check_chunk_size(chunk_size: int) -> int:
+    """The chunk size, if the chunk format allows it; else a UsageError naming the bounds."""
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"--chunk-size must be between {MIN_CHUNK_SIZE >> 10} KiB and {MAX_CHUNK_SIZE >> 20} MiB")
+    return chunk_size
+
+
 async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 20, compress: bool = False,
                  progress: Progress | None = None, tmp_dir: Path | None = None) -> IngestReport:
     check_dataset_name(name)
-    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
-        raise UsageError(f"--chunk-size must be between {MIN_CHUNK_SIZE >> 10} KiB and {MAX_CHUNK_SIZE >> 20} MiB")
+    check_chunk_size(chunk_size)
     t0 = time.monotonic()
     async with open_nursery() as nursery:
         client = ClusterClient(cluster, nursery)
@@ -81,19 +92,29 @@ async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 2
             report = await _ingest(client, session, src, name, chunk_size, compress, progress, tmp_dir)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
-                try:
-                    await client.call_meta(Msg.ABORT_INGEST, {"session": session}, timeout=5)
-                except Exception as exc:  # the ingest's own error is the one to report
-                    log.info("could not abort ingest session %s: %s", session, exc)
+                await _abort(cluster, session)
             raise
         nursery.cancel_scope.cancel()
     report.seconds = time.monotonic() - t0
     return report
 
 
+async def _abort(cluster: Cluster, session: str) -> None:
+    """Give an ingest session up, so that its pins go (best effort)."""
+    # A client of its own: when the ingest was cancelled from outside (Ctrl-C), the ingest's
+    # connections live in a cancelled nursery and close under the call.
+    try:
+        async with open_nursery() as nursery:
+            await ClusterClient(cluster, nursery).call_meta(Msg.ABORT_INGEST, {"session": session}, timeout=5)
+            nursery.cancel_scope.cancel()
+    except Exception as exc:  # the ingest's own error is the one to report
+        log.info("could not abort ingest session %s: %s", session, exc)
+
+
 async def _ingest(client: ClusterClient, session: str, src: str, name: str, chunk_size: int, compress: bool,
                   progress: Progress | None, tmp_dir: Path | None) -> IngestReport:
-    tree = await trio.to_thread.run_sync(walk, src)
+    # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
+    tree = await trio.to_thread.run_sync(walk, src, abandon_on_cancel=True)
     files = tree.files
     if progress:
         progress.start(len(files), sum(f.size for f in files))
@@ -105,8 +126,11 @@ async def _ingest(client: ClusterClient, session: str, src: str, name: str, chun
     send, recv = trio.open_memory_channel[Packed](0)
     stats = {"sent": 0, "present": 0, "bytes": 0}
     token = trio.lowlevel.current_trio_token()
+    stop = threading.Event()
 
     def emit(p: Packed) -> None:
+        if stop.is_set():
+            raise _Stopped()
         trio.from_thread.run(send.send, p, trio_token=token)
 
     def tick(nfiles: int, nbytes: int) -> None:
@@ -129,7 +153,13 @@ async def _ingest(client: ClusterClient, session: str, src: str, name: str, chun
             n.start_soon(upload, recv.clone())
         recv.close()
         async with send:
-            extents = await trio.to_thread.run_sync(pack)
+            # Abandoned on cancel (Ctrl-C) rather than waited for, which would pack the whole
+            # tree first; the packer stops at its next chunk.
+            try:
+                extents = await trio.to_thread.run_sync(pack, abandon_on_cancel=True)
+            except BaseException:
+                stop.set()
+                raise
     build_index(tree, extents, writer)
     info = await _commit_index(client, session, writer, tmp_dir)
     return IngestReport(info, len(tree.nodes), tree.skipped, stats["sent"], stats["present"], stats["bytes"], 0.0)
@@ -168,4 +198,4 @@ async def _commit_index(client: ClusterClient, session: str, writer: IndexWriter
     return VersionInfo(**meta)
 
 
-__all__ = ["ingest", "IngestReport", "Progress"]
+__all__ = ["IngestReport", "Progress", "check_chunk_size", "ingest"]

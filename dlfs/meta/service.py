@@ -71,8 +71,11 @@ class MetaService(Service):
         return {"session": sid}, b""
 
     async def pin_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        s = self.store.session(str(meta["session"]))
-        s.pins.update(bytes(c) for c in meta["ids"])
+        # Not during a collection: it computed the live set already and would delete a chunk
+        # pinned now, after this reply told the ingest the chunk was safe.
+        async with self.gc_lock:
+            s = self.store.session(str(meta["session"]))
+            s.pins.update(bytes(c) for c in meta["ids"])
         return {}, b""
 
     async def put_index(self, meta: dict[str, Any], data: bytearray) -> Reply:

@@ -78,7 +78,10 @@ class MetaStore:
             return {}
         except (OSError, ValueError) as exc:
             raise CorruptData(f"catalog {self.catalog_path} does not parse: {exc}") from None
-        return {name: [VersionInfo(**v) for v in versions] for name, versions in doc["datasets"].items()}
+        try:
+            return {name: [VersionInfo(**v) for v in versions] for name, versions in doc["datasets"].items()}
+        except (KeyError, TypeError, AttributeError) as exc:  # valid JSON, wrong shape: still one clear line
+            raise CorruptData(f"catalog {self.catalog_path} is not a dlfs catalog ({type(exc).__name__}: {exc})") from None
 
     def _save(self) -> None:
         doc = {"format": 1, "datasets": {n: [asdict(v) for v in vs] for n, vs in self.catalog.items()}}

@@ -19,7 +19,7 @@ class Address:
     path: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> "Address":
+    def parse(cls, text: str) -> Address:
         if text.startswith("unix:"):
             return cls(path=text[5:])
         host, sep, port = text.rpartition(":")

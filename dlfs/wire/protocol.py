@@ -85,7 +85,7 @@ def pack_meta(meta: dict[str, Any]) -> bytes:
 def unpack_meta(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
+    except Exception as exc:  # noqa: BLE001  msgpack raises several unrelated types on garbage
         raise ProtocolError(f"malformed frame: meta does not decode ({type(exc).__name__})") from None
     if not isinstance(meta, dict):
         raise ProtocolError("malformed frame: meta is not a map")

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import trio
 
-from dlfs.errors import (AuthError, DlfsError, ProtocolError, Unreachable, error_from_status,
-                         status_of)
+from dlfs.errors import AuthError, DlfsError, ProtocolError, Unreachable, error_from_status, status_of
+from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.tcp import TRANSPORT
 from dlfs.wire.auth import client_handshake, server_handshake
 from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, FrameStream, Msg
-from dlfs.tasks import open_nursery
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,14 @@ class Connection:
         try:
             with trio.fail_after(timeout):
                 async with self._send_lock:
-                    await self.fs.send(Frame(REQUEST, msg, req_id, 0, meta or {}, data))
+                    try:
+                        await self.fs.send(Frame(REQUEST, msg, req_id, 0, meta or {}, data))
+                    except trio.Cancelled:
+                        # Part of the frame may be on the wire: nothing sent after it would parse,
+                        # so end the connection now and let every other call fail at once.
+                        with trio.CancelScope(shield=True):
+                            await self.fs.aclose()
+                        raise
                 await w.event.wait()
         except trio.TooSlowError:
             raise Unreachable(f"{self.node} at {self.fs.peer} did not answer {msg.name} within {timeout:g} s") from None

@@ -1,0 +1,254 @@
+"""The `dlfs` command as a user meets it: help, exit codes, one-line errors, mount and umount
+lifecycles, and the node's own start and stop."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    DLFS,
+    Node,
+    dlfs_env,
+    mount_pids,
+    needs_fuse,
+    pid_alive,
+    run_dlfs,
+    start_node_process,
+    stop_node,
+    wait_for_node,
+)
+
+from dlfs.cli import main
+
+SUBCOMMANDS = {
+    "node": ["--name", "--host", "--meta-port", "--data-port"],
+    "ingest": ["SRC", "--name", "--chunk-size", "--compress"],
+    "datasets": [],
+    "rm": ["NAME[@VERSION]"],
+    "mount": ["NAME[@VERSION]", "MOUNTPOINT", "--foreground", "--cache-size", "--readahead"],
+    "umount": ["MOUNTPOINT"],
+    "status": [],
+    "keygen": ["FILE"],
+}
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dlfs: error: "), proc.stderr
+    return lines[0]
+
+
+def _small_dataset(node: Node, tmp_path: Path, name: str = "small") -> Path:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "hello.txt").write_text("hello\n")
+    (src / "top.bin").write_bytes(os.urandom(50_000))
+    node.ingest(src, name)
+    return src
+
+
+@pytest.mark.timeout(60)
+def test_help_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    top = run_dlfs(tmp_path, "--help")  # the installed entry point, once
+    assert top.returncode == 0
+    for name, words in SUBCOMMANDS.items():
+        assert name in top.stdout
+        with pytest.raises(SystemExit) as info:  # the rest in-process: the same parser, faster
+            main([name, "--help"])
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: dlfs {name}")
+        for word in words:
+            assert word in out, (name, word)
+    bare = run_dlfs(tmp_path, check=False)
+    assert bare.returncode == 2
+    assert "usage: dlfs" in bare.stderr
+    assert not (tmp_path / "run").exists()  # --help touches no state
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_common_options_before_or_after_the_subcommand(node: Node, tmp_path: Path) -> None:
+    _small_dataset(node, tmp_path)
+    env = dlfs_env(node.home)
+    del env["DLFS_HOME"]
+    env["HOME"] = str(tmp_path / "elsewhere")  # ~/.dlfs: no node there
+
+    def dlfs(*args: str | Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*DLFS, *map(str, args)], env=env, capture_output=True, text=True, timeout=60,
+                              check=False)
+
+    home = str(node.home)
+    for args in (["--home", home, "status"], ["status", "--home", home],
+                 ["--home", "/nowhere", "status", "--home", home], ["--home", home, "--log-level", "debug", "datasets"]):
+        proc = dlfs(*args)
+        assert proc.returncode == 0, (args, proc.stderr)
+    assert "small" in dlfs("--home", home, "datasets").stdout
+    assert "no dlfs node" in one_line_error(dlfs("status"))
+    # The background mount process gets the same home as the command that started it.
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = dlfs("--home", home, "mount", "small", mnt)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(mnt)) == ["sub", "top.bin"]
+    assert dlfs("umount", "--home", home, mnt).returncode == 0
+    assert not os.path.ismount(mnt)
+
+
+@pytest.mark.timeout(30)
+def test_status_without_a_node(tmp_path: Path) -> None:
+    proc = run_dlfs(tmp_path / "empty", "status", check=False)
+    assert proc.returncode != 0
+    assert "no dlfs node" in one_line_error(proc)
+    proc = run_dlfs(tmp_path / "empty", "datasets", check=False)
+    assert proc.returncode != 0
+    one_line_error(proc)
+
+
+@needs_fuse
+@pytest.mark.timeout(30)
+def test_mount_without_a_node(tmp_path: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = run_dlfs(tmp_path / "empty", "mount", "anything", mnt, check=False)
+    assert proc.returncode == 3  # Unreachable, as every other command says it
+    assert "no dlfs node" in one_line_error(proc)
+    assert not os.path.ismount(mnt)
+    proc = run_dlfs(tmp_path / "empty", "mount", "anything", mnt, "--cache-size", "1Q", check=False)
+    assert proc.returncode == 2
+    assert "1Q" in one_line_error(proc)
+
+
+@pytest.mark.timeout(30)
+def test_status_with_the_node_up(node: Node) -> None:
+    out = node.run("status").stdout
+    assert "node local: up" in out
+    assert "datasets 0 (0 versions), ingests in progress 0" in out
+    assert str(node.home / "data") in out
+
+
+@pytest.mark.timeout(30)
+def test_status_after_the_node_was_killed(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    proc, log = start_node_process(home)
+    try:
+        wait_for_node(home, proc, log)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    status = run_dlfs(home, "status", check=False)
+    assert status.returncode != 0
+    one_line_error(status)
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_mount_errors(node: Node, tmp_path: Path) -> None:
+    _small_dataset(node, tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = node.run("mount", "missing-dataset", mnt, check=False)
+    assert "missing-dataset" in one_line_error(proc)
+    assert not os.path.ismount(mnt)
+    proc = node.run("mount", "small@7", mnt, check=False)
+    assert "7" in one_line_error(proc)
+    assert not os.path.ismount(mnt)
+    proc = node.run("mount", "small", tmp_path / "nowhere", check=False)
+    assert "nowhere" in one_line_error(proc)
+    (tmp_path / "a-file").write_text("x")
+    proc = node.run("mount", "small", tmp_path / "a-file", check=False)
+    assert "a-file" in one_line_error(proc)
+    proc = node.run("umount", mnt, check=False)
+    assert "not mounted" in one_line_error(proc)
+    assert mount_pids(node.home) == []
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_mount_and_umount(node: Node, tmp_path: Path) -> None:
+    src = _small_dataset(node, tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = node.run("mount", "small", mnt)
+    assert out.stdout.startswith(f"mounted small@1 at {mnt}")
+    # Ready when the command returns: no waiting, no retries.
+    assert sorted(os.listdir(mnt)) == ["sub", "top.bin"]
+    assert (mnt / "top.bin").read_bytes() == (src / "top.bin").read_bytes()
+    pids = mount_pids(node.home)
+    assert len(pids) == 1 and pid_alive(pids[0])
+    # A second mount on the same mountpoint is refused, the first keeps serving.
+    proc = node.run("mount", "small", mnt, check=False)
+    assert "already" in one_line_error(proc)
+    assert (mnt / "sub/hello.txt").read_text() == "hello\n"
+
+    # Busy: a file open there keeps it mounted, with a one-line reason.
+    with open(mnt / "top.bin", "rb") as busy:
+        proc = node.run("umount", mnt, check=False)
+        assert "busy" in one_line_error(proc)
+        assert os.path.ismount(mnt)
+        assert busy.read(10) == (src / "top.bin").read_bytes()[:10]
+
+    out = node.run("umount", mnt)
+    assert out.stdout.strip() == f"unmounted {mnt}"
+    assert not os.path.ismount(mnt)
+    assert not pid_alive(pids[0])
+    assert mount_pids(node.home) == []
+    assert os.listdir(mnt) == []
+    proc = node.run("umount", mnt, check=False)
+    assert "not mounted" in one_line_error(proc)
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_mount_foreground_stops_on_sigterm(node: Node, tmp_path: Path) -> None:
+    _small_dataset(node, tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.Popen([*DLFS, "mount", "--foreground", "small", str(mnt)], env=dlfs_env(node.home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "no output from dlfs mount --foreground within 30 s"
+        line = proc.stdout.readline()
+        assert line.startswith(f"mounted small@1 at {mnt}"), (line, proc.stderr.read() if proc.poll() else "")
+        assert os.path.ismount(mnt)
+        assert sorted(os.listdir(mnt)) == ["sub", "top.bin"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert not os.path.ismount(mnt)
+        assert mount_pids(node.home) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_node_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    home = tmp_path / "home"
+    proc, log = start_node_process(home)
+    try:
+        wait_for_node(home, proc, log)
+        # A second node on the same state directory refuses to start, and leaves the first alone.
+        second = run_dlfs(home, "node", check=False, timeout=20)
+        assert second.returncode != 0
+        assert str(home) in one_line_error(second)
+        assert run_dlfs(home, "status").returncode == 0
+    finally:
+        t0 = time.monotonic()
+        rc = stop_node(proc, sig)
+    assert rc == 0, log.read_text()
+    assert time.monotonic() - t0 < 10
+    assert not (home / "run" / "node.json").exists()
+    proc2 = run_dlfs(home, "status", check=False)
+    assert proc2.returncode != 0
+    one_line_error(proc2)

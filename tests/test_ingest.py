@@ -1,0 +1,413 @@
+"""Ingest against a real node: versions, the datasets table, removal and garbage collection, source
+errors (unreadable, vanished, changed files) that publish nothing, an interrupted ingest that
+resumes, special files, and bad arguments."""
+
+from __future__ import annotations
+
+import errno
+import filecmp
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import DLFS, Node, dlfs_env, needs_fuse, run_dlfs
+
+import dlfs.ingest.run
+from dlfs.client.cluster import ClusterClient
+from dlfs.config import load_cluster
+from dlfs.errors import SourceError
+from dlfs.ingest.run import ingest
+from dlfs.ingest.walk import Tree
+from dlfs.tasks import open_nursery
+from dlfs.wire.protocol import Msg
+
+
+def make_files(root: Path, n: int, size: int, seed: int = 0) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        rel = f"d{i % 3}/f{i:03d}.bin"
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        data = rng.randbytes(size)
+        (root / rel).write_bytes(data)
+        out[rel] = data
+    return out
+
+
+def chunk_files(home: Path) -> list[Path]:
+    return [p for p in (home / "data" / "chunks").rglob("*") if p.is_file()]
+
+
+def dataset_rows(node: Node) -> list[dict[str, str]]:
+    out = node.run("datasets").stdout
+    lines = out.splitlines()
+    if lines == ["no datasets (add one with `dlfs ingest SRC --name NAME`)"]:
+        return []
+    assert lines[0].split() == ["NAME", "VERSION", "FILES", "BYTES", "CHUNKS", "CREATED"]
+    rows = []
+    for line in lines[1:]:
+        name, version, files, num, unit, chunks, day, minute = line.split()
+        rows.append({"name": name, "version": version, "files": files, "bytes": f"{num} {unit}",
+                     "chunks": chunks, "created": f"{day} {minute}"})
+    return rows
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dlfs: error: "), proc.stderr
+    return lines[0]
+
+
+async def meta_status(home: Path) -> dict[str, Any]:
+    async with open_nursery() as nursery:
+        client = ClusterClient(load_cluster(None, home), nursery)
+        out, _ = await client.call_meta(Msg.STATUS)
+        nursery.cancel_scope.cancel()
+    return out
+
+
+# --- versions, listing, removal ---------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_ingest_twice_makes_version_2(node: Node, tmp_path: Path) -> None:
+    make_files(tmp_path / "src", 10, 100_000)
+    first = node.ingest(tmp_path / "src", "ds", "--chunk-size", "256K")
+    assert first.stdout.startswith("ingested ds version 1: 10 files, 1.0 MB in ")
+    stored = chunk_files(node.home)
+    # 100 kB files, two to a 256 KiB chunk.
+    assert len(stored) == 5
+    assert "(5 sent, 0 already stored)" in first.stdout
+    second = node.ingest(tmp_path / "src", "ds", "--chunk-size", "256K")
+    assert second.stdout.startswith("ingested ds version 2: 10 files, 1.0 MB in 5 chunks")
+    assert "(0 sent, 5 already stored)" in second.stdout  # same bytes, same chunks
+    assert chunk_files(node.home) == stored
+    rows = dataset_rows(node)
+    assert [(r["name"], r["version"], r["files"], r["bytes"], r["chunks"]) for r in rows] == [
+        ("ds", "1", "10", "1.0 MB", "5"), ("ds", "2", "10", "1.0 MB", "5")]
+    assert (node.home / "meta/index/ds/2.idx").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_rm_frees_chunks(node: Node, tmp_path: Path) -> None:
+    make_files(tmp_path / "src", 6, 50_000)
+    node.ingest(tmp_path / "src", "gone", "--chunk-size", "64K")
+    node.ingest(tmp_path / "src", "gone", "--chunk-size", "128K")  # version 2, other chunks
+    assert len(chunk_files(node.home)) > 0
+    out = node.run("rm", "gone")
+    assert out.stdout.startswith("removed gone (version 1, 2); freed ")
+    assert chunk_files(node.home) == []
+    assert dataset_rows(node) == []
+    assert not (node.home / "meta/index/gone").exists()
+    err = one_line_error(node.run("rm", "gone", check=False))
+    assert "gone" in err
+    assert "dataset" in one_line_error(node.run("rm", "never-was", check=False))
+
+
+@pytest.mark.timeout(60)
+def test_rm_one_version_keeps_the_other(node: Node, tmp_path: Path) -> None:
+    make_files(tmp_path / "a", 4, 50_000, seed=1)
+    make_files(tmp_path / "b", 4, 50_000, seed=2)
+    node.ingest(tmp_path / "a", "two")
+    node.ingest(tmp_path / "b", "two")
+    both = len(chunk_files(node.home))
+    node.run("rm", "two@1")
+    assert [r["version"] for r in dataset_rows(node)] == ["2"]
+    assert 0 < len(chunk_files(node.home)) < both
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_rm_refuses_a_mounted_version(node: Node, tmp_path: Path) -> None:
+    files = make_files(tmp_path / "src", 6, 100_000)
+    node.ingest(tmp_path / "src", "busy", "--chunk-size", "64K")
+    node.ingest(tmp_path / "src", "busy", "--chunk-size", "128K")
+    mnt = node.mount("busy@1", tmp_path / "mnt")
+    try:
+        for ref in ("busy", "busy@1"):
+            proc = node.run("rm", ref, check=False)
+            assert "busy@1 is mounted at" in one_line_error(proc)
+        assert [r["version"] for r in dataset_rows(node)] == ["1", "2"]
+        # Nothing was freed under the mount: every file still reads.
+        for rel, data in files.items():
+            assert (mnt / rel).read_bytes() == data
+        node.run("rm", "busy@2")  # another version is fine
+    finally:
+        node.umount(mnt)
+    node.run("rm", "busy")
+    assert dataset_rows(node) == [] and chunk_files(node.home) == []
+
+
+# --- source errors: nothing is published ------------------------------------------------------
+async def _expect_source_error(node: Node, src: Path, what: str) -> str:
+    cluster = load_cluster(None, node.home)
+    with pytest.raises(SourceError) as info:
+        await ingest(cluster, str(src), "broken", 64 << 10)
+    message = str(info.value)
+    assert "\n" not in message
+    assert what in message, message
+    assert dataset_rows(node) == []
+    assert (await meta_status(node.home))["ingests"] == 0  # the session was aborted
+    return message
+
+
+@pytest.mark.timeout(60)
+async def test_unreadable_file(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_files(tmp_path / "src", 12, 30_000)
+    victim = os.fsencode(tmp_path / "src" / "d1" / "f004.bin")
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if os.fsencode(path) == victim:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    message = await _expect_source_error(node, tmp_path / "src", os.fsdecode(victim))
+    assert "Permission denied" in message
+
+
+@pytest.mark.timeout(60)
+async def test_file_vanishes_after_walk(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_files(tmp_path / "src", 12, 30_000)
+    victim = tmp_path / "src" / "d2" / "f008.bin"
+    real_walk = dlfs.ingest.run.walk
+
+    def walk(src: str | bytes) -> Tree:
+        tree = real_walk(src)
+        victim.unlink()
+        return tree
+
+    monkeypatch.setattr(dlfs.ingest.run, "walk", walk)
+    await _expect_source_error(node, tmp_path / "src", str(victim))
+
+
+@pytest.mark.timeout(60)
+async def test_file_changes_size_after_walk(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_files(tmp_path / "src", 12, 30_000)
+    victim = tmp_path / "src" / "d0" / "f006.bin"
+    real_walk = dlfs.ingest.run.walk
+
+    def walk(src: str | bytes) -> Tree:
+        tree = real_walk(src)
+        with open(victim, "ab") as f:
+            f.write(b"more")
+        return tree
+
+    monkeypatch.setattr(dlfs.ingest.run, "walk", walk)
+    message = await _expect_source_error(node, tmp_path / "src", str(victim))
+    assert "changed" in message
+
+
+@pytest.mark.timeout(60)
+async def test_file_rewritten_same_size_after_walk(node: Node, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    make_files(tmp_path / "src", 12, 30_000)
+    victim = tmp_path / "src" / "d1" / "f010.bin"
+    real_walk = dlfs.ingest.run.walk
+
+    def walk(src: str | bytes) -> Tree:
+        tree = real_walk(src)
+        st = victim.stat()
+        victim.write_bytes(bytes(st.st_size))  # same size, other bytes, a later mtime
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        return tree
+
+    monkeypatch.setattr(dlfs.ingest.run, "walk", walk)
+    message = await _expect_source_error(node, tmp_path / "src", str(victim))
+    assert "changed" in message
+
+
+@pytest.mark.timeout(60)
+async def test_cancelled_ingest_gives_its_session_up(node: Node, tmp_path: Path) -> None:
+    make_files(tmp_path / "src", 100, 200_000, seed=4)
+    cluster = load_cluster(None, node.home)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            async def cancel_after_first_chunk() -> None:
+                while not chunk_files(node.home):
+                    await trio.sleep(0.003)
+                scope.cancel()
+
+            nursery.start_soon(cancel_after_first_chunk)
+            await ingest(cluster, str(tmp_path / "src"), "cancelled", 1 << 20)
+            raise AssertionError("the ingest finished before it was cancelled")
+    assert scope.cancelled_caught
+    assert 0 < len(chunk_files(node.home)) < 20
+    assert (await meta_status(node.home))["ingests"] == 0
+    assert dataset_rows(node) == []
+
+
+@pytest.mark.timeout(30)
+def test_missing_or_bad_source(node: Node, tmp_path: Path) -> None:
+    err = one_line_error(node.run("ingest", tmp_path / "nope", "--name", "x", check=False))
+    assert str(tmp_path / "nope") in err
+    (tmp_path / "file").write_bytes(b"x")
+    err = one_line_error(node.run("ingest", tmp_path / "file", "--name", "x", check=False))
+    assert "not a directory" in err
+    assert dataset_rows(node) == []
+
+
+# --- interrupted, resumed ---------------------------------------------------------------------
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_killed_ingest_resumes(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = make_files(src, 300, 200_000, seed=5)
+    cmd = [*DLFS, "ingest", str(src), "--name", "big", "--chunk-size", "1M"]
+
+    def interrupt(sig: int) -> subprocess.CompletedProcess[str]:
+        """Start the ingest, send `sig` once it stored a chunk more than before."""
+        before = len(chunk_files(node.home))
+        proc = subprocess.Popen(cmd, env=dlfs_env(node.home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 60
+        while len(chunk_files(node.home)) == before:
+            assert proc.poll() is None, "the ingest finished before a chunk was seen: make the tree bigger"
+            assert time.monotonic() < deadline
+            time.sleep(0.003)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    # Ctrl-C: the ingest stops at once (not after packing everything) and gives its session up.
+    stopped = interrupt(signal.SIGINT)
+    assert (stopped.returncode, stopped.stderr) == (130, "dlfs: interrupted\n")
+    assert len(chunk_files(node.home)) < 30
+    assert "ingests in progress 0" in node.run("status").stdout
+    # kill -9: no chance to clean up; still nothing is visible.
+    killed = interrupt(signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    assert 0 < len(chunk_files(node.home)) < 60
+    assert dataset_rows(node) == []
+
+    again = node.ingest(src, "big", "--chunk-size", "1M")
+    m = re.search(r"\((\d+) sent, (\d+) already stored\)", again.stdout)
+    assert m, again.stdout
+    assert int(m.group(2)) > 0
+    assert [r["version"] for r in dataset_rows(node)] == ["1"]
+    mnt = node.mount("big", tmp_path / "mnt")
+    try:
+        filecmp.clear_cache()
+        for rel in files:
+            assert filecmp.cmp(src / rel, mnt / rel, shallow=False), rel
+        assert sorted(str(p.relative_to(mnt)) for p in mnt.rglob("*.bin")) == sorted(files)
+    finally:
+        node.umount(mnt)
+
+
+# --- special files, arguments -----------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_special_files_skipped_with_warning(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "file").write_bytes(b"regular")
+    os.mkfifo(src / "a fifo")
+    with socket.socket(socket.AF_UNIX) as s:
+        here = os.getcwd()
+        os.chdir(src)
+        try:
+            s.bind("a socket")
+        finally:
+            os.chdir(here)
+    out = node.ingest(src, "spec")
+    assert "ingested spec version 1: 1 files" in out.stdout
+    assert re.search(r"skipped .*a fifo", out.stderr), out.stderr
+    assert re.search(r"skipped .*a socket", out.stderr), out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments(node: Node, tmp_path: Path) -> None:
+    make_files(tmp_path / "src", 1, 10)
+    proc = node.run("ingest", tmp_path / "src", "--name", "bad/name", check=False)
+    assert proc.returncode == 2
+    assert "bad/name" in one_line_error(proc)
+    proc = node.run("ingest", tmp_path / "src", "--name", "ok", "--chunk-size", "1X", check=False)
+    assert proc.returncode == 2
+    assert "1X" in one_line_error(proc)
+    proc = node.run("ingest", tmp_path / "src", "--name", "ok", "--chunk-size", "4K", check=False)
+    assert proc.returncode == 2
+    assert "chunk-size" in one_line_error(proc)
+    assert dataset_rows(node) == []
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_are_reported_before_the_node_is_needed(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    proc = run_dlfs(tmp_path / "no-node", "ingest", tmp_path / "src", "--name", "bad/name", check=False)
+    assert proc.returncode == 2
+    assert "bad/name" in one_line_error(proc)
+    proc = run_dlfs(tmp_path / "no-node", "ingest", tmp_path / "src", "--name", "ok", "--chunk-size", "1X",
+                    check=False)
+    assert proc.returncode == 2
+    assert "1X" in one_line_error(proc)
+
+
+# --- packing boundaries, empty trees, pinned versions (through a mount) -----------------------
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_chunk_boundary_sizes(mounted: Callable[..., Path], tmp_path: Path) -> None:
+    # At 64 KiB chunks a record holds at most 65536 - 32 (chunk header) - 24 (record header) bytes.
+    payload = (64 << 10) - 32 - 24
+    sizes = [payload - 1, payload, payload + 1, 2 * payload, 2 * payload + 1, 0, 1, 300_000, 7, payload - 30,
+             24, 25, (64 << 10), (256 << 10) + 1, 1 << 20]
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(11)
+    for i, n in enumerate(sizes):
+        (src / f"r{i:02d}-{n}").write_bytes(rng.randbytes(n))  # stored as is
+        (src / f"t{i:02d}-{n}").write_bytes((b"%d compresses " % i * n)[:n])  # stored as lz4
+    mnt = mounted(src, "bound", "--chunk-size", "64K", "--compress", "lz4")
+    assert sorted(os.listdir(mnt)) == sorted(os.listdir(src))
+    filecmp.clear_cache()
+    for p in src.iterdir():
+        assert (mnt / p.name).stat().st_size == p.stat().st_size
+        assert filecmp.cmp(p, mnt / p.name, shallow=False), p.name
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_empty_trees(node: Node, mounted: Callable[..., Path], tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    assert os.listdir(mounted(tmp_path / "empty", "nothing")) == []
+    assert [(r["files"], r["bytes"], r["chunks"]) for r in dataset_rows(node)] == [("0", "0 B", "0")]
+    (tmp_path / "zeros" / "d").mkdir(parents=True)
+    (tmp_path / "zeros" / "a").write_bytes(b"")
+    (tmp_path / "zeros" / "d" / "b").write_bytes(b"")
+    mnt = mounted(tmp_path / "zeros", "zeros")
+    assert sorted(os.listdir(mnt)) == ["a", "d"]
+    assert (mnt / "a").read_bytes() == b"" and (mnt / "d" / "b").read_bytes() == b""
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_mount_pins_a_version(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "same").write_bytes(b"unchanged\n")
+    (src / "data").write_bytes(b"version one\n")
+    (src / "only-in-1").write_bytes(b"gone later\n")
+    node.ingest(src, "pin")
+    (src / "data").write_bytes(b"version two, longer\n")
+    (src / "only-in-1").unlink()
+    (src / "only-in-2").write_bytes(b"new\n")
+    node.ingest(src, "pin")
+    one = node.mount("pin@1", tmp_path / "mnt1")
+    newest = node.mount("pin", tmp_path / "mnt2")
+    try:
+        assert sorted(os.listdir(one)) == ["data", "only-in-1", "same"]
+        assert (one / "data").read_bytes() == b"version one\n"
+        assert sorted(os.listdir(newest)) == ["data", "only-in-2", "same"]
+        assert (newest / "data").read_bytes() == b"version two, longer\n"
+        assert (one / "same").read_bytes() == (newest / "same").read_bytes() == b"unchanged\n"
+    finally:
+        node.umount(one)
+        node.umount(newest)
