@@ -45,11 +45,15 @@ def check_dataset_name(name: str) -> str:
     return name
 
 
+ROLES = {"both": frozenset({"meta", "data"}), "meta": frozenset({"meta"}), "data": frozenset({"data"})}
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
     meta: Address
     data: Address
+    roles: frozenset[str] = ROLES["both"]
 
 
 @dataclass
@@ -68,6 +72,14 @@ class Cluster:
             if n.name == name:
                 return n
         raise UsageError(f"no node named {name!r} in {self.source}")
+
+    @property
+    def data_nodes(self) -> list[NodeSpec]:
+        return [n for n in self.nodes if "data" in n.roles]
+
+    @property
+    def meta_nodes(self) -> list[NodeSpec]:
+        return [n for n in self.nodes if "meta" in n.roles]
 
 
 def key_path(home: Path) -> Path:
@@ -162,17 +174,24 @@ def parse_cluster_file(path: Path) -> Cluster:
         if not isinstance(n, dict) or not isinstance(n.get("name"), str) or not isinstance(n.get("address"), str):
             raise UsageError(f"cluster file {path}: node {i + 1} needs a name and an address")
         host = n["address"]
+        role = n.get("role", "both")
+        if role not in ROLES:
+            raise UsageError(f"cluster file {path}: node {n['name']} has role {role!r} (use data, meta or both)")
         nodes.append(NodeSpec(
             n["name"],
             Address(host, int(n.get("meta_port", doc.get("meta_port", META_PORT)))),
             Address(host, int(n.get("data_port", doc.get("data_port", DATA_PORT)))),
+            ROLES[role],
         ))
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise UsageError(f"cluster file {path}: node names are not unique")
-    replicas = int(doc.get("replicas", min(2, len(nodes))))
-    if not 1 <= replicas <= len(nodes):
-        raise UsageError(f"cluster file {path}: replicas = {replicas}, but there are {len(nodes)} nodes")
+    n_data = sum("data" in n.roles for n in nodes)
+    if not n_data or not any("meta" in n.roles for n in nodes):
+        raise UsageError(f"cluster file {path}: needs at least one data node and one metadata node")
+    replicas = int(doc.get("replicas", min(2, n_data)))
+    if not 1 <= replicas <= n_data:
+        raise UsageError(f"cluster file {path}: replicas = {replicas}, but there are {n_data} data nodes")
     key_file = doc.get("key_file")
     if not isinstance(key_file, str):
         raise UsageError(f"cluster file {path} needs key_file = \"...\"")

@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.config import Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
+from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import UsageError
@@ -34,6 +34,7 @@ class NodeOptions:
     host: str = "127.0.0.1"
     meta_port: int = 0
     data_port: int = 0
+    roles: frozenset[str] | None = None  # None: the cluster file's role for this node, else both
 
 
 def _lock_home(home: Path) -> int:
@@ -84,24 +85,31 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 raise UsageError(f"no node of {opts.cluster.source} has an address of this machine; pass --name")
             spec = opts.cluster.node(name)
             meta_addr, data_addr = spec.meta, spec.data
+        roles = opts.roles or (opts.cluster.node(name).roles if opts.cluster else ROLES["both"])
         chunks = ChunkStore(home / "data")
         meta_store = MetaStore(home / "meta")
         log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",
                  name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
         try:
             async with open_nursery() as nursery:
-                data_bound = await _listen(nursery, DataService(chunks, key, name), data_addr, data_fallback)
+                data_bound = data_addr
+                if "data" in roles:
+                    data_bound = await _listen(nursery, DataService(chunks, key, name), data_addr, data_fallback)
                 if opts.cluster is None:
                     cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
                 else:
                     cluster = opts.cluster
-                ledger = ClusterClient(cluster, nursery)
-                meta_service = MetaService(meta_store, key, name, ledger)
-                meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
-                me = NodeSpec(name, meta_bound, data_bound)
+                meta_bound = meta_addr
+                if "meta" in roles:
+                    ledger = ClusterClient(cluster, nursery)
+                    meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes)
+                    meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
+                    nursery.start_soon(meta_service.sync.run, name="dlfs-catalog-sync")
+                me = NodeSpec(name, meta_bound, data_bound, roles)
                 if opts.cluster is None:
                     write_runtime(home, name, meta_bound, data_bound)
-                log.info("node %s: metadata daemon on %s, data daemon on %s", name, meta_bound, data_bound)
+                log.info("node %s (%s): metadata daemon on %s, data daemon on %s", name, "+".join(sorted(roles)),
+                         meta_bound if "meta" in roles else "-", data_bound if "data" in roles else "-")
                 task_status.started(me)
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for sig in signals:

@@ -270,7 +270,7 @@ async def test_commit_refuses_missing_or_unpinned_chunks(tmp_path: Path) -> None
     index = make_index([(cid, data, recs)])
     async with node_with_clients(tmp_path) as (mconn, dconn):
         session = await begin(mconn, "ds", [cid])  # pinned, but never stored
-        with pytest.raises(Conflict, match=f"chunk {cid.hex()} on local"):
+        with pytest.raises(Conflict, match=f"chunk {cid.hex()} on 0 nodes"):
             await commit(mconn, session, index)
         assert await datasets(mconn) == []
         with pytest.raises(NotFound, match="no dataset named 'ds'"):
@@ -441,8 +441,9 @@ async def test_cluster_client_fails_over_to_a_live_replica(tmp_path: Path) -> No
             rec = recs[1]
             got, node = await client.read_range(cid, rec.offset, rec.stored_len)
             assert node == "live" and bytes(decode_record(got, rec, "t")) == payloads[1]
-            missing = await client.missing_replicas([cid])
-            assert missing == [(cid, "dead")]
+            held, down = await client.holders([cid])
+            assert held == {cid: ["live"]} and down == ["dead"]
+            assert await client.under_replicated([cid]) == {cid: ["live"]}
             n.cancel_scope.cancel()
 
 
@@ -522,8 +523,8 @@ class MemoryLedger:
         self.sweeping = trio.Event()
         self.release = trio.Event()
 
-    async def missing_replicas(self, ids: list[bytes]) -> list[tuple[bytes, str]]:
-        return [(c, "mem") for c in ids if c not in self.stored]
+    async def under_replicated(self, ids: list[bytes]) -> dict[bytes, list[str]]:
+        return {c: [] for c in ids if c not in self.stored}
 
     async def sweep(self, live: set[bytes]) -> int:
         self.sweeping.set()

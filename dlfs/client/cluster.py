@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -15,12 +16,37 @@ from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Reply, connect
 
 log = logging.getLogger(__name__)
+SUSPECT_MIN = 1.0
+SUSPECT_MAX = 60.0
+CONNECT_TIMEOUT = 5.0
+
+
+def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
+    """Every node in the chunk's rendezvous (highest-random-weight) order."""
+    return sorted(nodes, key=lambda n: xxhash.xxh64_intdigest(n.name.encode() + b"\0" + cid), reverse=True)
 
 
 def placement(cid: bytes, nodes: list[NodeSpec], replicas: int) -> list[NodeSpec]:
-    """The R nodes that hold a chunk: rendezvous (highest-random-weight) hashing."""
-    ranked = sorted(nodes, key=lambda n: xxhash.xxh64_intdigest(n.name.encode() + b"\0" + cid), reverse=True)
-    return ranked[:replicas]
+    """The R nodes that hold a chunk: the first R of its rank. Repair places a copy further down
+    the rank when one of them is lost, and readers look there next."""
+    return rank(cid, nodes)[:replicas]
+
+
+@dataclass
+class Health:
+    """A node that failed is suspect until `until`; each failure doubles the wait (to a bound)."""
+
+    until: float = 0.0
+    backoff: float = 0.0
+    failures: int = 0
+
+    def fail(self, now: float) -> None:
+        self.failures += 1
+        self.backoff = min(max(self.backoff * 2, SUSPECT_MIN), SUSPECT_MAX)
+        self.until = now + self.backoff
+
+    def suspect(self, now: float) -> bool:
+        return now < self.until
 
 
 class ClusterClient:
@@ -34,11 +60,12 @@ class ClusterClient:
         self.nursery = nursery
         self._conns: dict[tuple[str, str], Connection] = {}
         self._locks: dict[tuple[str, str], trio.Lock] = {}
+        self.health: dict[str, Health] = {}
 
     async def _hold(self, spec: NodeSpec, service: str,
                     task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED) -> None:
         address = spec.meta if service == "meta" else spec.data
-        async with connect(address, self.cluster.key, service) as conn:
+        async with connect(address, self.cluster.key, service, CONNECT_TIMEOUT) as conn:
             task_status.started(conn)
             await conn.done.wait()
 
@@ -56,12 +83,26 @@ class ClusterClient:
 
     async def call(self, spec: NodeSpec, service: str, msg: Msg, meta: dict[str, Any] | None = None,
                    data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Reply:
-        conn = await self.connection(spec, service)
-        return await conn.call(msg, meta, data, timeout)
+        """One request to one daemon; a node that cannot be reached becomes suspect for a while."""
+        try:
+            conn = await self.connection(spec, service)
+            reply = await conn.call(msg, meta, data, timeout)
+        except Unreachable:
+            h = self.health.setdefault(spec.name, Health())
+            h.fail(trio.current_time())
+            log.info("node %s is suspect for %.0f s (failure %d)", spec.name, h.backoff, h.failures)
+            raise
+        if spec.name in self.health:
+            del self.health[spec.name]
+        return reply
+
+    def suspect(self, name: str) -> bool:
+        h = self.health.get(name)
+        return h is not None and h.suspect(trio.current_time())
 
     def meta_nodes(self) -> list[NodeSpec]:
-        """Metadata daemons, this machine's first."""
-        return sorted(self.cluster.nodes, key=lambda n: n.name != self.cluster.local)
+        """Metadata daemons: this machine's first, suspect ones last."""
+        return sorted(self.cluster.meta_nodes, key=lambda n: (self.suspect(n.name), n.name != self.cluster.local))
 
     async def call_meta(self, msg: Msg, meta: dict[str, Any] | None = None,
                         data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Reply:
@@ -76,9 +117,12 @@ class ClusterClient:
         raise last or Unreachable("no metadata daemon in the cluster")
 
     def replicas(self, cid: bytes) -> list[NodeSpec]:
-        """The nodes holding a chunk, the local one first."""
-        nodes = placement(cid, self.cluster.nodes, self.cluster.replicas)
-        return sorted(nodes, key=lambda n: n.name != self.cluster.local)
+        """Where to read a chunk, in order: its R placed nodes (this machine's first), then the rest
+        of its rank (where repair puts copies of lost replicas); suspect nodes go last."""
+        ranked = rank(cid, self.cluster.data_nodes)
+        r = self.cluster.replicas
+        order = {n.name: (self.suspect(n.name), i >= r, n.name != self.cluster.local, i) for i, n in enumerate(ranked)}
+        return sorted(ranked, key=lambda n: order[n.name])
 
     async def read_range(self, cid: bytes, offset: int, length: int, timeout: float = 30.0) -> tuple[bytes | bytearray | memoryview, str]:
         """Bytes of a chunk from the first replica that has them; returns (bytes, node)."""
@@ -92,32 +136,38 @@ class ClusterClient:
                 errors.append(f"{spec.name}: {exc}")
         raise Unreachable(f"chunk {cid.hex()}: no replica answered ({'; '.join(errors)})")
 
-    async def missing_replicas(self, ids: list[bytes]) -> list[tuple[bytes, str]]:
-        """(chunk, node) for every placed replica that is not stored (or whose node is down)."""
-        by_node: dict[str, list[bytes]] = {}
-        for cid in ids:
-            for spec in placement(cid, self.cluster.nodes, self.cluster.replicas):
-                by_node.setdefault(spec.name, []).append(cid)
-        missing: list[tuple[bytes, str]] = []
+    async def holders(self, ids: list[bytes]) -> tuple[dict[bytes, list[str]], list[str]]:
+        """Which data nodes store each chunk, and which nodes could not be asked."""
+        held: dict[bytes, list[str]] = {c: [] for c in ids}
+        down: list[str] = []
 
-        async def ask(name: str, want: list[bytes]) -> None:
+        async def ask(spec: NodeSpec) -> None:
             try:
-                for i in range(0, len(want), 20000):
-                    meta, _ = await self.call(self.cluster.node(name), "data", Msg.HAS_CHUNKS, {"ids": want[i : i + 20000]})
-                    missing.extend((c, name) for c in meta["missing"])
+                for i in range(0, len(ids), 20000):
+                    want = ids[i : i + 20000]
+                    meta, _ = await self.call(spec, "data", Msg.HAS_CHUNKS, {"ids": want}, timeout=30)
+                    missing = set(meta["missing"])
+                    for c in want:
+                        if c not in missing:
+                            held[c].append(spec.name)
             except Unreachable as exc:
-                log.warning("data daemon on %s: %s", name, exc)
-                missing.extend((c, name) for c in want)
+                log.warning("data daemon on %s: %s", spec.name, exc)
+                down.append(spec.name)
 
         async with open_nursery() as n:
-            for name, want in by_node.items():
-                n.start_soon(ask, name, want)
-        return missing
+            for spec in self.cluster.data_nodes:
+                n.start_soon(ask, spec)
+        return held, down
+
+    async def under_replicated(self, ids: list[bytes]) -> dict[bytes, list[str]]:
+        """The chunks stored on fewer than R reachable nodes, with the nodes that do hold them."""
+        held, _ = await self.holders(ids)
+        return {c: nodes for c, nodes in held.items() if len(nodes) < self.cluster.replicas}
 
     async def sweep(self, live: set[bytes]) -> int:
         """Delete every stored chunk that no dataset and no ingest holds; returns how many."""
         freed = 0
-        for spec in self.cluster.nodes:
+        for spec in self.cluster.data_nodes:
             try:
                 meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
                 ids = [bytes(data[i : i + 16]) for i in range(0, len(data), 16)]

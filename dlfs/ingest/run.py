@@ -18,9 +18,9 @@ from typing import Protocol
 
 import trio
 
-from dlfs.client.cluster import ClusterClient, placement
-from dlfs.config import Cluster, check_dataset_name
-from dlfs.errors import UsageError
+from dlfs.client.cluster import ClusterClient, rank
+from dlfs.config import Cluster, NodeSpec, check_dataset_name
+from dlfs.errors import Unreachable, UsageError
 from dlfs.format.chunk import MAX_CHUNK_SIZE
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.pack import Packed, Packer
@@ -166,26 +166,39 @@ async def _ingest(client: ClusterClient, session: str, src: str, name: str, chun
 
 
 async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: dict[str, int]) -> None:
-    """Pin the chunk (so no collection takes it), then send it to every replica lacking it."""
+    """Pin the chunk (so no collection takes it), then store it on R nodes: its placed nodes, or,
+    for each placed node that is down, the next node of its rank (as repair would)."""
     await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": [p.cid]})
-    targets = placement(p.cid, client.cluster.nodes, client.cluster.replicas)
+    candidates = rank(p.cid, client.cluster.data_nodes)
+    want = client.cluster.replicas
+    stored: list[str] = []
+    errors: list[str] = []
 
-    async def put(spec_name: str) -> None:
-        spec = client.cluster.node(spec_name)
-        meta, _ = await client.call(spec, "data", Msg.HAS_CHUNKS, {"ids": [p.cid]})
-        if not meta["missing"]:
-            stats["present"] += 1
-            return
-        await client.call(spec, "data", Msg.PUT_CHUNK, {"id": p.cid}, p.data, timeout=120)
-        stats["sent"] += 1
-        stats["bytes"] += len(p.data)
+    async def put(spec: NodeSpec) -> None:
+        try:
+            meta, _ = await client.call(spec, "data", Msg.HAS_CHUNKS, {"ids": [p.cid]})
+            if meta["missing"]:
+                await client.call(spec, "data", Msg.PUT_CHUNK, {"id": p.cid}, p.data, timeout=120)
+                stats["sent"] += 1
+                stats["bytes"] += len(p.data)
+            else:
+                stats["present"] += 1
+            stored.append(spec.name)
+        except Unreachable as exc:
+            errors.append(str(exc))
 
-    async with open_nursery() as n:
-        for spec in targets:
-            n.start_soon(put, spec.name)
+    while len(stored) < want and candidates:
+        batch, candidates = candidates[: want - len(stored)], candidates[want - len(stored) :]
+        async with open_nursery() as n:
+            for spec in batch:
+                n.start_soon(put, spec)
+    if len(stored) < want:
+        raise Unreachable(f"chunk {p.cid.hex()}: stored on {len(stored)} of {want} nodes ({'; '.join(errors)})")
 
 
 async def _commit_index(client: ClusterClient, session: str, writer: IndexWriter, tmp_dir: Path | None) -> VersionInfo:
+    if tmp_dir is not None:
+        tmp_dir.mkdir(parents=True, exist_ok=True)  # a client that never ran a node has no home yet
     with tempfile.TemporaryFile(dir=tmp_dir) as f:
         checksum = await trio.to_thread.run_sync(writer.write, f)
         size = f.tell()

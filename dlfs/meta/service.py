@@ -7,8 +7,10 @@ from typing import Any, Protocol
 
 import trio
 
+from dlfs.config import NodeSpec
 from dlfs.errors import Conflict
 from dlfs.meta.store import MetaStore
+from dlfs.meta.sync import CatalogSync
 from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import Reply, Service
 
@@ -19,7 +21,7 @@ MAX_INDEX_PIECE = 16 << 20
 class ChunkLedger(Protocol):
     """What the metadata daemon asks of the data daemons (the cluster client provides it)."""
 
-    async def missing_replicas(self, ids: list[bytes]) -> list[tuple[bytes, str]]: ...
+    async def under_replicated(self, ids: list[bytes]) -> dict[bytes, list[str]]: ...
 
     async def sweep(self, live: set[bytes]) -> int: ...
 
@@ -27,10 +29,12 @@ class ChunkLedger(Protocol):
 class MetaService(Service):
     name = "meta"
 
-    def __init__(self, store: MetaStore, key: bytes, node: str, ledger: ChunkLedger) -> None:
+    def __init__(self, store: MetaStore, key: bytes, node: str, ledger: ChunkLedger,
+                 peers: list[NodeSpec] | None = None) -> None:
         super().__init__(key, node)
         self.store = store
         self.ledger = ledger
+        self.sync = CatalogSync(store, node, peers or [], ledger if peers else None)  # type: ignore[arg-type]
         # Commit and collection exclude each other: a commit checks its chunks exist and a
         # collection decides what is dead, each against a catalog the other cannot change.
         self.gc_lock = trio.Lock()
@@ -45,11 +49,25 @@ class MetaService(Service):
             Msg.COMMIT: self.commit,
             Msg.ABORT_INGEST: self.abort_ingest,
             Msg.REMOVE: self.remove,
+            Msg.CATALOG: self.catalog,
+            Msg.NOTIFY: self.notify,
+            Msg.PINS: self.pins,
         })
 
     async def status(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        return {"node": self.node, "datasets": len(self.store.catalog),
-                "versions": len(self.store.datasets()), "ingests": len(self.store.sessions)}, b""
+        live = self.store.datasets()
+        return {"node": self.node, "datasets": len({v.name for v in live}),
+                "versions": len(live), "ingests": len(self.store.sessions)}, b""
+
+    async def catalog(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        return {"versions": [v.to_wire() for v in self.store.all_versions()]}, b""
+
+    async def notify(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        self.sync.wake.set()
+        return {}, b""
+
+    async def pins(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        return {"ids": sorted(self.store.pins())}, b""
 
     async def list_datasets(self, meta: dict[str, Any], data: bytearray) -> Reply:
         return {"datasets": [v.to_wire() for v in self.store.datasets()]}, b""
@@ -90,18 +108,21 @@ class MetaService(Service):
             if not set(ids) <= s.pins:
                 raise Conflict(f"ingest of {s.name} commits chunks it never pinned")
             async with self.gc_lock:
-                missing = await self.ledger.missing_replicas(ids)
-                if missing:
-                    cid, node = missing[0]
+                short = await self.ledger.under_replicated(ids)
+                if short:
+                    cid, nodes = next(iter(short.items()))
                     raise Conflict(
-                        f"ingest of {s.name}: {len(missing)} chunk replicas are not stored "
-                        f"(e.g. chunk {cid.hex()} on {node}); run the ingest again"
+                        f"ingest of {s.name}: {len(short)} chunks have fewer than the cluster's replicas "
+                        f"(e.g. chunk {cid.hex()} on {len(nodes)} nodes); run the ingest again"
                     )
+                # Learn the peers' versions first, so the number chosen here is new cluster-wide.
+                await self.sync.pull_all()
                 info = await trio.to_thread.run_sync(self.store.commit, sid, index, size, checksum)
         finally:
             index.close()
         log.info("committed dataset %s version %d: %d files, %d bytes, %d chunks",
                  info.name, info.version, info.files, info.bytes, info.chunks)
+        await self.sync.notify()
         return info.to_wire(), b""
 
     async def abort_ingest(self, meta: dict[str, Any], data: bytearray) -> Reply:
@@ -111,9 +132,22 @@ class MetaService(Service):
     async def remove(self, meta: dict[str, Any], data: bytearray) -> Reply:
         version = meta.get("version")
         async with self.gc_lock:
+            await self.sync.pull_all()
             gone = self.store.remove(str(meta["name"]), int(version) if version is not None else None)
-            live = await trio.to_thread.run_sync(self.store.live_chunks)
-            freed = await self.ledger.sweep(live)
-        for v in gone:
-            log.info("removed dataset %s version %d", v.name, v.version)
-        return {"removed": [v.to_wire() for v in gone], "freed_chunks": freed}, b""
+            for v in gone:
+                log.info("removed dataset %s version %d", v.name, v.version)
+            await self.sync.notify()
+            freed, deferred = await self._collect()
+        return {"removed": [v.to_wire() for v in gone], "freed_chunks": freed, "gc_deferred": deferred}, b""
+
+    async def _collect(self) -> tuple[int, str]:
+        """Delete the chunks nothing needs; deferred (with the reason) unless every peer answers,
+        since a peer's commit or pin that this daemon has not seen would make live chunks look dead."""
+        missed = await self.sync.pull_all()
+        peer_pins = await self.sync.peer_pins() if not missed else None
+        if missed or peer_pins is None:
+            why = f"metadata daemon {', '.join(missed) or 'peer'} unreachable"
+            log.warning("garbage collection deferred: %s", why)
+            return 0, why
+        live = await trio.to_thread.run_sync(self.store.live_chunks)
+        return await self.ledger.sweep(live | peer_pins), ""

@@ -13,7 +13,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ class VersionInfo:
     chunks: int
     chunk_size: int
     created: float
+    removed: float = 0.0  # when it was removed: the tombstone stops peers bringing it back
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,11 +98,23 @@ class MetaStore:
             tmp.unlink(missing_ok=True)
             raise _os_error(exc, "cannot write the catalog") from None
 
-    def datasets(self) -> list[VersionInfo]:
+    def all_versions(self) -> list[VersionInfo]:
+        """Every version ever committed here, tombstones included (what peers sync from)."""
         return [v for name in sorted(self.catalog) for v in self.catalog[name]]
 
+    def datasets(self) -> list[VersionInfo]:
+        return [v for v in self.all_versions() if not v.removed]
+
+    def find(self, name: str, version: int) -> VersionInfo | None:
+        """A version, live or removed, if this daemon knows it."""
+        return next((v for v in self.catalog.get(name, []) if v.version == version), None)
+
+    def next_version(self, name: str) -> int:
+        """Versions are never reused, not even those of removed versions."""
+        return max((v.version for v in self.catalog.get(name, [])), default=0) + 1
+
     def get(self, name: str, version: int | None = None) -> VersionInfo:
-        versions = self.catalog.get(name)
+        versions = [v for v in self.catalog.get(name, []) if not v.removed]
         if not versions:
             raise NotFound(f"no dataset named {name!r}")
         if version is None:
@@ -172,7 +185,7 @@ class MetaStore:
         """Publish a staged index as the dataset's next version (atomic: rename, then catalog)."""
         s = self.session(sid)
         versions = self.catalog.get(s.name, [])
-        number = versions[-1].version + 1 if versions else 1
+        number = self.next_version(s.name)
         t = index.totals
         info = VersionInfo(s.name, number, size, checksum, t.files, t.bytes, t.chunks, t.chunk_size, time.time())
         dest = self.index_path(s.name, number)
@@ -196,27 +209,65 @@ class MetaStore:
         return info
 
     def remove(self, name: str, version: int | None = None) -> list[VersionInfo]:
-        """Drop a dataset (or one version) from the catalog; its index files go with it."""
-        gone = [self.get(name, version)] if version is not None else list(self.catalog.get(name, []))
+        """Tombstone a dataset (or one version) in the catalog; its index files go."""
+        gone = [self.get(name, version)] if version is not None else [v for v in self.catalog.get(name, []) if not v.removed]
         if not gone:
             raise NotFound(f"no dataset named {name!r}")
-        keep = [v for v in self.catalog[name] if v not in gone]
+        self._tombstone(name, {v.version for v in gone}, time.time())
+        return gone
+
+    def _tombstone(self, name: str, versions: set[int], when: float) -> None:
         old = self.catalog[name]
-        if keep:
-            self.catalog[name] = keep
-        else:
-            del self.catalog[name]
+        self.catalog[name] = [replace(v, removed=when) if v.version in versions else v for v in old]
         try:
             self._save()
         except DlfsError:
             self.catalog[name] = old
             raise
-        for v in gone:
-            self.index_path(name, v.version).unlink(missing_ok=True)
-            self._chunk_sets.pop((name, v.version), None)
-        if not keep:
-            shutil.rmtree(self.index_dir / name, ignore_errors=True)
-        return gone
+        for number in versions:
+            self.index_path(name, number).unlink(missing_ok=True)
+            self._chunk_sets.pop((name, number), None)
+
+    def apply_peer(self, info: VersionInfo, fetched: Path | None) -> bool:
+        """Take a version a peer has: its tombstone, or (with its fetched index) the version itself.
+
+        Returns whether anything changed here.
+        """
+        mine = self.find(info.name, info.version)
+        if info.removed:
+            if mine is None:
+                self.catalog.setdefault(info.name, []).append(info)
+                self.catalog[info.name].sort(key=lambda v: v.version)
+                self._save()
+                return True
+            if not mine.removed:
+                self._tombstone(info.name, {info.version}, info.removed)
+                return True
+            return False
+        if mine is not None:
+            if mine.index_sum != info.index_sum and not mine.removed:
+                log.error("dataset %s version %d differs between daemons (index %016x here, %016x on a peer); "
+                          "keeping this daemon's", info.name, info.version, mine.index_sum, info.index_sum)
+            return False
+        if fetched is None:
+            raise ValueError("a live version needs its index")
+        if file_checksum(fetched) != info.index_sum or fetched.stat().st_size != info.index_size:
+            raise CorruptData(f"index of {info.name}@{info.version} from a peer does not match its checksum")
+        Index(fetched).close()  # parses: header, sizes, body checksum
+        dest = self.index_path(info.name, info.version)
+        dest.parent.mkdir(exist_ok=True)
+        os.replace(fetched, dest)
+        _fsync_dir(dest.parent)
+        self.catalog.setdefault(info.name, []).append(info)
+        self.catalog[info.name].sort(key=lambda v: v.version)
+        self._save()
+        return True
+
+    def staging_file(self) -> Path:
+        return self.staging / f"peer-{secrets.token_hex(8)}.idx"
+
+    def pins(self) -> set[bytes]:
+        return {c for s in self.sessions.values() for c in s.pins}
 
     def live_chunks(self) -> set[bytes]:
         """Every chunk a committed version or an open ingest still needs."""

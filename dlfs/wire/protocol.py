@@ -55,6 +55,9 @@ class Msg(enum.IntEnum):
     COMMIT = 26
     ABORT_INGEST = 27
     REMOVE = 28
+    CATALOG = 29
+    NOTIFY = 30
+    PINS = 31
     # data daemon
     PUT_CHUNK = 50
     READ_RANGE = 51

@@ -101,13 +101,14 @@ class Connection:
 
 
 @asynccontextmanager
-async def connect(address: Address, key: bytes, service: str) -> AsyncIterator[Connection]:
+async def connect(address: Address, key: bytes, service: str,
+                  timeout: float = CONNECT_TIMEOUT) -> AsyncIterator[Connection]:
     """An authenticated connection to the `service` daemon at `address`, closed on exit."""
     try:
-        with trio.fail_after(CONNECT_TIMEOUT):
+        with trio.fail_after(timeout):
             stream = await TRANSPORT.connect(address)
     except (OSError, trio.TooSlowError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else "timed out"
         raise Unreachable(f"cannot reach the {service} daemon at {address}: {reason}") from None
     fs = FrameStream(stream, str(address))
     try:
