@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlfs.errors import Unreachable, UsageError
+from dlfs.procs import running
 from dlfs.transport.base import Address
 from dlfs.wire.auth import read_key, write_key
 
@@ -140,21 +141,12 @@ def load_cluster(cluster_file: str | None, home: Path) -> Cluster:
         raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)") from None
     except (OSError, ValueError) as exc:
         raise Unreachable(f"cannot read {path}: {exc} (restart the node with `dlfs node`)") from None
-    if not _pid_alive(int(info.get("pid", 0))):
+    if not running(int(info.get("pid", 0))):
         raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)")
     spec = NodeSpec(info["name"], Address.parse(info["meta"]), Address.parse(info["data"]))
     return Cluster([spec], ensure_home_key(home), 1, str(path), local=spec.name)
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -21,7 +21,7 @@ from dlfs.format.index import Extent, Index
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
-FETCH_TIMEOUT = 30.0
+FETCH_TIMEOUT = 10.0
 
 
 class ChunkCache:

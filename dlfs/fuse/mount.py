@@ -24,6 +24,7 @@ from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.ops import DlfsOperations
 from dlfs.meta.store import VersionInfo
+from dlfs.procs import running
 from dlfs.tasks import open_nursery
 from dlfs.units import human_bytes
 from dlfs.wire.protocol import Msg
@@ -174,7 +175,7 @@ def local_mounts(home: Path) -> list[tuple[str, Path]]:
             label, mountpoint, pid = str(doc["dataset"]), Path(doc["mountpoint"]), int(doc["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _running(pid) and os.path.ismount(mountpoint):
+        if running(pid) and os.path.ismount(mountpoint):
             found.append((label, mountpoint))
     return found
 
@@ -198,26 +199,11 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
         raise MountError(f"cannot unmount {mountpoint}: {msg}")
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
-        if not _running(pid):
+        if not running(pid):
             return
         time.sleep(0.05)
     if pid:
         log.warning("mount process %d still running after unmount", pid)
-
-
-def _running(pid: int) -> bool:
-    """Whether a process is alive; an exited one that its parent (often init) has not reaped yet is not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 __all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "parse_dataset_ref", "serve_mount", "unmount"]
