@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from dlfs import __version__
-from dlfs.config import check_dataset_name, home_dir, load_cluster, parse_cluster_file
+from dlfs.config import ROLES, check_dataset_name, home_dir, load_cluster, parse_cluster_file
 from dlfs.errors import Conflict, DlfsError, MountError, UsageError
 from dlfs.tasks import leaves, open_nursery
 from dlfs.units import human_bytes, parse_size
@@ -46,7 +46,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     home = home_dir(args.home)
     cluster_file = args.cluster or os.environ.get("DLFS_CLUSTER")
     cluster = parse_cluster_file(Path(cluster_file)) if cluster_file else None
-    opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port)
+    opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port,
+                       ROLES[args.role] if args.role else None)
     trio.run(run_node, opts)
     return 0
 
@@ -164,50 +165,226 @@ def cmd_rm(args: argparse.Namespace) -> int:
     out = trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version})
     versions = ", ".join(str(v["version"]) for v in out["removed"])
     print(f"removed {name} (version {versions}); freed {out['freed_chunks']} chunks")
+    if out.get("gc_deferred"):
+        print(f"its chunks are freed later: {out['gc_deferred']}", file=sys.stderr)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
+    from dlfs.client.repair import census
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
     cluster = _cluster(args)
+    home = home_dir(args.home)
 
-    async def gather() -> list[tuple[str, dict[str, Any] | str, dict[str, Any] | str]]:
-        rows = []
+    async def gather() -> tuple[list[tuple[str, dict[str, dict[str, Any] | str]]], Any]:
+        rows: dict[str, dict[str, dict[str, Any] | str]] = {spec.name: {} for spec in cluster.nodes}
+
+        async def ask(spec: Any, service: str) -> None:
+            try:
+                rows[spec.name][service] = (await client.call(spec, service, Msg.STATUS, timeout=5))[0]
+            except DlfsError as exc:
+                rows[spec.name][service] = str(exc)
+
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
-            for spec in cluster.nodes:
-                res: list[dict[str, Any] | str] = []
-                for service in ("meta", "data"):
-                    try:
-                        res.append((await client.call(spec, service, Msg.STATUS, timeout=5))[0])
-                    except DlfsError as exc:
-                        res.append(str(exc))
-                rows.append((spec.name, res[0], res[1]))
+            async with open_nursery() as asks:
+                for spec in cluster.nodes:
+                    for service in sorted(spec.roles):
+                        asks.start_soon(ask, spec, service)
+            out = [(spec.name, rows[spec.name]) for spec in cluster.nodes]
+            up = [spec for spec in cluster.nodes if not any(isinstance(r, str) for r in rows[spec.name].values())]
+            # A lone node that is down is the whole answer (one line); else what the rest can say.
+            health = None if len(out) == 1 and not up else await census(client, up, home)
             nursery.cancel_scope.cancel()
-        return rows
+        return out, health
 
-    rows = trio.run(gather)
+    rows, health = trio.run(gather)
     down = 0
     print(f"cluster: {cluster.source}")
-    for name, meta, data in rows:
+    for name, res in rows:
         spec = cluster.node(name)
-        if isinstance(meta, str) or isinstance(data, str):
+        roles = "+".join(sorted(spec.roles))
+        failed = [r for r in res.values() if isinstance(r, str)]
+        if failed:
             down += 1
-            reason = meta if isinstance(meta, str) else data
-            print(f"node {name}: DOWN ({reason})")
+            print(f"node {name}: DOWN ({failed[0]})  roles {roles}")
             continue
-        print(f"node {name}: up  meta {spec.meta}  data {spec.data}")
-        print(f"  datasets {meta['datasets']} ({meta['versions']} versions), ingests in progress {meta['ingests']}")
-        print(f"  chunks {data['chunks']} ({human_bytes(data['bytes'])}), disk free {human_bytes(data['disk_free'])} "
-              f"of {human_bytes(data['disk_total'])} at {data['root']}")
+        addrs = "".join(f"  {s} {spec.meta if s == 'meta' else spec.data}" for s in ("meta", "data") if s in spec.roles)
+        print(f"node {name}: up  roles {roles}{addrs}")
+        meta, data = res.get("meta"), res.get("data")
+        if isinstance(meta, dict):
+            print(f"  datasets {meta['datasets']} ({meta['versions']} versions), ingests in progress {meta['ingests']}")
+        if isinstance(data, dict):
+            print(f"  chunks {data['chunks']} ({human_bytes(data['bytes'])}), disk free {human_bytes(data['disk_free'])} "
+                  f"of {human_bytes(data['disk_total'])} at {data['root']}")
+    if down and len(rows) == 1:
+        name, res = rows[0]
+        raise DlfsError(f"node {name} is not reachable: {next(r for r in res.values() if isinstance(r, str))}")
+    if health is not None:
+        _print_census(health, cluster.replicas)
     if down:
-        if len(rows) == 1:
-            raise DlfsError(f"node {rows[0][0]} is not reachable: {rows[0][1] if isinstance(rows[0][1], str) else rows[0][2]}")
         print(f"{down} of {len(rows)} nodes are down", file=sys.stderr)
         return 3
+    return 0
+
+
+def _print_census(view: Any, replicas: int, shown: int = 10) -> None:
+    """Status's view of the datasets: every live version, and the chunks short of replicas."""
+    if view.error:
+        print(f"datasets: unknown ({view.error})")
+        return
+    print(f"datasets: {len({v.name for v in view.versions})} ({len(view.versions)} versions)")
+    for v in view.versions:
+        print(f"  {v.name}@{v.version}: {v.files} files, {human_bytes(v.bytes)}, {v.chunks} chunks")
+    print(f"chunks with fewer than {replicas} healthy replicas: {len(view.short)}")
+    for cid in sorted(view.short)[:shown]:
+        nodes = view.short[cid]
+        where = f"on {', '.join(nodes)}" if nodes else "on no reachable node"
+        print(f"  chunk {cid.hex()}: {len(nodes)} of {replicas}, {where} (in {view.chunks[cid].label()})")
+    if len(view.short) > shown:
+        print(f"  ... and {len(view.short) - shown} more (`dlfs repair` restores them)")
+
+
+# --- verify, repair -----------------------------------------------------------------------------
+class _CheckProgress:
+    """One bar of a progress display on stderr, shown only when stderr is a terminal."""
+
+    def __init__(self, bar: Any, label: str, unit: str) -> None:
+        self.bar, self.label, self.unit = bar, label, unit
+        self.task: Any = None
+        self.done = self.total = 0
+
+    @staticmethod
+    def display() -> Any:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[items]}"),
+                        DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+                        disable=not sys.stderr.isatty(), console=Console(stderr=True))
+
+    def start(self, items: int, nbytes: int) -> None:
+        self.total = items
+        self.task = self.bar.add_task(self.label, total=nbytes, items=f"0/{items} {self.unit}")
+
+    def advance(self, items: int, nbytes: int) -> None:
+        self.done += items
+        self.bar.update(self.task, advance=nbytes, items=f"{self.done}/{self.total} {self.unit}")
+
+
+def _print_verify(report: Any, chunks: dict[bytes, Any]) -> None:
+    """One line per problem verify found."""
+    r = report.replicas
+    for name, why in sorted(report.unreachable.items()):
+        print(f"node {name} is unreachable ({why})")
+    for b in report.bad:
+        print(f"bad replica of chunk {b.chunk.hex()} on {b.node}: {b.reason}")
+    for cid in report.missing:
+        print(f"chunk {cid.hex()} has only 0 of {r} replicas (no good copy on any reachable node; "
+              f"in {chunks[cid].label()})")
+    for cid in report.under_replicated:
+        print(f"chunk {cid.hex()} has only {len(report.good[cid])} of {r} replicas "
+              f"(good on {', '.join(report.good[cid])}; in {chunks[cid].label()})")
+
+
+def _n(count: int, thing: str) -> str:
+    return f"{count} {thing}{'' if count == 1 else 's'}"
+
+
+def _verify_summary(report: Any, n_versions: int) -> str:
+    head = (f"verified {_n(len(report.good), 'chunk')} of {_n(n_versions, 'dataset version')}: "
+            f"{_n(report.replicas_checked, 'replica')} ({human_bytes(report.bytes_checked)}) read and checked")
+    if report.healthy:
+        down = f" (nodes {', '.join(sorted(report.unreachable))} unreachable)" if report.unreachable else ""
+        return f"{head}; every chunk has {report.replicas} good replicas{down}"
+    return (f"{head}; {_n(len(report.bad), 'bad replica')}, {_n(len(report.under_replicated), 'chunk')} "
+            f"under-replicated, {_n(len(report.missing), 'chunk')} with no good copy, "
+            f"{_n(len(report.unreachable), 'node')} unreachable")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from dlfs.client.cluster import ClusterClient
+    from dlfs.client.repair import dataset_chunks, live_versions, verify
+    from dlfs.errors import CorruptData
+    from dlfs.fuse.mount import parse_dataset_ref
+
+    _setup_logging(args)
+    if bool(args.name) == bool(args.all):
+        raise UsageError("name one dataset (NAME or NAME@VERSION) or give --all")
+    name, version = parse_dataset_ref(args.name) if args.name else (None, None)
+    cluster = _cluster(args)
+    home = home_dir(args.home)
+
+    async def run(progress: _CheckProgress) -> tuple[int, dict[bytes, Any], Any]:
+        async with open_nursery() as nursery:
+            client = ClusterClient(cluster, nursery)
+            versions = await live_versions(client, name, version)
+            chunks = await dataset_chunks(client, home, versions)
+            report = await verify(client, chunks, progress)
+            nursery.cancel_scope.cancel()
+        return len(versions), chunks, report
+
+    with _CheckProgress.display() as bar:
+        n_versions, chunks, report = trio.run(run, _CheckProgress(bar, "verify", "replicas"))
+    if not n_versions:
+        print("no datasets to verify")
+        return 0
+    _print_verify(report, chunks)
+    print(_verify_summary(report, n_versions))
+    # A node that is down but whose chunks all have R good copies elsewhere is no data problem.
+    if not report.healthy:
+        short = len(report.needs_repair())
+        raise CorruptData(f"{_n(short, 'chunk')} {'lacks' if short == 1 else 'lack'} {report.replicas} good "
+                          "replicas; `dlfs repair` restores them")
+    return 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from dlfs.client.cluster import ClusterClient
+    from dlfs.client.repair import dataset_chunks, live_versions, repair, verify
+    from dlfs.errors import CorruptData
+
+    _setup_logging(args)
+    cluster = _cluster(args)
+    home = home_dir(args.home)
+
+    async def run(bar: Any) -> tuple[int, dict[bytes, Any], Any, Any]:
+        async with open_nursery() as nursery:
+            client = ClusterClient(cluster, nursery)
+            versions = await live_versions(client)
+            chunks = await dataset_chunks(client, home, versions)
+            report = await verify(client, chunks, _CheckProgress(bar, "verify", "replicas"))
+            healed = await repair(client, chunks, report, _CheckProgress(bar, "repair", "chunks"))
+            nursery.cancel_scope.cancel()
+        return len(versions), chunks, report, healed
+
+    with _CheckProgress.display() as bar:
+        n_versions, chunks, report, healed = trio.run(run, bar)
+    _print_verify(report, chunks)
+    for cid, node in healed.removed:
+        print(f"removed bad replica of chunk {cid.hex()} on {node}")
+    for cid, src, dst in healed.copied:
+        print(f"copied chunk {cid.hex()} from {src} to {dst}")
+    for cid, why in sorted(healed.unhealed.items()):
+        print(f"cannot heal chunk {cid.hex()} (in {chunks[cid].label()}): {why}")
+    copied_bytes = sum(chunks[cid].size for cid, _, _ in healed.copied)
+    print(f"repair: copied {_n(len(healed.copied), 'chunk')} ({human_bytes(copied_bytes)}), removed "
+          f"{_n(len(healed.removed), 'bad replica')}; {healed.healthy} of {_n(len(chunks), 'chunk')} of "
+          f"{_n(n_versions, 'dataset version')} {'has' if healed.healthy == 1 else 'have'} {cluster.replicas} good replicas")
+    if healed.unhealed:
+        ids = sorted(healed.unhealed)
+        more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
+        raise CorruptData(f"could not heal {_n(len(ids), 'chunk')}: {', '.join(c.hex() for c in ids[:5])}{more}")
     return 0
 
 
@@ -327,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("node", cmd_node, "Run this node's metadata and data daemons in the foreground until SIGINT/SIGTERM.")
     sp.add_argument("--name", help="this node's name in the cluster file (default: the entry with a local address)")
+    sp.add_argument("--role", choices=["data", "meta", "both"],
+                    help="run the data daemon, the metadata daemon, or both (default: the cluster file's role, else both)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on with no cluster file (default 127.0.0.1)")
     sp.add_argument("--meta-port", type=int, default=0,
                     help="metadata port with no cluster file (default: the last run's, else any free port)")
@@ -360,6 +539,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
 
     add("status", cmd_status, "Show the node's (or cluster's) state; exits non-zero when a node is unreachable.")
+
+    sp = add("verify", cmd_verify, "Read and check every replica of every chunk of a dataset; exits 5 if any is bad, "
+             "missing or short of the cluster's replicas.")
+    sp.add_argument("name", nargs="?", metavar="NAME[@VERSION]", help="dataset (all its versions) or one version")
+    sp.add_argument("--all", action="store_true", help="every live dataset")
+
+    add("repair", cmd_repair, "Verify every live dataset, then delete bad replicas and copy good ones until every "
+        "chunk has the cluster's replicas; prints what it copied.")
 
     sp = add("keygen", cmd_keygen, "Write a new random cluster key (mode 0600).")
     sp.add_argument("file", metavar="FILE")

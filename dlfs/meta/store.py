@@ -227,6 +227,8 @@ class MetaStore:
         for number in versions:
             self.index_path(name, number).unlink(missing_ok=True)
             self._chunk_sets.pop((name, number), None)
+        if all(v.removed for v in self.catalog[name]):
+            shutil.rmtree(self.index_dir / name, ignore_errors=True)
 
     def apply_peer(self, info: VersionInfo, fetched: Path | None) -> bool:
         """Take a version a peer has: its tombstone, or (with its fetched index) the version itself.
