@@ -17,7 +17,7 @@ import trio
 
 from dlfs import __version__
 from dlfs.config import ROLES, check_dataset_name, home_dir, load_cluster, parse_cluster_file
-from dlfs.errors import Conflict, DlfsError, MountError, UsageError
+from dlfs.errors import Conflict, DlfsError, MountError, Unreachable, UsageError
 from dlfs.tasks import leaves, open_nursery
 from dlfs.units import human_bytes, parse_size
 
@@ -167,6 +167,17 @@ def cmd_rm(args: argparse.Namespace) -> int:
     print(f"removed {name} (version {versions}); freed {out['freed_chunks']} chunks")
     if out.get("gc_deferred"):
         print(f"its chunks are freed later: {out['gc_deferred']}", file=sys.stderr)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from dlfs.wire.protocol import Msg
+
+    _setup_logging(args)
+    out = trio.run(_meta_call, args, Msg.COLLECT)
+    if out["gc_deferred"]:
+        raise Unreachable(f"garbage collection deferred: {out['gc_deferred']}")
+    print(f"freed {out['freed_chunks']} chunks that no dataset or ingest needs")
     return 0
 
 
@@ -534,6 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let other users read the mount (default when run as root)")
     sp.add_argument("--no-allow-other", dest="allow_other", action="store_false", help=argparse.SUPPRESS)
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")
 
     sp = add("umount", cmd_umount, "Unmount a dlfs mount and wait for its process to finish.")
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")

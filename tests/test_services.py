@@ -337,6 +337,23 @@ async def test_remove_frees_chunks_but_not_pinned_or_shared_ones(tmp_path: Path)
 
 
 @pytest.mark.timeout(20)
+async def test_collect_frees_only_unneeded_chunks_and_versions_are_never_reused(tmp_path: Path) -> None:
+    held, orphan = make_chunk(30), make_chunk(31)
+    async with node_with_clients(tmp_path) as (mconn, dconn):
+        for cid, data, _, _ in (held, orphan):
+            await put_chunk(dconn, cid, data)
+        await ingest(mconn, "d", make_index([held[:3]]), [held[0]])
+        meta, _ = await mconn.call(Msg.COLLECT)
+        assert meta == {"freed_chunks": 1, "gc_deferred": ""}
+        assert await list_chunks(dconn) == [held[0]]
+        await mconn.call(Msg.REMOVE, {"name": "d", "version": 1})
+        # The removed version's number stays taken: d@1 never names other content later.
+        await put_chunk(dconn, held[0], held[1])
+        info = await ingest(mconn, "d", make_index([held[:3]]), [held[0]])
+        assert info["version"] == 2
+
+
+@pytest.mark.timeout(20)
 async def test_wrong_key_is_refused_and_daemon_keeps_serving(tmp_path: Path) -> None:
     async with running_node(tmp_path) as (spec, key):
         wrong = bytes(b ^ 0xFF for b in key)

@@ -52,6 +52,7 @@ class MetaService(Service):
             Msg.CATALOG: self.catalog,
             Msg.NOTIFY: self.notify,
             Msg.PINS: self.pins,
+            Msg.COLLECT: self.collect,
         })
 
     async def status(self, meta: dict[str, Any], data: bytearray) -> Reply:
@@ -139,6 +140,11 @@ class MetaService(Service):
             await self.sync.notify()
             freed, deferred = await self._collect()
         return {"removed": [v.to_wire() for v in gone], "freed_chunks": freed, "gc_deferred": deferred}, b""
+
+    async def collect(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        async with self.gc_lock:
+            freed, deferred = await self._collect()
+        return {"freed_chunks": freed, "gc_deferred": deferred}, b""
 
     async def _collect(self) -> tuple[int, str]:
         """Delete the chunks nothing needs; deferred (with the reason) unless every peer answers,

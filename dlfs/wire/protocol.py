@@ -58,6 +58,7 @@ class Msg(enum.IntEnum):
     CATALOG = 29
     NOTIFY = 30
     PINS = 31
+    COLLECT = 32
     # data daemon
     PUT_CHUNK = 50
     READ_RANGE = 51
