@@ -86,6 +86,11 @@ class NetLab:
         i = self.names.index(name)
         _ip("-n", self.switch, "link", "set", f"p{i}", "down")
 
+    def restore(self, name: str) -> None:
+        """Put a host that was cut back on the network."""
+        i = self.names.index(name)
+        _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+
     def __exit__(self, *exc: object) -> None:
         for host in self.hosts.values():
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 SUSPECT_MIN = 1.0
 SUSPECT_MAX = 60.0
 CONNECT_TIMEOUT = 5.0
+PROBE_TIMEOUT = 5.0
 
 
 def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
@@ -100,6 +101,25 @@ class ClusterClient:
         h = self.health.get(name)
         return h is not None and h.suspect(trio.current_time())
 
+    def failing(self, name: str) -> bool:
+        """Failed and not yet answered since: read last, so an application read never waits on it
+        while another replica can serve (the prober finds out when it is back)."""
+        return name in self.health
+
+    async def probe_failing(self, interval: float = 1.0) -> None:
+        """Run for the client's life: ping each failing data node once its back-off has passed; an
+        answer clears it (in call), silence doubles its back-off. Bounded: one ping at a time."""
+        while True:
+            await trio.sleep(interval)
+            for name in list(self.health):
+                if self.suspect(name) or name not in {n.name for n in self.cluster.data_nodes}:
+                    continue
+                try:
+                    await self.call(self.cluster.node(name), "data", Msg.PING, timeout=PROBE_TIMEOUT)
+                    log.info("node %s answers again", name)
+                except DlfsError:
+                    pass
+
     def meta_nodes(self) -> list[NodeSpec]:
         """Metadata daemons: this machine's first, suspect ones last."""
         return sorted(self.cluster.meta_nodes, key=lambda n: (self.suspect(n.name), n.name != self.cluster.local))
@@ -118,10 +138,10 @@ class ClusterClient:
 
     def replicas(self, cid: bytes) -> list[NodeSpec]:
         """Where to read a chunk, in order: its R placed nodes (this machine's first), then the rest
-        of its rank (where repair puts copies of lost replicas); suspect nodes go last."""
+        of its rank (where repair puts copies of lost replicas); failing nodes go last."""
         ranked = rank(cid, self.cluster.data_nodes)
         r = self.cluster.replicas
-        order = {n.name: (self.suspect(n.name), i >= r, n.name != self.cluster.local, i) for i, n in enumerate(ranked)}
+        order = {n.name: (self.failing(n.name), i >= r, n.name != self.cluster.local, i) for i, n in enumerate(ranked)}
         return sorted(ranked, key=lambda n: order[n.name])
 
     async def read_range(self, cid: bytes, offset: int, length: int, timeout: float = 30.0) -> tuple[bytes | bytearray | memoryview, str]:

@@ -113,6 +113,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(open_nursery())
         client = ClusterClient(opts.cluster, nursery)
+        nursery.start_soon(client.probe_failing, name="dlfs-probe-failing-nodes")
         meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": opts.dataset, "version": opts.version})
         info = VersionInfo(**meta)
         index = Index(await fetch_index(client, info, opts.home))
