@@ -108,10 +108,10 @@ class Node:
     def ingest(self, src: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         return self.run("ingest", src, "--name", name, *extra)
 
-    def mount(self, name: str, mountpoint: Path) -> Path:
+    def mount(self, name: str, mountpoint: Path, *extra: str) -> Path:
         mountpoint.mkdir(parents=True, exist_ok=True)
         self.mounts.append(mountpoint)
-        self.run("mount", name, mountpoint)
+        self.run("mount", name, mountpoint, *extra)
         assert os.path.ismount(mountpoint)
         return mountpoint
 

@@ -10,6 +10,7 @@ import filecmp
 import mmap
 import os
 import random
+import re
 import shutil
 import stat
 import subprocess
@@ -351,8 +352,11 @@ def test_random_access_across_chunks(edge: Edge) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_concurrent_readers(edge: Edge) -> None:
-    mnt = edge.node.mount(NAME, edge.base / "mnt-threads")
+@pytest.mark.parametrize("cache_size", ["", "64K"], ids=["default-cache", "tiny-cache"])
+def test_concurrent_readers(edge: Edge, cache_size: str) -> None:
+    # A tiny cache evicts blocks while other readers still hold views into them: bytes must stay right.
+    extra = ("--cache-size", cache_size) if cache_size else ()
+    mnt = edge.node.mount(NAME, edge.base / f"mnt-threads{cache_size}", *extra)
     try:
         names = [os.path.join(MANY_DIR, n) for n in sorted(os.listdir(os.path.join(edge.bsrc, MANY_DIR)))]
         assert len(names) == MANY_FILES
@@ -383,6 +387,9 @@ def test_concurrent_readers(edge: Edge) -> None:
         assert bad == []
     finally:
         edge.node.umount(mnt)
+    if cache_size:
+        last = [line for line in edge.node.mount_log(NAME).read_text().splitlines() if "unmounted from" in line][-1]
+        assert int(re.search(r"'evictions': (\d+)", last).group(1)) > 0, last
 
 
 # --- corruption -------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 A miss fetches the missing record together with the records after it in the same chunk (one
 request, up to `readahead` bytes), verifies each against its checksum, and keeps them all: reading
 a dataset in any order then costs about one request per `readahead` bytes, not one per file.
+The fetched buffer is kept whole as one block and records are views into it (no copy until the
+kernel's); the least recently used block goes first when the cache is full.
 Concurrent misses of one record share one fetch. A replica that is down, or whose bytes fail
 their checksum, is passed over for the next one.
 """
@@ -31,28 +33,37 @@ class ChunkCache:
         self.client = client
         self.capacity = capacity
         self.readahead = readahead
-        self._records: OrderedDict[int, bytes] = OrderedDict()
+        self._records: dict[int, tuple[bytes | memoryview, int]] = {}  # extent -> (raw bytes, block)
+        self._blocks: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # block -> (bytes, extents)
+        self._next_block = 0
         self._size = 0
         self._inflight: dict[int, trio.Event] = {}
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.corrupt = 0
 
-    def _insert(self, ext: int, data: bytes) -> None:
-        self._records[ext] = data
-        self._size += len(data)
-        while self._size > self.capacity and len(self._records) > 1:
-            _, old = self._records.popitem(last=False)
-            self._size -= len(old)
-            self.evictions += 1
+    def _add_block(self, nbytes: int, records: dict[int, bytes | memoryview]) -> None:
+        bid = self._next_block
+        self._next_block += 1
+        for ext, raw in records.items():
+            self._records[ext] = (raw, bid)
+        self._blocks[bid] = (nbytes, list(records))
+        self._size += nbytes
+        while self._size > self.capacity and len(self._blocks) > 1:
+            old, (size, exts) = self._blocks.popitem(last=False)
+            self._size -= size
+            for e in exts:
+                if self._records.get(e, (b"", -1))[1] == old:
+                    self._records.pop(e, None)
+                    self.evictions += 1
 
-    async def record(self, ext: int) -> bytes:
+    async def record(self, ext: int) -> bytes | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes."""
         while True:
-            data = self._records.get(ext)
-            if data is not None:
-                self._records.move_to_end(ext)
+            hit = self._records.get(ext)
+            if hit is not None:
+                self._blocks.move_to_end(hit[1])
                 self.hits += 1
-                return data
+                return hit[0]
             pending = self._inflight.get(ext)
             if pending is None:
                 break
@@ -76,7 +87,7 @@ class ChunkCache:
             i += 1
         return run
 
-    async def _fetch(self, ext: int) -> bytes:
+    async def _fetch(self, ext: int) -> bytes | memoryview:
         run = self._run(ext)
         done = trio.Event()
         for i in run:
@@ -115,10 +126,12 @@ class ChunkCache:
             done.set()
 
     def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
-              data: bytes | bytearray | memoryview, node: str, ext: int) -> bytes:
-        """Verify and cache the fetched records; returns `ext`'s, or CorruptData if it is bad."""
+              data: bytes | bytearray | memoryview, node: str, ext: int) -> bytes | memoryview:
+        """Verify the fetched records and keep them as one block; returns `ext`'s, or raises
+        CorruptData if it is bad (keeping nothing: the next replica's copy replaces them all)."""
         view = memoryview(data)
-        wanted: bytes | None = None
+        kept: dict[int, bytes | memoryview] = {}
+        nbytes = len(view)
         for i, e in zip(run, extents):
             rec = e.record
             piece = view[rec.offset - base : rec.offset - base + rec.stored_len]
@@ -128,12 +141,11 @@ class ChunkCache:
                 if i != ext:
                     continue  # read ahead only: whoever needs it will fetch and report it
                 raise
-            raw = bytes(raw)
-            self._insert(i, raw)
-            if i == ext:
-                wanted = raw
-        assert wanted is not None
-        return wanted
+            if raw is not piece:
+                nbytes += len(raw)  # decompressed: its own memory
+            kept[i] = raw
+        self._add_block(nbytes, kept)
+        return kept[ext]
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,

@@ -38,6 +38,10 @@ def fuse_errors(fn: F) -> F:
         except DlfsError as exc:
             log.error("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
+        except Exception:
+            # A bug must cost one request an EIO, never the whole mount (pyfuse3 would end it).
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -136,7 +140,8 @@ class DlfsOperations(pyfuse3.Operations):
         # The handle is the inode itself: open and release need no state at all.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+        # A view into the cache block is enough: pyfuse3 copies it straight into the reply.
         try:
             data = await self._read(fh, off, size)
         except DlfsError as exc:
@@ -144,11 +149,15 @@ class DlfsOperations(pyfuse3.Operations):
             where = self._path_of(fh)
             log.error("read of %s in %s failed: %s", where, self.label, exc)
             raise pyfuse3.FUSEError(exc.errno if not isinstance(exc, CorruptData) else errno.EIO) from None
+        except Exception:
+            self.errors += 1
+            log.exception("read of %s in %s failed", self._path_of(fh), self.label)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         self.reads += 1
         self.bytes_read += len(data)
         return data
 
-    async def _read(self, ino: int, off: int, size: int) -> bytes:
+    async def _read(self, ino: int, off: int, size: int) -> bytes | memoryview:
         node = self.index.inode(ino)
         if off >= node.size or size <= 0 or node.count == 0:
             return b""
@@ -181,7 +190,8 @@ class DlfsOperations(pyfuse3.Operations):
         pass
 
     async def flush(self, fh: int) -> None:
-        pass
+        # ENOSYS once makes the kernel stop sending FLUSH on every close: nothing is ever dirty.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         pass  # nothing is ever dirty
