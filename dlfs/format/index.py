@@ -237,9 +237,13 @@ class Index:
         return CorruptData(f"index {self.path}: {what}")
 
     def inode(self, ino: int) -> Inode:
+        return Inode(ino, *self.inode_fields(ino))
+
+    def inode_fields(self, ino: int) -> tuple[int, ...]:
+        """(mode, uid, gid, nlink, size, mtime_ns, ref, count, parent), without building an Inode."""
         if not 1 <= ino <= self.totals.inodes:
             raise self._bad(f"inode {ino} out of range")
-        return Inode(ino, *INODE.unpack_from(self._map, self._inodes + (ino - 1) * INODE.size))
+        return INODE.unpack_from(self._map, self._inodes + (ino - 1) * INODE.size)
 
     def name(self, off: int, n: int) -> bytes:
         if off + n > self.totals.names_size:
@@ -256,9 +260,14 @@ class Index:
         node = self.inode(dir_ino)
         if node.ref + node.count > self.totals.dirents:
             raise self._bad(f"directory inode {dir_ino} points past the dirents")
+        # Locals and one unpack per entry: a listing is the hot path of a dataset walk.
+        m, names, limit = self._map, self._names, self.totals.names_size
+        base, unpack = self._dirents + node.ref * DIRENT.size, DIRENT.unpack_from
         for pos in range(start, node.count):
-            name, ino = self.dirent(node.ref + pos)
-            yield pos, name, ino
+            off, n, ino = unpack(m, base + pos * DIRENT.size)
+            if off + n > limit:
+                raise self._bad("name runs past the names section")
+            yield pos, m[names + off : names + off + n], ino
 
     def lookup(self, dir_ino: int, name: bytes) -> int | None:
         """The inode of `name` in a directory, by binary search, or None."""

@@ -46,6 +46,16 @@ def fuse_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _new_attrs() -> pyfuse3.EntryAttributes:
+    a = pyfuse3.EntryAttributes()
+    a.generation = 0
+    a.entry_timeout = TIMEOUT
+    a.attr_timeout = TIMEOUT
+    a.st_rdev = 0
+    a.st_blksize = BLKSIZE
+    return a
+
+
 async def _erofs(*args: Any, **kwargs: Any) -> Any:
     raise pyfuse3.FUSEError(errno.EROFS)
 
@@ -61,20 +71,19 @@ class DlfsOperations(pyfuse3.Operations):
         self.errors = 0
 
     def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = node.ino
-        a.generation = 0
-        a.entry_timeout = TIMEOUT
-        a.attr_timeout = TIMEOUT
-        a.st_mode = node.mode
-        a.st_nlink = node.nlink
-        a.st_uid = node.uid
-        a.st_gid = node.gid
-        a.st_rdev = 0
-        a.st_size = node.size
-        a.st_blksize = BLKSIZE
-        a.st_blocks = (node.size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = node.mtime_ns
+        return self.fill(_new_attrs(), node.ino)
+
+    def fill(self, a: pyfuse3.EntryAttributes, ino: int) -> pyfuse3.EntryAttributes:
+        """Set an inode's own fields on `a` (whose constant fields are already set)."""
+        mode, uid, gid, nlink, size, mtime_ns, _, _, _ = self.index.inode_fields(ino)
+        a.st_ino = ino
+        a.st_mode = mode
+        a.st_nlink = nlink
+        a.st_uid = uid
+        a.st_gid = gid
+        a.st_size = size
+        a.st_blocks = (size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime_ns
         return a
 
     @fuse_errors
@@ -124,8 +133,10 @@ class DlfsOperations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, b"..", self.attrs(self.index.inode(node.parent)), 2):
                 return
             start_id = 2
+        # One attributes object for the whole listing: readdir_reply copies it at once.
+        a = _new_attrs()
         for pos, name, ino in self.index.entries(fh, start_id - 2):
-            if not pyfuse3.readdir_reply(token, name, self.attrs(self.index.inode(ino)), pos + 3):
+            if not pyfuse3.readdir_reply(token, name, self.fill(a, ino), pos + 3):
                 break
 
     async def releasedir(self, fh: int) -> None:
