@@ -486,6 +486,33 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- bench --------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from dlfs.bench.run import bench_options, check_plotting, format_report, run_bench, write_plot
+
+    _setup_logging(args)
+    opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick)
+    if args.plot:
+        check_plotting()
+    t0 = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"[{time.monotonic() - t0:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+    out = run_bench(opts, say)
+    print(format_report(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        write_plot(out, Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 # --- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     def common_options(default: Any) -> argparse.ArgumentParser:
@@ -560,6 +587,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("repair", cmd_repair, "Verify every live dataset, then delete bad replicas and copy good ones until every "
         "chunk has the cluster's replicas; prints what it copied.")
+
+    sp = add("bench", cmd_bench, "Benchmark dlfs against local disk, squashfuse_ll and the kernel's squashfs: "
+             "epochs cold and warm, metadata walk, ingest, namespace scale (needs root; starts its own node).")
+    sp.add_argument("--src", metavar="DIR", help="dataset to use (default: generate an ImageNet-like sample in --dir)")
+    sp.add_argument("--files", type=int, metavar="N", help="files in the generated sample (default 25000; --quick 4000)")
+    sp.add_argument("--dir", default=".bench", metavar="DIR",
+                    help="work dir: sample (kept), node state, image, mounts (default .bench)")
+    sp.add_argument("--quick", action="store_true", help="a run of about a minute: fewer files, readers and index sizes")
+    sp.add_argument("--readers", metavar="N,N,...", help="reader processes of the epochs (default 1,2,4; --quick 1,2)")
+    sp.add_argument("--scale", metavar="N,N,...",
+                    help="files in the synthetic indexes (default 100000,1000000; --quick 10000,100000)")
+    sp.add_argument("--json", metavar="FILE", help="write every raw figure here")
+    sp.add_argument("--plot", metavar="FILE", help="draw a PNG bar chart here (needs matplotlib: dlfs[bench])")
 
     sp = add("keygen", cmd_keygen, "Write a new random cluster key (mode 0600).")
     sp.add_argument("file", metavar="FILE")

@@ -1,0 +1,308 @@
+"""The systems `dlfs bench` compares, each set up and torn down by the benchmark itself.
+
+    LocalDisk        the source tree on local disk
+    SquashfuseLL     a squashfs image (mksquashfs -comp lz4) served by squashfuse_ll
+    KernelSquashfs   the same image through the kernel's squashfs on a loop device
+    DlfsMount        the dataset ingested into the embedded node, through `dlfs mount`
+
+Each has mount(), unmount() and remount(), a `root` to read under, and a `pid` (the FUSE daemons
+only) whose CPU time the benchmark charges to it. DlfsNode runs the embedded one-node cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dlfs.errors import DlfsError, MountError, UsageError
+
+log = logging.getLogger(__name__)
+MOUNT_TIMEOUT = 30.0
+CLI_TIMEOUT = 1800.0  # an ingest of a big tree
+TOOLS = ("mksquashfs", "squashfuse_ll", "fusermount3", "mount", "umount")
+
+
+# --- the machine ---------------------------------------------------------------------------------
+def check_machine() -> None:
+    """A one-line UsageError unless this process can drop caches, mount FUSE and loop-mount squashfs."""
+    if os.geteuid() != 0:
+        raise UsageError("dlfs bench must run as root: it drops the page cache (/proc/sys/vm/drop_caches) "
+                         "and loop-mounts squashfs images")
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        raise UsageError(f"dlfs bench needs {', '.join(missing)}: run scripts/install-system-deps.sh "
+                         "(Debian: apt-get install squashfs-tools squashfuse fuse3)")
+    if not os.path.exists("/dev/fuse"):
+        raise UsageError("dlfs bench needs /dev/fuse: this machine cannot mount FUSE file systems")
+
+
+def drop_caches() -> None:
+    """Write dirty pages out, then drop the page cache, dentries and inodes."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    # Fields after the command name, which may itself hold ") ": state is first, utime 12th, stime 13th.
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise DlfsError(f"process {pid} reports no VmRSS")
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mounts writes space, tab, newline and backslash as \ooo octal escapes.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_under(base: Path) -> list[Path]:
+    """Mount points at or below `base`, deepest first."""
+    prefix = str(base.absolute())
+    with open("/proc/self/mounts") as f:
+        found = [_unescape(line.split()[1]) for line in f]
+    return sorted((Path(m) for m in found if m == prefix or m.startswith(prefix + "/")),
+                  key=lambda p: len(str(p)), reverse=True)
+
+
+def unmount_all_under(base: Path) -> list[Path]:
+    """Unmount whatever is still mounted at or below `base` (FUSE or not, lazily if busy)."""
+    left = mounts_under(base)
+    for mnt in left:
+        log.warning("unmounting leftover mount %s", mnt)
+        for cmd in (["fusermount3", "-u", str(mnt)], ["umount", str(mnt)], ["umount", "-l", str(mnt)]):
+            if subprocess.run(cmd, capture_output=True, check=False).returncode == 0:
+                break
+    return left
+
+
+def _wait_mounted(mountpoint: Path, proc: subprocess.Popen[bytes] | None, what: str) -> None:
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    while not os.path.ismount(mountpoint):
+        if proc is not None and proc.poll() is not None:
+            raise MountError(f"{what} exited ({proc.returncode}) before {mountpoint} was mounted")
+        if time.monotonic() > deadline:
+            raise MountError(f"{what} did not mount {mountpoint} within {MOUNT_TIMEOUT:.0f} s")
+        time.sleep(0.01)
+
+
+def _run(cmd: list[str], what: str, timeout: float = 60.0) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise MountError(f"{what} failed: {why}")
+
+
+def build_squashfs(src: Path, image: Path) -> None:
+    """`mksquashfs SRC IMAGE -comp lz4 -noappend -quiet` (all cores, mksquashfs's default)."""
+    image.unlink(missing_ok=True)
+    _run(["mksquashfs", str(src), str(image), "-comp", "lz4", "-noappend", "-quiet"], "mksquashfs", CLI_TIMEOUT)
+
+
+# --- the systems -----------------------------------------------------------------------------------
+class System:
+    """One way of reading the dataset."""
+
+    name = ""
+    label = ""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mounted = False
+
+    @property
+    def pid(self) -> int | None:
+        """The process serving reads, if one does (FUSE daemons); the kernel's work is not charged."""
+        return None
+
+    def mount(self) -> None:
+        self.mounted = True
+
+    def unmount(self) -> None:
+        self.mounted = False
+
+    def remount(self) -> None:
+        """A fresh mount: the kernel's caches of the old one, and the daemon's own, are gone."""
+        if self.mounted:
+            self.unmount()
+        self.mount()
+
+
+class LocalDisk(System):
+    name, label = "local", "local disk"
+
+
+class SquashfuseLL(System):
+    name, label = "squashfuse_ll", "squashfuse_ll"
+
+    def __init__(self, image: Path, mountpoint: Path, log_path: Path) -> None:
+        super().__init__(mountpoint)
+        self.image, self.log_path = image, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def mount(self) -> None:
+        # -f: stays our child, so its pid is known for CPU accounting (and it is multi-threaded as usual).
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(["squashfuse_ll", "-f", str(self.image), str(self.root)],
+                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+        self.mounted = True
+        _wait_mounted(self.root, self.proc, "squashfuse_ll")
+
+    def unmount(self) -> None:
+        self.mounted = False
+        if os.path.ismount(self.root):
+            _run(["fusermount3", "-u", str(self.root)], f"fusermount3 -u {self.root}")
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self.proc = None
+
+
+class KernelSquashfs(System):
+    name, label = "kernel_squashfs", "kernel squashfs"
+
+    def __init__(self, image: Path, mountpoint: Path) -> None:
+        super().__init__(mountpoint)
+        self.image = image
+
+    def mount(self) -> None:
+        # mount(8) sets up the loop device with autoclear: unmounting frees it again.
+        _run(["mount", "-t", "squashfs", "-o", "loop,ro", str(self.image), str(self.root)], "mount -t squashfs")
+        self.mounted = True
+
+    def unmount(self) -> None:
+        self.mounted = False
+        if os.path.ismount(self.root):
+            _run(["umount", str(self.root)], f"umount {self.root}")
+
+
+class DlfsNode:
+    """The embedded one-node cluster under a private DLFS_HOME, and the CLI pointed at it."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = dict(os.environ, DLFS_HOME=str(home))
+        self.env.pop("DLFS_CLUSTER", None)
+
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT) -> str:
+        """Run `dlfs ARGS` against this node; its stdout, or a DlfsError with its last error line."""
+        proc = subprocess.run([sys.executable, "-m", "dlfs", *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            raise DlfsError(f"`dlfs {' '.join(args)}` exited {proc.returncode}: {lines[-1] if lines else ''}")
+        return proc.stdout
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        with open(self.home / "node.log", "ab") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dlfs", "node"], env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        runtime = self.home / "run" / "node.json"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise DlfsError(f"the bench's dlfs node exited ({self.proc.returncode}); see {self.home / 'node.log'}")
+            if runtime.exists():
+                try:
+                    self.cli("status", timeout=10)
+                    return
+                except DlfsError:
+                    pass
+            if time.monotonic() > deadline:
+                raise DlfsError(f"the bench's dlfs node did not start within {timeout:.0f} s; see {self.home / 'node.log'}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log.warning("dlfs node %d did not stop within 30 s of SIGTERM; killing it", self.proc.pid)
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def stop_leftover(self) -> None:
+        """Stop a node a previous, interrupted bench left running under this home."""
+        try:
+            pid = int(json.loads((self.home / "run" / "node.json").read_text())["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, KeyError):
+            return
+        if b"dlfs" in cmdline and b"node" in cmdline:
+            log.warning("stopping dlfs node %d left by an earlier bench", pid)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    def mount_pid(self, mountpoint: Path) -> int:
+        """The pid of the mount process serving `mountpoint`, from its record under run/mounts."""
+        for record in (self.home / "run" / "mounts").glob("*.json"):
+            try:
+                doc = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+            if Path(doc.get("mountpoint", "")) == mountpoint.absolute():
+                return int(doc["pid"])
+        raise MountError(f"no mount record for {mountpoint} under {self.home / 'run' / 'mounts'}")
+
+
+class DlfsMount(System):
+    name, label = "dlfs", "dlfs"
+
+    def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path) -> None:
+        super().__init__(mountpoint)
+        self.node, self.dataset = node, dataset
+        self._pid: int | None = None
+        self.mount_seconds = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def mount(self) -> None:
+        """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""
+        t0 = time.perf_counter()
+        self.node.cli("mount", self.dataset, str(self.root), timeout=300)
+        self.mount_seconds = time.perf_counter() - t0
+        self.mounted = True
+        self._pid = self.node.mount_pid(self.root)
+
+    def unmount(self) -> None:
+        self.mounted = False
+        self._pid = None
+        if os.path.ismount(self.root):
+            self.node.cli("umount", str(self.root), timeout=60)
