@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,12 +23,12 @@ from dlfs.config import load_cluster
 from dlfs.errors import DlfsError
 from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import IndexWriter
+from dlfs.ingest.run import commit_index as ingest_commit
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 
 PER_DIR = 1000
 FILE_SIZE = 4096  # every synthetic file is the one record's raw length
-INDEX_PIECE = 8 << 20
 CHUNK_SIZE = 8 << 20  # recorded in the index; nothing is packed
 
 
@@ -97,17 +96,9 @@ async def commit_index(home: Path, name: str, writer: IndexWriter, chunk: FakeCh
         await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": [chunk.id]})
         for spec in cluster.data_nodes:
             await client.call(spec, "data", Msg.PUT_CHUNK, {"id": chunk.id}, chunk.data)
-        with tempfile.TemporaryFile(dir=home) as f:
-            checksum = await trio.to_thread.run_sync(writer.write, f)
-            size = f.tell()
-            f.seek(0)
-            offset = 0
-            while piece := await trio.to_thread.run_sync(f.read, INDEX_PIECE):
-                await client.call_meta(Msg.PUT_INDEX, {"session": session, "offset": offset}, piece)
-                offset += len(piece)
-        await client.call_meta(Msg.COMMIT, {"session": session, "size": size, "checksum": checksum}, timeout=300)
+        info = await ingest_commit(client, session, writer, home)
         nursery.cancel_scope.cancel()
-    return size
+    return info.index_size
 
 
 @dataclass

@@ -161,7 +161,7 @@ async def _ingest(client: ClusterClient, session: str, src: str, name: str, chun
                 stop.set()
                 raise
     build_index(tree, extents, writer)
-    info = await _commit_index(client, session, writer, tmp_dir)
+    info = await commit_index(client, session, writer, tmp_dir)
     return IngestReport(info, len(tree.nodes), tree.skipped, stats["sent"], stats["present"], stats["bytes"], 0.0)
 
 
@@ -196,7 +196,8 @@ async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: di
         raise Unreachable(f"chunk {p.cid.hex()}: stored on {len(stored)} of {want} nodes ({'; '.join(errors)})")
 
 
-async def _commit_index(client: ClusterClient, session: str, writer: IndexWriter, tmp_dir: Path | None) -> VersionInfo:
+async def commit_index(client: ClusterClient, session: str, writer: IndexWriter, tmp_dir: Path | None) -> VersionInfo:
+    """Write the index, upload it in pieces to the session's metadata daemon, and commit it."""
     if tmp_dir is not None:
         tmp_dir.mkdir(parents=True, exist_ok=True)  # a client that never ran a node has no home yet
     with tempfile.TemporaryFile(dir=tmp_dir) as f:
