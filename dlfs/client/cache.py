@@ -4,7 +4,13 @@ A miss fetches the missing record together with the records after it in the same
 request, up to `readahead` bytes), verifies each against its checksum, and keeps them all: reading
 a dataset in any order then costs about one request per `readahead` bytes, not one per file.
 The fetched buffer is kept whole as one block and records are views into it (no copy until the
-kernel's); the least recently used block goes first when the cache is full.
+kernel's).
+
+Scan resistant (CoorDL's no-thrash idea): an epoch reads every file once in a random order, so
+evicting by recency only throws away read-ahead before it is used. Blocks therefore stay resident
+until the resident part is full; after that a miss fetches just its own record (no read-ahead) into
+a small LRU scratch area, which serves the several kernel reads of one large file. A dataset
+larger than the cache then costs one fetch per missed file, and the resident part keeps hitting.
 Concurrent misses of one record share one fetch. A replica that is down, or whose bytes fail
 their checksum, is passed over for the next one.
 """
@@ -34,23 +40,33 @@ class ChunkCache:
         self.capacity = capacity
         self.readahead = readahead
         self._records: dict[int, tuple[bytes | memoryview, int]] = {}  # extent -> (raw bytes, block)
-        self._blocks: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # block -> (bytes, extents)
+        self._scratch_cap = capacity // 8
+        self._resident_cap = capacity - self._scratch_cap
+        self._resident: dict[int, int] = {}  # block -> bytes; never evicted
+        self._scratch: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # block -> (bytes, extents)
+        self._resident_size = self._scratch_size = 0
         self._next_block = 0
-        self._size = 0
         self._inflight: dict[int, trio.Event] = {}
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.corrupt = 0
+
+    def _resident_full(self, more: int) -> bool:
+        return self._resident_size + more > self._resident_cap
 
     def _add_block(self, nbytes: int, records: dict[int, bytes | memoryview]) -> None:
         bid = self._next_block
         self._next_block += 1
         for ext, raw in records.items():
             self._records[ext] = (raw, bid)
-        self._blocks[bid] = (nbytes, list(records))
-        self._size += nbytes
-        while self._size > self.capacity and len(self._blocks) > 1:
-            old, (size, exts) = self._blocks.popitem(last=False)
-            self._size -= size
+        if not self._resident_full(nbytes):
+            self._resident[bid] = nbytes
+            self._resident_size += nbytes
+            return
+        self._scratch[bid] = (nbytes, list(records))
+        self._scratch_size += nbytes
+        while self._scratch_size > self._scratch_cap and len(self._scratch) > 1:
+            old, (size, exts) = self._scratch.popitem(last=False)
+            self._scratch_size -= size
             for e in exts:
                 if self._records.get(e, (b"", -1))[1] == old:
                     self._records.pop(e, None)
@@ -61,7 +77,8 @@ class ChunkCache:
         while True:
             hit = self._records.get(ext)
             if hit is not None:
-                self._blocks.move_to_end(hit[1])
+                if hit[1] in self._scratch:
+                    self._scratch.move_to_end(hit[1])
                 self.hits += 1
                 return hit[0]
             pending = self._inflight.get(ext)
@@ -77,6 +94,8 @@ class ChunkCache:
         chunk = self.index.chunk(first.chunk)
         end_ext = chunk.first_extent + chunk.n_extents
         run = [ext]
+        if self._resident_full(self.readahead):
+            return run  # read-ahead would only land in the scratch area and be evicted unused
         start = first.record.offset
         i = ext + 1
         while i < end_ext and i not in self._records and i not in self._inflight:
@@ -150,4 +169,4 @@ class ChunkCache:
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
                 "fetched_bytes": self.fetched_bytes, "evictions": self.evictions,
-                "cached_bytes": self._size, "corrupt": self.corrupt}
+                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt}
