@@ -219,6 +219,9 @@ class DlfsNode:
         proc = subprocess.run([sys.executable, "-m", "dlfs", *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, check=False)
         if proc.returncode != 0:
+            if self.proc is not None and self.proc.poll() is not None:  # the cause, not its symptom
+                raise DlfsError(f"the bench's dlfs node stopped (exit {self.proc.returncode}, was something else "
+                                f"signalling it?) before `dlfs {args[0]}`; see {self.home / 'node.log'}")
             lines = proc.stderr.strip().splitlines()
             raise DlfsError(f"`dlfs {' '.join(args)}` exited {proc.returncode}: {lines[-1] if lines else ''}")
         return proc.stdout
