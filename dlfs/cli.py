@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("bench", cmd_bench, "Benchmark dlfs against local disk, squashfuse_ll and the kernel's squashfs: "
              "epochs cold and warm, metadata walk, ingest, namespace scale (needs root; starts its own node).")
     sp.add_argument("--src", metavar="DIR", help="dataset to use (default: generate an ImageNet-like sample in --dir)")
-    sp.add_argument("--files", type=int, metavar="N", help="files in the generated sample (default 25000; --quick 4000)")
+    sp.add_argument("--files", type=int, metavar="N", help="files in the generated sample (default 35000; --quick 4000)")
     sp.add_argument("--dir", default=".bench", metavar="DIR",
                     help="work dir: sample (kept), node state, image, mounts (default .bench)")
     sp.add_argument("--quick", action="store_true", help="a run of about a minute: fewer files, readers and index sizes")

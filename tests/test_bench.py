@@ -58,7 +58,7 @@ def test_options_and_their_errors() -> None:
     quick = bench_options(".bench", None, None, None, None, quick=True)
     assert (quick.files, quick.readers, quick.scale) == (4000, [1, 2], [10_000, 100_000])
     full = bench_options(".bench", None, None, None, None, quick=False)
-    assert (full.files, full.readers, full.scale) == (25_000, [1, 2, 4], [100_000, 1_000_000])
+    assert (full.files, full.readers, full.scale) == (35_000, [1, 2, 4], [100_000, 1_000_000])
     assert parse_counts("1, 2,4", "--readers") == [1, 2, 4]
     for bad in ("", "0", "two", "1,-2"):
         with pytest.raises(UsageError, match="--readers"):

@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # of the JSON report
 DATASET = "bench"
 MEAN_SIZE = 110_000
-# Issue 4 asks for 50,000 files sized to fit the machine; on the 2-core VMs here that run takes 19 min
-# (dlfs's cold epochs dominate), so the default is half of it: about 10 min.
-DEFAULT_FILES = 25_000
+# Issue 4 asks for 50,000 files sized to fit the machine. On the 2-core VMs here 50,000 took 19.5 min
+# (dlfs's cold epochs dominate) and 35,000 took 9.6 min, so the default is the latter.
+DEFAULT_FILES = 35_000
 SPACE_FACTOR = 3.5  # the sample, its squashfs image and dlfs's chunks, with room to spare
 BASELINES = ("local", "squashfuse_ll", "kernel_squashfs")
 SHORT = {"local": "local", "squashfuse_ll": "sqfs-ll", "kernel_squashfs": "kernel"}
@@ -341,8 +341,9 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         big = max(points, key=lambda p: p["files"])
         add(f"mount of a {big['files']:,}-file index (first mount)", big["mount_s"], 2.0, "s", higher_is_better=False)
     if out["scale"]["rss_bytes_per_file"] is not None:
-        add("mount's resident memory per file beyond a base", out["scale"]["rss_bytes_per_file"], 100.0, "B",
-            higher_is_better=False)
+        small = min(points, key=lambda p: p["files"])
+        add(f"mount's RSS per file beyond a base ({small['files']:,} to {big['files']:,})",
+            out["scale"]["rss_bytes_per_file"], 100.0, "B", higher_is_better=False)
     return rows
 
 
