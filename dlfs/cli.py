@@ -53,8 +53,17 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 # --- ingest -------------------------------------------------------------------------------------
-class _RichProgress:
-    def __init__(self, name: str) -> None:
+class _ProgressBar:
+    """One bar of a progress display on stderr, shown only when stderr is a terminal."""
+
+    def __init__(self, bar: Any, label: str, unit: str) -> None:
+        self.bar, self.label, self.unit = bar, label, unit
+        self.task: Any = None
+        self.done = self.total = 0
+
+    @staticmethod
+    def display(transient: bool = True) -> Any:
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -64,20 +73,24 @@ class _RichProgress:
             TransferSpeedColumn,
         )
 
-        self.bar = Progress(TextColumn(f"ingest {name}"), BarColumn(), TextColumn("{task.fields[files]}"),
-                            DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                            transient=False, disable=not sys.stderr.isatty(),
-                            console=__import__("rich.console").console.Console(stderr=True))
-        self.task = self.bar.add_task("ingest", total=None, files="")
-        self.files = self.total_files = 0
+        return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[items]}"),
+                        DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=transient,
+                        disable=not sys.stderr.isatty(), console=Console(stderr=True))
 
-    def start(self, files: int, nbytes: int) -> None:
-        self.total_files = files
-        self.bar.update(self.task, total=nbytes, files=f"0/{files} files")
+    def show(self) -> None:
+        """Show the bar before the totals are known."""
+        self.task = self.bar.add_task(self.label, total=None, items="")
 
-    def advance(self, files: int, nbytes: int) -> None:
-        self.files += files
-        self.bar.update(self.task, advance=nbytes, files=f"{self.files}/{self.total_files} files")
+    def start(self, items: int, nbytes: int) -> None:
+        self.total = items
+        if self.task is None:
+            self.task = self.bar.add_task(self.label, total=nbytes, items=f"0/{items} {self.unit}")
+        else:
+            self.bar.update(self.task, total=nbytes, items=f"0/{items} {self.unit}")
+
+    def advance(self, items: int, nbytes: int) -> None:
+        self.done += items
+        self.bar.update(self.task, advance=nbytes, items=f"{self.done}/{self.total} {self.unit}")
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -90,7 +103,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
     cluster = _cluster(args)
-    progress = _RichProgress(args.name)
+    bar = _ProgressBar.display(transient=False)
+    progress = _ProgressBar(bar, f"ingest {args.name}", "files")
+    progress.show()  # at once: the walk before the totals can take a while on a big tree
 
     async def run() -> IngestReport | None:
         # Ctrl-C cancels the ingest, which then gives its session up; a KeyboardInterrupt would
@@ -260,39 +275,6 @@ def _print_census(view: Any, replicas: int, shown: int = 10) -> None:
 
 
 # --- verify, repair -----------------------------------------------------------------------------
-class _CheckProgress:
-    """One bar of a progress display on stderr, shown only when stderr is a terminal."""
-
-    def __init__(self, bar: Any, label: str, unit: str) -> None:
-        self.bar, self.label, self.unit = bar, label, unit
-        self.task: Any = None
-        self.done = self.total = 0
-
-    @staticmethod
-    def display() -> Any:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[items]}"),
-                        DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
-                        disable=not sys.stderr.isatty(), console=Console(stderr=True))
-
-    def start(self, items: int, nbytes: int) -> None:
-        self.total = items
-        self.task = self.bar.add_task(self.label, total=nbytes, items=f"0/{items} {self.unit}")
-
-    def advance(self, items: int, nbytes: int) -> None:
-        self.done += items
-        self.bar.update(self.task, advance=nbytes, items=f"{self.done}/{self.total} {self.unit}")
-
-
 def _print_verify(report: Any, chunks: dict[bytes, Any]) -> None:
     """One line per problem verify found."""
     r = report.replicas
@@ -336,7 +318,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     home = home_dir(args.home)
 
-    async def run(progress: _CheckProgress) -> tuple[int, dict[bytes, Any], Any]:
+    async def run(progress: _ProgressBar) -> tuple[int, dict[bytes, Any], Any]:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             versions = await live_versions(client, name, version)
@@ -345,8 +327,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
         return len(versions), chunks, report
 
-    with _CheckProgress.display() as bar:
-        n_versions, chunks, report = trio.run(run, _CheckProgress(bar, "verify", "replicas"))
+    with _ProgressBar.display() as bar:
+        n_versions, chunks, report = trio.run(run, _ProgressBar(bar, "verify", "replicas"))
     if not n_versions:
         print("no datasets to verify")
         return 0
@@ -374,12 +356,12 @@ def cmd_repair(args: argparse.Namespace) -> int:
             client = ClusterClient(cluster, nursery)
             versions = await live_versions(client)
             chunks = await dataset_chunks(client, home, versions)
-            report = await verify(client, chunks, _CheckProgress(bar, "verify", "replicas"))
-            healed = await repair(client, chunks, report, _CheckProgress(bar, "repair", "chunks"))
+            report = await verify(client, chunks, _ProgressBar(bar, "verify", "replicas"))
+            healed = await repair(client, chunks, report, _ProgressBar(bar, "repair", "chunks"))
             nursery.cancel_scope.cancel()
         return len(versions), chunks, report, healed
 
-    with _CheckProgress.display() as bar:
+    with _ProgressBar.display() as bar:
         n_versions, chunks, report, healed = trio.run(run, bar)
     _print_verify(report, chunks)
     for cid, node in healed.removed:
