@@ -18,6 +18,7 @@ import pyfuse3
 from dlfs.client.cache import ChunkCache
 from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.index import Index, Inode
+from dlfs.native import fuse_hooked
 
 log = logging.getLogger(__name__)
 # A mounted version never changes: the kernel may keep names and attributes as long as it likes.
@@ -148,6 +149,10 @@ class DlfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if stat.S_ISDIR(self.index.inode(inode).mode):
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if fuse_hooked():
+            # no_open: the kernel stops sending OPEN and RELEASE and keeps every file's pages, and
+            # READ still names the file (native/fusehook.c). The mount is ro, so the VFS refuses writes.
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         # The handle is the inode itself: open and release need no state at all.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 

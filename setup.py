@@ -1,0 +1,26 @@
+"""The C helper under native/ is built as dlfs._native; everything else is in pyproject.toml."""
+
+import subprocess
+
+from setuptools import Extension, setup
+
+
+def fuse3_cflags() -> list[str]:
+    try:
+        out = subprocess.run(["pkg-config", "--cflags", "fuse3"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return ["-I/usr/include/fuse3"]
+    return out.stdout.split()
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "dlfs._native",
+            sources=["native/module.c", "native/fusehook.c"],
+            depends=["native/fusehook.h"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],
+            libraries=["dl"],
+        )
+    ]
+)
