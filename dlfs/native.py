@@ -7,6 +7,7 @@ per open and per close.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -20,7 +21,7 @@ def _load() -> ModuleType | None:
     flags = sys.getdlopenflags()
     sys.setdlopenflags(flags | os.RTLD_GLOBAL)
     try:
-        from dlfs import _native
+        _native = importlib.import_module("dlfs._native")
     except ImportError as exc:
         log.warning("dlfs's C helper is not built (%s): reinstall with `make install`", exc)
         return None
