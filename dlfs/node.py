@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -120,7 +121,17 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
         finally:
             chunks.close()
             if opts.cluster is None:
-                runtime_file(home).unlink(missing_ok=True)
+                _forget_runtime(runtime_file(home))
             log.info("node %s: stopped", name)
     finally:
         os.close(lock_fd)
+
+
+def _forget_runtime(path: Path) -> None:
+    """Remove the node's runtime record, unless it is another node's (this home was wiped under us)."""
+    try:
+        if json.loads(path.read_text()).get("pid") != os.getpid():
+            return
+    except (OSError, ValueError):
+        return
+    path.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ only) whose CPU time the benchmark charges to it. DlfsNode runs the embedded one
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -270,6 +271,20 @@ class DlfsNode:
             deadline = time.monotonic() + 30
             while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+
+    def check_unused(self) -> None:
+        """Refuse to reuse the home while any node still holds its lock (its state would be wiped)."""
+        try:
+            fd = os.open(self.home / "run" / "node.lock", os.O_RDWR)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DlfsError(f"a dlfs node is still running on {self.home} (see `fuser {self.home / 'run' / 'node.lock'}`); "
+                            "stop it, or give the bench another --dir") from None
+        finally:
+            os.close(fd)
 
     def mount_pid(self, mountpoint: Path) -> int:
         """The pid of the mount process serving `mountpoint`, from its record under run/mounts."""

@@ -108,6 +108,7 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
     # What an interrupted earlier run may have left: its mounts, its node, its state and image.
     unmount_all_under(mnt_base)
     node.stop_leftover()
+    node.check_unused()
     shutil.rmtree(node.home, ignore_errors=True)
     image.unlink(missing_ok=True)
 

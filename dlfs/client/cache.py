@@ -1,76 +1,142 @@
 """The mount's chunk cache: verified, decoded records in memory, fetched by ranges of a chunk.
 
-A miss fetches the missing record together with the records after it in the same chunk (one
-request, up to `readahead` bytes), verifies each against its checksum, and keeps them all: reading
-a dataset in any order then costs about one request per `readahead` bytes, not one per file.
-The fetched buffer is kept whole as one block and records are views into it (no copy until the
-kernel's).
+Memory is one arena of fixed-size slabs (the read-ahead size), mapped once: a fetch is received
+straight into a free slab and its records are views into it, so no buffer is allocated or copied
+per fetch, and slabs freed are reused most-recent first (this VM's first touch of fresh memory
+costs 1-2 s per GB). Records bigger than a slab get memory of their own.
 
-Scan resistant (CoorDL's no-thrash idea): an epoch reads every file once in a random order, so
-evicting by recency only throws away read-ahead before it is used. Blocks therefore stay resident
-until the resident part is full; after that a miss fetches just its own record (no read-ahead) into
-a small LRU scratch area, which serves the several kernel reads of one large file. A dataset
-larger than the cache then costs one fetch per missed file, and the resident part keeps hitting.
-Concurrent misses of one record share one fetch. A replica that is down, or whose bytes fail
-their checksum, is passed over for the next one.
+What a record is kept for: the FUSE mount runs in no_open mode, so the kernel keeps the pages of
+every file it has read; once all of a record's bytes have gone to the kernel the record is
+*consumed* and dropped here, and a slab whose records are all consumed is free again. The cache
+therefore holds read-ahead that has not been used yet, not a second copy of the page cache.
+
+Fetching: a miss fetches its record together with the records after it in the chunk (one request,
+up to a slab), and queues the rest of the chunk for background prefetch workers, so the daemon
+streams a dataset in large pieces while the mount serves what has arrived.
+
+Scan resistant (CoorDL's no-thrash idea): blocks stay resident until used; once the resident part
+is full, misses fetch just their own record (no read-ahead, no prefetch) into a small LRU scratch
+area, so an epoch over a dataset larger than the cache costs one fetch per missed file while the
+resident part keeps hitting. Concurrent misses of one record share one fetch. A replica that is
+down, or whose bytes fail their checksum, is passed over for the next one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.errors import CorruptData, NotFound, Unreachable
+from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import Extent, Index
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUT = 10.0
+PREFETCH_WORKERS = 2
+NO_SLAB = -1
+
+
+@dataclass(slots=True)
+class Block:
+    """One fetched range: its memory (a slab, or its own) and the records in it not yet consumed."""
+
+    slab: int
+    nbytes: int
+    resident: bool
+    live: set[int] = field(default_factory=set)
 
 
 class ChunkCache:
     def __init__(self, index: Index, client: ClusterClient, capacity: int = 2 << 30,
-                 readahead: int = 4 << 20) -> None:
+                 readahead: int = 4 << 20, prefetch: bool = True) -> None:
         self.index = index
         self.client = client
-        self.capacity = capacity
-        self.readahead = readahead
+        self.slab_size = max(readahead, 64 << 10)
+        nslabs = max(capacity // self.slab_size, 4)
+        self.capacity = nslabs * self.slab_size
+        # Anonymous and lazily touched: a large cache costs address space, not memory, until used.
+        self._arena = mmap.mmap(-1, self.capacity)
+        self._mem = memoryview(self._arena)
+        self._free = list(range(nslabs - 1, -1, -1))  # a stack: the most recently freed slab is reused first
         self._records: dict[int, tuple[bytes | memoryview, int]] = {}  # extent -> (raw bytes, block)
-        self._scratch_cap = capacity // 8
-        self._resident_cap = capacity - self._scratch_cap
-        self._resident: dict[int, int] = {}  # block -> bytes; never evicted
-        self._scratch: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # block -> (bytes, extents)
-        self._resident_size = self._scratch_size = 0
+        self._served: dict[int, int] = {}  # extent -> bytes of it sent to the kernel so far
+        # 1 once an extent was consumed: read-ahead and prefetch pass it over (the kernel has it).
+        self._done = bytearray(index.totals.extents)
+        self._blocks: dict[int, Block] = {}
+        self._resident: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._scratch: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._scratch_cap = self.capacity // 8
+        self._resident_cap = self.capacity - self._scratch_cap
+        self._resident_size = self._scratch_size = self._inflight_size = 0
         self._next_block = 0
         self._inflight: dict[int, trio.Event] = {}
+        self._prefetch = prefetch
+        self._queued: set[int] = set()
+        self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
-        self.corrupt = 0
+        self.prefetched_bytes = self.consumed = self.corrupt = 0
 
-    def _resident_full(self, more: int) -> bool:
-        return self._resident_size + more > self._resident_cap
+    # --- room and memory ---
 
-    def _add_block(self, nbytes: int, records: dict[int, bytes | memoryview]) -> None:
+    def _room(self, more: int) -> bool:
+        """Whether `more` bytes of read-ahead may join the resident part."""
+        return self._resident_size + self._inflight_size + more <= self._resident_cap
+
+    def _take_slab(self) -> int:
+        """A free slab, evicting scratch blocks (then the oldest resident ones) if none is free;
+        NO_SLAB if every slab is being fetched into."""
+        while not self._free:
+            order = self._scratch or self._resident
+            victim = next((b for b in order if self._blocks[b].slab != NO_SLAB), None)
+            if victim is None:
+                return NO_SLAB
+            self._drop(victim, evicted=True)
+        return self._free.pop()
+
+    def _drop(self, bid: int, evicted: bool = False) -> None:
+        b = self._blocks.pop(bid)
+        for ext in b.live:
+            self._records.pop(ext, None)
+            self._served.pop(ext, None)
+        if evicted:
+            self.evictions += len(b.live)
+        if b.resident:
+            del self._resident[bid]
+            self._resident_size -= b.nbytes
+        else:
+            del self._scratch[bid]
+            self._scratch_size -= b.nbytes
+        if b.slab != NO_SLAB:
+            self._free.append(b.slab)
+
+    def _add_block(self, slab: int, nbytes: int, records: dict[int, bytes | memoryview]) -> None:
         bid = self._next_block
         self._next_block += 1
+        resident = self._resident_size + nbytes <= self._resident_cap
+        self._blocks[bid] = Block(slab, nbytes, resident, set(records))
         for ext, raw in records.items():
             self._records[ext] = (raw, bid)
-        if not self._resident_full(nbytes):
-            self._resident[bid] = nbytes
+        if resident:
+            self._resident[bid] = None
             self._resident_size += nbytes
             return
-        self._scratch[bid] = (nbytes, list(records))
+        self._scratch[bid] = None
         self._scratch_size += nbytes
         while self._scratch_size > self._scratch_cap and len(self._scratch) > 1:
-            old, (size, exts) = self._scratch.popitem(last=False)
-            self._scratch_size -= size
-            for e in exts:
-                if self._records.get(e, (b"", -1))[1] == old:
-                    self._records.pop(e, None)
-                    self.evictions += 1
+            self._drop(next(iter(self._scratch)), evicted=True)
+
+    # --- reads ---
+
+    def __contains__(self, ext: int) -> bool:
+        """Whether extent `ext` is here now (a read of it would not fetch)."""
+        return ext in self._records
 
     async def record(self, ext: int) -> bytes | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes."""
@@ -86,36 +152,62 @@ class ChunkCache:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
-        return await self._fetch(ext)
+        readahead = self._room(self.slab_size)
+        if readahead:
+            self._queue_chunk(self.index.extent(ext).chunk)
+        data = await self._fetch(self._run(ext) if readahead else [ext], ext)
+        assert data is not None
+        return data
+
+    def consume(self, ext: int, nbytes: int) -> None:
+        """`nbytes` of extent `ext` went to the kernel, which keeps them: once all have, drop it."""
+        hit = self._records.get(ext)
+        if hit is None:
+            return
+        served = self._served.get(ext, 0) + nbytes
+        if served < len(hit[0]):
+            self._served[ext] = served
+            return
+        self._served.pop(ext, None)
+        del self._records[ext]
+        self._done[ext] = 1
+        self.consumed += 1
+        b = self._blocks[hit[1]]
+        b.live.discard(ext)
+        if not b.live:
+            self._drop(hit[1])
 
     def _run(self, ext: int) -> list[int]:
-        """`ext` and the extents right after it in its chunk, up to the readahead budget."""
+        """`ext` and the extents right after it in its chunk that are not here, within one slab."""
         first = self.index.extent(ext)
         chunk = self.index.chunk(first.chunk)
         end_ext = chunk.first_extent + chunk.n_extents
-        run = [ext]
-        if self._resident_full(self.readahead):
-            return run  # read-ahead would only land in the scratch area and be evicted unused
         start = first.record.offset
+        run = [ext]
         i = ext + 1
-        while i < end_ext and i not in self._records and i not in self._inflight:
+        while i < end_ext and not self._done[i] and i not in self._records and i not in self._inflight:
             e = self.index.extent(i)
-            if e.record.offset + e.record.stored_len - start > self.readahead:
+            if e.record.offset + e.record.stored_len - start > self.slab_size:
                 break
             run.append(i)
             i += 1
         return run
 
-    async def _fetch(self, ext: int) -> bytes | memoryview:
-        run = self._run(ext)
+    async def _fetch(self, run: list[int], need: int | None) -> bytes | memoryview | None:
+        """Fetch the records of `run` (consecutive in one chunk) as one range into one slab; returns
+        `need`'s bytes (CorruptData/Unreachable if no replica has them), None for a prefetch."""
+        extents = [self.index.extent(i) for i in run]
+        chunk = self.index.chunk(extents[0].chunk)
+        base = extents[0].record.offset
+        length = extents[-1].record.offset + extents[-1].record.stored_len - base
+        slab = self._take_slab() if length <= self.slab_size else NO_SLAB
+        into = self._mem[slab * self.slab_size : (slab + 1) * self.slab_size] if slab != NO_SLAB else None
         done = trio.Event()
         for i in run:
             self._inflight[i] = done
+        self._inflight_size += length
+        kept = False
         try:
-            extents = [self.index.extent(i) for i in run]
-            chunk = self.index.chunk(extents[0].chunk)
-            base = extents[0].record.offset
-            end = extents[-1].record.offset + extents[-1].record.stored_len
             # Replica by replica (the local one first): bytes that fail their checksum on one
             # replica are read again from the next, as are replicas that are down.
             errors: list[str] = []
@@ -123,50 +215,87 @@ class ChunkCache:
             for spec in self.client.replicas(chunk.id):
                 try:
                     _, data = await self.client.call(spec, "data", Msg.READ_RANGE,
-                                                     {"id": chunk.id, "offset": base, "length": end - base},
-                                                     timeout=FETCH_TIMEOUT)
+                                                     {"id": chunk.id, "offset": base, "length": length},
+                                                     timeout=FETCH_TIMEOUT, into=into)
                 except (Unreachable, NotFound, CorruptData) as exc:
                     errors.append(f"{spec.name}: {exc}")
                     continue
                 self.fetches += 1
                 self.fetched_bytes += len(data)
+                if need is None:
+                    self.prefetched_bytes += len(data)
                 try:
-                    return self._keep(run, extents, chunk.id, base, data, spec.name, ext)
+                    raw = self._keep(run, extents, chunk.id, base, data, spec.name, need, slab)
                 except CorruptData as exc:
                     self.corrupt += 1
                     corrupt = True
                     log.warning("%s; trying the next replica", exc)
                     errors.append(str(exc))
+                    continue
+                kept = True
+                return raw
             cls = CorruptData if corrupt else Unreachable
             raise cls(f"chunk {chunk.id.hex()}: no replica has good bytes ({'; '.join(errors)})")
         finally:
+            self._inflight_size -= length
             for i in run:
                 self._inflight.pop(i, None)
             done.set()
+            if not kept and slab != NO_SLAB:
+                self._free.append(slab)
 
     def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
-              data: bytes | bytearray | memoryview, node: str, ext: int) -> bytes | memoryview:
-        """Verify the fetched records and keep them as one block; returns `ext`'s, or raises
+              data: bytes | bytearray | memoryview, node: str, need: int | None, slab: int) -> bytes | memoryview | None:
+        """Verify the fetched records and keep them as one block; returns `need`'s, or raises
         CorruptData if it is bad (keeping nothing: the next replica's copy replaces them all)."""
         view = memoryview(data)
         kept: dict[int, bytes | memoryview] = {}
-        nbytes = len(view)
+        nbytes = self.slab_size if slab != NO_SLAB else len(view)
         for i, e in zip(run, extents):
             rec = e.record
             piece = view[rec.offset - base : rec.offset - base + rec.stored_len]
             try:
                 raw = decode_record(piece, rec, f"chunk {cid.hex()} (from {node}) record at offset {rec.offset}")
             except CorruptData:
-                if i != ext:
+                if i != need:
                     continue  # read ahead only: whoever needs it will fetch and report it
                 raise
             if raw is not piece:
                 nbytes += len(raw)  # decompressed: its own memory
             kept[i] = raw
-        self._add_block(nbytes, kept)
-        return kept[ext]
+        if not kept:
+            raise CorruptData(f"chunk {cid.hex()} (from {node}): no record of the range is good")
+        self._add_block(slab, nbytes, kept)
+        return kept[need] if need is not None else None
+
+    # --- prefetch ---
+
+    def _queue_chunk(self, chunk: int) -> None:
+        if self._prefetch and chunk not in self._queued:
+            self._queued.add(chunk)
+            self._queue_send.send_nowait(chunk)
+
+    async def prefetch_worker(self) -> None:
+        """Run for the mount's life: fetch the records of queued chunks that are not here yet,
+        a slab at a time, while the resident part has room."""
+        async for ci in self._queue_recv:
+            self._queued.discard(ci)
+            chunk = self.index.chunk(ci)
+            ext, end = chunk.first_extent, chunk.first_extent + chunk.n_extents
+            while ext < end and self._room(self.slab_size):
+                if self._done[ext] or ext in self._records or ext in self._inflight:
+                    ext += 1
+                    continue
+                run = self._run(ext)
+                try:
+                    await self._fetch(run, None)
+                except DlfsError as exc:
+                    log.debug("prefetch of chunk %s stopped: %s", chunk.id.hex(), exc)
+                    break
+                ext = run[-1] + 1
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
-                "fetched_bytes": self.fetched_bytes, "evictions": self.evictions,
+                "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
+                "consumed": self.consumed, "evictions": self.evictions,
                 "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt}

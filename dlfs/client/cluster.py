@@ -13,7 +13,7 @@ from dlfs.config import Cluster, NodeSpec
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
-from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Reply, connect
+from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Response, connect
 
 log = logging.getLogger(__name__)
 SUSPECT_MIN = 1.0
@@ -83,11 +83,12 @@ class ClusterClient:
         return conn
 
     async def call(self, spec: NodeSpec, service: str, msg: Msg, meta: dict[str, Any] | None = None,
-                   data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Reply:
+                   data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT,
+                   into: memoryview | None = None) -> Response:
         """One request to one daemon; a node that cannot be reached becomes suspect for a while."""
         try:
             conn = await self.connection(spec, service)
-            reply = await conn.call(msg, meta, data, timeout)
+            reply = await conn.call(msg, meta, data, timeout, into)
         except Unreachable:
             h = self.health.setdefault(spec.name, Health())
             h.fail(trio.current_time())
@@ -125,7 +126,7 @@ class ClusterClient:
         return sorted(self.cluster.meta_nodes, key=lambda n: (self.suspect(n.name), n.name != self.cluster.local))
 
     async def call_meta(self, msg: Msg, meta: dict[str, Any] | None = None,
-                        data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Reply:
+                        data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Response:
         """Ask the first metadata daemon that answers (reads are the same on all of them)."""
         last: DlfsError | None = None
         for spec in self.meta_nodes():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dlfs.errors import CorruptData, DlfsError, NotFound, StorageFull
 from dlfs.format.chunk import ID_BYTES, chunk_id, verify_chunk
+from dlfs.wire.protocol import FileRange
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,19 @@ class ChunkStore:
             raise CorruptData(f"chunk {cid.hex()}: read failed ({exc.strerror})") from None
         finally:
             os.close(fd)
+
+    def open_range(self, cid: bytes, offset: int, length: int) -> FileRange:
+        """Bytes [offset, offset+length) of a chunk as a file range to sendfile; shorter if the file
+        is (the reader checks)."""
+        if offset < 0 or length < 0:
+            raise ValueError("negative offset or length")
+        fd = self._fd(cid)
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise CorruptData(f"chunk {cid.hex()}: stat failed ({exc.strerror})") from None
+        return FileRange(fd, offset, max(0, min(length, size - offset)))
 
     def _forget(self, cid: bytes) -> None:
         with self._lock:

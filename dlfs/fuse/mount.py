@@ -17,7 +17,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from dlfs.client.cache import ChunkCache
+from dlfs.client.cache import PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
@@ -119,6 +119,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         index = Index(await fetch_index(client, info, opts.home))
         stack.callback(index.close)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
+        for i in range(PREFETCH_WORKERS):
+            nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         label = f"{info.name}@{info.version}"
         ops = DlfsOperations(index, cache, label)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}

@@ -156,7 +156,7 @@ class DlfsOperations(pyfuse3.Operations):
         # The handle is the inode itself: open and release need no state at all.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         # A view into the cache block is enough: pyfuse3 copies it straight into the reply.
         try:
             data = await self._read(fh, off, size)
@@ -173,24 +173,30 @@ class DlfsOperations(pyfuse3.Operations):
         self.bytes_read += len(data)
         return data
 
-    async def _read(self, ino: int, off: int, size: int) -> bytes | memoryview:
+    async def _read(self, ino: int, off: int, size: int) -> bytes | bytearray | memoryview:
         node = self.index.inode(ino)
         if off >= node.size or size <= 0 or node.count == 0:
             return b""
         end = min(off + size, node.size)
+        # The kernel keeps what it is sent (keep_cache, or no_open): the cache may then drop it.
         if node.count == 1:
-            return (await self.cache.record(node.ref))[off:end]
-        parts = []
+            data = (await self.cache.record(node.ref))[off:end]
+            self.cache.consume(node.ref, len(data))
+            return data
+        # Each piece is copied out before the next await: a view could outlive its cache slab.
+        out = bytearray(end - off)
         pos = 0
         for ext in range(node.ref, node.ref + node.count):
             n = self.index.extent(ext).record.raw_len
             if pos + n > off and pos < end:
-                data = await self.cache.record(ext)
-                parts.append(data[max(off - pos, 0) : end - pos])
+                lo = max(off - pos, 0)
+                piece = (await self.cache.record(ext))[lo : end - pos]
+                out[pos + lo - off : pos + lo - off + len(piece)] = piece
+                self.cache.consume(ext, len(piece))
             pos += n
             if pos >= end:
                 break
-        return b"".join(parts)
+        return out
 
     def _path_of(self, ino: int) -> str:
         """A name of the inode, for log lines only (a scan, so only on errors)."""

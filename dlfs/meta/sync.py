@@ -18,7 +18,7 @@ from dlfs.errors import DlfsError, NotFound, Unreachable
 from dlfs.meta.store import MetaStore, VersionInfo
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
-from dlfs.wire.rpc import Reply
+from dlfs.wire.rpc import Response
 
 log = logging.getLogger(__name__)
 SYNC_INTERVAL = 15.0
@@ -28,7 +28,7 @@ INDEX_PIECE = 16 << 20
 
 class PeerCaller(Protocol):
     async def call(self, spec: NodeSpec, service: str, msg: Msg, meta: dict[str, Any] | None = None,
-                   data: bytes | bytearray | memoryview = b"", timeout: float = ...) -> Reply: ...
+                   data: bytes | bytearray | memoryview = b"", timeout: float = ...) -> Response: ...
 
 
 class CatalogSync:

@@ -15,7 +15,11 @@ peer's other connections and the daemon are unaffected.
 from __future__ import annotations
 
 import enum
+import errno
+import os
+import select
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,13 +73,56 @@ class Msg(enum.IntEnum):
 
 
 @dataclass(slots=True)
+class FileRange:
+    """Frame data still in a file, sent with sendfile (never read into this process).
+
+    Owns `fd`: the sender closes it once the frame is sent or abandoned."""
+
+    fd: int
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+Payload = bytes | bytearray | memoryview | FileRange
+
+
+@dataclass(slots=True)
 class Frame:
     kind: int
     msg: int
     req_id: int
     status: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
-    data: bytes | bytearray | memoryview = b""
+    data: Payload = b""
+
+
+SENDFILE_STALL = 60.0  # seconds a peer may leave a file send unread before the connection ends
+
+
+def _sendfile(sock_fd: int, r: FileRange) -> None:
+    """In a worker thread: the whole range into the (non-blocking) socket, waiting while it is full."""
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLOUT)
+    offset, left = r.offset, r.length
+    while left:
+        try:
+            n = os.sendfile(sock_fd, r.fd, offset, left)
+        except BlockingIOError:
+            if not poller.poll(SENDFILE_STALL * 1000):
+                raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
+            continue
+        if n == 0:
+            raise OSError(errno.EIO, "file ended before the range sent")
+        offset += n
+        left -= n
 
 
 def encode_header(f: Frame, meta: bytes) -> bytes:
@@ -94,6 +141,10 @@ def unpack_meta(raw: bytes | bytearray) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise ProtocolError("malformed frame: meta is not a map")
     return meta
+
+
+# Where a frame's data should land: (request id, data length) -> a big enough view, or None.
+Sink = Callable[[int, int], memoryview | None]
 
 
 class FrameStream:
@@ -120,11 +171,31 @@ class FrameStream:
         if len(f.data) > MAX_DATA:
             raise ProtocolError(f"data of {len(f.data)} bytes is over the {MAX_DATA} limit")
         head = encode_header(f, meta) + meta
+        if isinstance(f.data, FileRange):
+            try:
+                await self.stream.send_all(head)
+                await self._send_file(f.data)
+            finally:
+                f.data.close()
+            return
         if len(f.data) <= 65536:
             await self.stream.send_all(head + bytes(f.data))
         else:
             await self.stream.send_all(head)
             await self.stream.send_all(f.data)
+
+    async def _send_file(self, r: FileRange) -> None:
+        sock = getattr(self.stream, "socket", None)
+        if sock is None:  # not a socket (tests' memory streams): read it, then send it
+            await self.stream.send_all(await trio.to_thread.run_sync(os.pread, r.fd, r.length, r.offset))
+            return
+        # The thread gets its own descriptor: closing the connection meanwhile cannot hand the
+        # number to another file under it.
+        fd = os.dup(sock.fileno())
+        try:
+            await trio.to_thread.run_sync(_sendfile, fd, r)
+        finally:
+            os.close(fd)
 
     async def _fill(self, view: memoryview) -> None:
         """Fill `view` exactly: leftover bytes first, then the socket.
@@ -149,8 +220,11 @@ class FrameStream:
                 got += len(block)
             self._got = got
 
-    async def receive(self) -> Frame:
-        """The next frame; EndOfChannel at a clean end, ProtocolError on garbage."""
+    async def receive(self, sink: Sink | None = None) -> Frame:
+        """The next frame; EndOfChannel at a clean end, ProtocolError on garbage.
+
+        `sink(req_id, data_len)` may name where the data goes (a view of at least data_len bytes):
+        a fetch then lands straight in the cache's memory."""
         head = bytearray(HEADER.size)
         try:
             await self._fill(memoryview(head))
@@ -170,7 +244,8 @@ class FrameStream:
                 f"frame from {self.peer} over the size limit (meta {meta_len}, data {data_len})"
             )
         raw_meta = bytearray(meta_len)
-        data = bytearray(data_len)
+        dest = sink(req_id, data_len) if sink is not None and data_len else None
+        data: bytearray | memoryview = bytearray(data_len) if dest is None else dest[:data_len]
         try:
             await self._fill(memoryview(raw_meta))
             await self._fill(memoryview(data))

@@ -16,13 +16,14 @@ from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.tcp import TRANSPORT
 from dlfs.wire.auth import client_handshake, server_handshake
-from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, FrameStream, Msg
+from dlfs.wire.protocol import REQUEST, RESPONSE, FileRange, Frame, FrameStream, Msg, Payload
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
 CALL_TIMEOUT = 60.0
-Reply = tuple[dict[str, Any], bytes | bytearray | memoryview]
+Reply = tuple[dict[str, Any], Payload]  # what a handler answers
+Response = tuple[dict[str, Any], bytes | bytearray | memoryview]  # what a caller receives
 Handler = Callable[[dict[str, Any], bytearray], Awaitable[Reply]]
 
 
@@ -31,6 +32,8 @@ class _Waiter:
     event: trio.Event
     frame: Frame | None = None
     error: DlfsError | None = None
+    into: memoryview | None = None  # where the response's data should land
+    filling: bool = False  # the response is being received into `into` right now
 
 
 class Connection:
@@ -48,7 +51,7 @@ class Connection:
     async def _read_responses(self) -> None:
         try:
             while True:
-                f = await self.fs.receive()
+                f = await self.fs.receive(self._sink)
                 w = self._waiting.pop(f.req_id, None)
                 if w is not None:
                     w.frame = f
@@ -66,13 +69,24 @@ class Connection:
             self._waiting.clear()
             self.done.set()
 
+    def _sink(self, req_id: int, length: int) -> memoryview | None:
+        w = self._waiting.get(req_id)
+        if w is None or w.into is None or len(w.into) < length:
+            return None
+        w.filling = True
+        return w.into
+
     async def call(self, msg: Msg, meta: dict[str, Any] | None = None,
-                   data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Reply:
-        """Send one request and wait for its response; a daemon's error is raised here."""
+                   data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT,
+                   into: memoryview | None = None) -> Response:
+        """Send one request and wait for its response; a daemon's error is raised here.
+
+        With `into`, a response's data that fits is received straight into it (and the reply's
+        data is a view of it)."""
         if self.closed:
             raise self.closed
         req_id = next(self._ids) & 0xFFFFFFFF
-        w = _Waiter(trio.Event())
+        w = _Waiter(trio.Event(), into=into)
         self._waiting[req_id] = w
         try:
             with trio.fail_after(timeout):
@@ -92,12 +106,19 @@ class Connection:
             raise Unreachable(f"lost connection to {self.node} at {self.fs.peer} ({type(exc).__name__})") from None
         finally:
             self._waiting.pop(req_id, None)
+            if w.filling and not w.event.is_set():
+                # Given up while its data is still arriving into the caller's memory: end the
+                # connection, so that nothing writes there once the caller reuses it.
+                with trio.CancelScope(shield=True):
+                    await self.fs.aclose()
         if w.error:
             raise w.error
         assert w.frame is not None
         if w.frame.status:
             raise error_from_status(w.frame.status, str(w.frame.meta.get("error", "daemon error")))
-        return w.frame.meta, w.frame.data
+        got = w.frame.data
+        assert not isinstance(got, FileRange)  # only ever sent
+        return w.frame.meta, got
 
 
 @asynccontextmanager
@@ -187,6 +208,7 @@ class Service:
 
     async def _answer(self, fs: FrameStream, send_lock: trio.Lock, limiter: trio.CapacityLimiter,
                       token: object, f: Frame) -> None:
+        reply: Frame | None = None
         try:
             handler = self.handlers.get(f.msg)
             try:
@@ -209,6 +231,8 @@ class Service:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         finally:
+            if reply is not None and isinstance(reply.data, FileRange):
+                reply.data.close()  # never sent (the connection went first)
             limiter.release_on_behalf_of(token)
 
 
