@@ -17,10 +17,10 @@ setup(
     ext_modules=[
         Extension(
             "dlfs._native",
-            sources=["native/module.c", "native/fusehook.c"],
-            depends=["native/fusehook.h"],
+            sources=["native/module.c", "native/fusehook.c", "native/metaserve.c"],
+            depends=["native/fusehook.h", "native/metaserve.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],
-            libraries=["dl"],
+            libraries=["dl", "fuse3"],
         )
     ]
 )

@@ -13,10 +13,14 @@ import os
 import sys
 from types import ModuleType
 
+from dlfs.format.index import Index
+
 log = logging.getLogger(__name__)
 
 
 def _load() -> ModuleType | None:
+    if os.environ.get("DLFS_NO_NATIVE"):  # the pure-Python path, for comparison and debugging
+        return None
     late = "pyfuse3" in sys.modules
     flags = sys.getdlopenflags()
     sys.setdlopenflags(flags | os.RTLD_GLOBAL)
@@ -38,3 +42,20 @@ native = _load()
 def fuse_hooked() -> bool:
     """True once the mount's FUSE session carries the inode in READ's fh (OPEN may then be skipped)."""
     return native is not None and native.fuse_hooked()
+
+
+def serve_index(index: Index, timeout: float) -> bool:
+    """Answer LOOKUP, GETATTR, OPENDIR and READDIRPLUS from `index` in C; False if the helper cannot."""
+    if not fuse_hooked():
+        return False
+    assert native is not None
+    native.serve_index(*index.sections(), timeout)
+    return True
+
+
+def stop_index() -> dict[str, int]:
+    """Stop answering from the index (before it is closed); how many requests C answered."""
+    if native is None:
+        return {}
+    native.stop_index()
+    return dict(native.meta_stats())

@@ -1,4 +1,5 @@
-/* The FUSE session hook: lets the mount answer OPEN with ENOSYS (no_open) and still know the file.
+/* The FUSE session hook: lets the mount answer OPEN with ENOSYS (no_open) and still know the file,
+ * and answers metadata requests in C (metaserve.c) once the mount registers its index.
  *
  * With no_open the kernel sends neither OPEN nor RELEASE and keeps every file's pages cached, so a
  * warm read costs no request at all. It then sends READ with fh 0; libfuse passes the inode beside
@@ -16,19 +17,43 @@
 #include <string.h>
 
 #include "fusehook.h"
+#include "metaserve.h"
 
-typedef void (*read_fn)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *, size_t,
                                                void *);
 
-static read_fn real_read;
+static struct fuse_lowlevel_ops py; /* pyfuse3's own handlers, for what C does not answer */
 static int hooked;
 
 static void read_with_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
     if (fi && fi->fh == 0)
         fi->fh = ino;
-    real_read(req, ino, size, off, fi);
+    py.read(req, ino, size, off, fi);
+}
+
+static void lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    if (!dlfs_meta_lookup(req, parent, name))
+        py.lookup(req, parent, name);
+}
+
+static void getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (!dlfs_meta_getattr(req, ino))
+        py.getattr(req, ino, fi);
+}
+
+static void opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (!dlfs_meta_opendir(req, ino, fi))
+        py.opendir(req, ino, fi);
+}
+
+static void readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    if (!dlfs_meta_readdirplus(req, ino, size, off))
+        py.readdirplus(req, ino, size, off, fi);
 }
 
 static session_new_fn libfuse_session_new(void)
@@ -56,9 +81,14 @@ fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op, siz
     if (!ops)
         return real(args, op, op_size, userdata);
     memcpy(ops, op, op_size);
-    if (ops->read) {
-        real_read = ops->read;
+    /* Only a table with every handler we wrap: anything else is left exactly as it came. */
+    if (op_size >= sizeof py && ops->read && ops->lookup && ops->getattr && ops->opendir && ops->readdirplus) {
+        py = *ops;
         ops->read = read_with_inode;
+        ops->lookup = lookup;
+        ops->getattr = getattr;
+        ops->opendir = opendir;
+        ops->readdirplus = readdirplus;
         hooked = 1;
     }
     return real(args, ops, op_size, userdata);

@@ -259,6 +259,32 @@ def test_read_only(edge: Edge) -> None:
     assert {"ro", "nosuid", "nodev"} <= set(options)
 
 
+@pytest.mark.timeout(60)
+def test_python_metadata_path_matches_the_c_one(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The C helper answers LOOKUP/GETATTR/READDIRPLUS and lets OPEN be skipped; without it (not
+    # built, or DLFS_NO_NATIVE) the Python handlers must give the same tree, bytes and errnos.
+    c_log = edge.node.mount_log(NAME).read_text()
+    monkeypatch.setenv("DLFS_NO_NATIVE", "1")
+    py_mnt = edge.node.mount(NAME, edge.base / "mnt-python")
+    try:
+        c_tree, py_tree = tree(edge.bmnt), tree(os.fsencode(py_mnt))
+        assert set(c_tree) == set(py_tree)
+        for rel, c in c_tree.items():
+            p = py_tree[rel]
+            assert (c.st_mode, c.st_size, c.st_mtime_ns, c.st_nlink, c.st_uid, c.st_gid, c.st_ino) == \
+                   (p.st_mode, p.st_size, p.st_mtime_ns, p.st_nlink, p.st_uid, p.st_gid, p.st_ino), repr(rel)
+            if stat.S_ISREG(c.st_mode):
+                with open(os.path.join(edge.bmnt, rel), "rb") as a, open(os.path.join(os.fsencode(py_mnt), rel), "rb") as b:
+                    assert a.read() == b.read(), repr(rel)
+        for m in (edge.mnt, py_mnt):
+            assert _errno(os.lstat, m / "names/missing") == errno.ENOENT
+            assert _errno(os.lstat, m / "text/small.txt/x") == errno.ENOTDIR
+            assert _errno(os.listdir, m / "text/small.txt") == errno.ENOTDIR
+    finally:
+        edge.node.umount(py_mnt)
+    assert "metadata answered in C" not in edge.node.mount_log(NAME).read_text()[len(c_log):]
+
+
 @pytest.mark.timeout(30)
 def test_errnos(edge: Edge) -> None:
     m = edge.mnt

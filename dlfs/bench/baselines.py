@@ -265,7 +265,7 @@ class DlfsNode:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, KeyError):
             return
-        if b"dlfs" in cmdline and b"node" in cmdline:
+        if any(a == b"dlfs" or a.endswith(b"/dlfs") for a in cmdline) and b"node" in cmdline:
             log.warning("stopping dlfs node %d left by an earlier bench", pid)
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 30

@@ -233,6 +233,12 @@ class Index:
     def close(self) -> None:
         self._map.close()
 
+    def sections(self) -> tuple[mmap.mmap, int, int, int, int, int, int]:
+        """(mapping, inodes offset, dirents offset, names offset, inodes, dirents, names bytes):
+        what the C metadata server reads in place."""
+        t = self.totals
+        return self._map, self._inodes, self._dirents, self._names, t.inodes, t.dirents, t.names_size
+
     def _bad(self, what: str) -> CorruptData:
         return CorruptData(f"index {self.path}: {what}")
 

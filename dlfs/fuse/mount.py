@@ -22,8 +22,9 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
-from dlfs.fuse.ops import DlfsOperations
+from dlfs.fuse.ops import TIMEOUT, DlfsOperations
 from dlfs.meta.store import VersionInfo
+from dlfs.native import serve_index, stop_index
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
 from dlfs.units import human_bytes
@@ -139,6 +140,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         ended_by_kernel = False
 
         stack.callback(unmount)
+        if serve_index(index, TIMEOUT):
+            # Runs before index.close (callbacks unwind in reverse): C lets go of the mapping first.
+            stack.callback(lambda: log.info("%s: metadata answered in C: %s", label, stop_index()))
         record = mount_record(opts.home, opts.mountpoint)
 
         async def announce() -> None:
