@@ -20,10 +20,13 @@ from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
+from dlfs.transport.verbs import Memlock, TransportChoice, choose_transport
 from dlfs.wire.rpc import Service, serve
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE = 10.0
+PIN_MIN = 64 << 20  # registered chunk bytes the data daemon needs at least to serve RDMA
+PIN_DEFAULT = 8 << 30  # and at most keeps registered, memlock permitting
 
 
 @dataclass
@@ -35,6 +38,25 @@ class NodeOptions:
     meta_port: int = 0
     data_port: int = 0
     roles: frozenset[str] | None = None  # None: the cluster file's role for this node, else both
+    transport: str | None = None  # auto | tcp | rdma; None: the cluster file's, else auto
+
+
+def pin_budget(limits: Memlock) -> int:
+    """How many chunk bytes the data daemon keeps registered: PIN_DEFAULT within the memlock limit."""
+    if limits.ipc_lock or limits.soft is None:
+        return PIN_DEFAULT
+    return max(min(PIN_DEFAULT, limits.soft - (16 << 20)), 0)
+
+
+def data_transport(opts: NodeOptions) -> TransportChoice:
+    """How this node's data daemon serves chunks, checked (memlock included) and logged at start."""
+    cluster = opts.cluster
+    setting = opts.transport or (cluster.transport if cluster else "auto")
+    choice = choose_transport(setting, PIN_MIN, "the data daemon",
+                              cluster.rdma_device if cluster else None, cluster.rdma_port if cluster else None)
+    log.info("data daemon: chunks served over %s (%s)", "RDMA and TCP" if choice.name == "rdma" else "TCP",
+             choice.reason)
+    return choice
 
 
 def _lock_home(home: Path) -> int:
@@ -86,15 +108,25 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
             spec = opts.cluster.node(name)
             meta_addr, data_addr = spec.meta, spec.data
         roles = opts.roles or (opts.cluster.node(name).roles if opts.cluster else ROLES["both"])
+        choice = data_transport(opts) if "data" in roles else None
         chunks = ChunkStore(home / "data")
         meta_store = MetaStore(home / "meta")
         log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",
                  name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
+        rdma = None
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
+                if choice is not None and choice.port is not None:
+                    from dlfs.data.rdma import RdmaResponder  # imports pyverbs: only where RDMA is used
+                    from dlfs.transport.verbs import memlock
+
+                    rdma = RdmaResponder(choice.port, chunks, pin_budget(memlock()))
+                    log.info("data daemon: RDMA on %s", rdma.describe())
+                    nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
                 if "data" in roles:
-                    data_bound = await _listen(nursery, DataService(chunks, key, name), data_addr, data_fallback)
+                    service = DataService(chunks, key, name, rdma, choice.reason if choice else "")
+                    data_bound = await _listen(nursery, service, data_addr, data_fallback)
                 if opts.cluster is None:
                     cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
                 else:
@@ -118,6 +150,8 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_DEADLINE
                 nursery.cancel_scope.cancel()
         finally:
+            if rdma is not None:
+                rdma.close()
             chunks.close()
             if opts.cluster is None:
                 runtime_file(home).unlink(missing_ok=True)
