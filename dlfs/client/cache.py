@@ -26,7 +26,6 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.errors import CorruptData, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import Extent, Index
-from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUT = 10.0
@@ -122,9 +121,7 @@ class ChunkCache:
             corrupt = False
             for spec in self.client.replicas(chunk.id):
                 try:
-                    _, data = await self.client.call(spec, "data", Msg.READ_RANGE,
-                                                     {"id": chunk.id, "offset": base, "length": end - base},
-                                                     timeout=FETCH_TIMEOUT)
+                    data = await self.client.read_from(spec, chunk.id, base, end - base, timeout=FETCH_TIMEOUT)
                 except (Unreachable, NotFound, CorruptData) as exc:
                     errors.append(f"{spec.name}: {exc}")
                     continue
@@ -167,6 +164,10 @@ class ChunkCache:
         return kept[ext]
 
     def stats(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
-                "fetched_bytes": self.fetched_bytes, "evictions": self.evictions,
-                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt}
+        out = {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
+               "fetched_bytes": self.fetched_bytes, "evictions": self.evictions,
+               "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
+               "tcp_fallbacks": self.client.tcp_fallbacks}
+        if self.client.rdma is not None:
+            out.update(self.client.rdma.stats())
+        return out

@@ -1,0 +1,50 @@
+"""Which way a client's chunk reads travel: choose the transport, and with RDMA attach a reader.
+
+The choice is made once, at start, and logged with its reason; `transport = "rdma"` where RDMA
+cannot work is a one-line TransportUnavailable error before anything else happens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from dlfs.client.cluster import ClusterClient
+from dlfs.config import Cluster
+from dlfs.transport.verbs import TransportChoice, choose_transport
+
+log = logging.getLogger(__name__)
+QUEUE_HEADROOM = 16 << 20  # queue pairs and completion queues are pinned too
+
+
+def arena_for_cache(capacity: int) -> int:
+    """Registered memory for a cache of `capacity` bytes: its blocks, plus room for those in flight
+    and those replies still hold, and for fragmentation."""
+    return capacity + max(capacity // 4, 64 << 20)
+
+
+def choose_for(cluster: Cluster, arena_bytes: int, what: str) -> TransportChoice:
+    """The cluster's (or --transport's) setting applied to this machine, logged with its reason."""
+    choice = choose_transport(cluster.transport, arena_bytes + QUEUE_HEADROOM, what,
+                              cluster.rdma_device, cluster.rdma_port)
+    log.info("%s: chunks travel over %s (%s)", what, choice.name.upper(), choice.reason)
+    return choice
+
+
+@asynccontextmanager
+async def chunk_transport(client: ClusterClient, choice: TransportChoice,
+                          arena_bytes: int) -> AsyncIterator[TransportChoice]:
+    """With RDMA chosen, `client` reads chunk ranges over RDMA (TCP when that fails) into up to
+    `arena_bytes` of registered memory, until the block ends; with TCP it is left as it is."""
+    if choice.name != "rdma" or choice.port is None:
+        yield choice
+        return
+    from dlfs.client.rdma import RdmaReader  # imports pyverbs: only where RDMA is used
+
+    async with RdmaReader.open(client, choice.port, arena_bytes) as reader:
+        client.rdma = reader
+        try:
+            yield choice
+        finally:
+            client.rdma = None
