@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import os
 import random
 import resource
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import Node, needs_fuse, run_dlfs
 from test_services import make_chunk, make_index, node_with_clients, put_chunk, running_node
 
 from dlfs.client.cache import ChunkCache
@@ -527,3 +529,47 @@ async def test_read_path_over_rdma_every_byte_and_a_queue_pair_error(tmp_path: P
             client_nursery.cancel_scope.cancel()
         index.close()
         nursery.cancel_scope.cancel()
+
+
+# --- the --transport option -----------------------------------------------------------------------
+def test_transport_option_on_the_commands_that_move_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    from dlfs.cli import main
+
+    for name in ("node", "mount", "ingest", "verify", "repair", "bench", "doctor"):
+        with pytest.raises(SystemExit) as info:
+            main([name, "--help"])
+        assert info.value.code == 0
+        assert "--transport {auto,tcp,rdma}" in capsys.readouterr().out, name
+    with pytest.raises(SystemExit) as info:
+        main(["node", "--transport", "infiniband"])
+    assert info.value.code == 2 and "invalid choice: 'infiniband'" in capsys.readouterr().err
+
+
+@needs_fuse
+@pytest.mark.timeout(90)
+def test_transport_rdma_where_there_is_none_fails_in_one_line(node: Node, tmp_path: Path) -> None:
+    if REPORT.active_ports():
+        pytest.skip("this machine has an active RDMA port")
+    from test_cli import one_line_error
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"a" * 1000)
+    want = "dlfs: error: transport = rdma, but no RDMA device"
+    for args in (["ingest", src, "--name", "x", "--transport", "rdma"], ["verify", "--all", "--transport=rdma"]):
+        proc = node.run(*args, check=False)
+        assert proc.returncode == 2 and one_line_error(proc).startswith(want), proc.stderr
+    node.ingest(src, "x")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = node.run("mount", "x", mnt, "--transport", "rdma", check=False)
+    assert proc.returncode == 2 and one_line_error(proc).startswith(want), proc.stderr
+    assert not os.path.ismount(mnt)
+    proc = run_dlfs(tmp_path / "other", "node", "--transport", "rdma", check=False, timeout=30)
+    assert proc.returncode == 2 and one_line_error(proc).startswith(want), proc.stderr
+    # auto: TCP, and both the node and the mount say why.
+    assert "data daemon: chunks served over TCP (auto: no RDMA device" in node.node_log()
+    node.mount("x", mnt)
+    assert (mnt / "a.bin").read_bytes() == b"a" * 1000
+    node.umount(mnt)
+    assert "mount of x: chunks travel over TCP (auto: no RDMA device" in node.mount_log("x").read_text()
