@@ -236,7 +236,7 @@ async def _check_daemon(cluster: Cluster, spec: NodeSpec, service: str) -> list[
     rows = [Check(f"{label} daemon", PASS, f"{address}: authenticated in {handshake * 1000:.1f} ms")]
     remote = meta.get("time")
     if isinstance(remote, (int, float)):
-        skew = float(remote) - (sent + back) / 2
+        skew = round(float(remote) - (sent + back) / 2, 3) + 0.0  # + 0.0: no "-0.000"
         text = f"{skew:+.3f} s (±{(back - sent) / 2:.3f} s) against {spec.name}"
         fix = "keep clocks in sync: timedatectl set-ntp true (chrony or systemd-timesyncd)"
         status = PASS if abs(skew) <= SKEW_WARN else WARN if abs(skew) <= SKEW_FAIL else FAIL
