@@ -8,6 +8,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -15,13 +16,16 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
-from dlfs.errors import UsageError
+from dlfs.errors import DlfsError, UsageError
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.verbs import Memlock, TransportChoice, choose_transport
 from dlfs.wire.rpc import Service, serve
+
+if TYPE_CHECKING:
+    from dlfs.data.rdma import RdmaResponder
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE = 10.0
@@ -72,6 +76,22 @@ def _lock_home(home: Path) -> int:
     return fd
 
 
+def _open_responder(choice: TransportChoice, chunks: ChunkStore) -> tuple[RdmaResponder | None, TransportChoice]:
+    """The data daemon's RDMA resources; if the device cannot be set up, TCP (auto) or an error (rdma)."""
+    from pyverbs.pyverbs_error import PyverbsError  # only where RDMA is used
+
+    from dlfs.data.rdma import RdmaResponder
+    from dlfs.transport.verbs import memlock
+
+    assert choice.port is not None
+    try:
+        rdma = RdmaResponder(choice.port, chunks, pin_budget(memlock()))
+    except (PyverbsError, OSError, DlfsError) as exc:
+        return None, choice.failed_to_start(str(exc))
+    log.info("data daemon: RDMA on %s", rdma.describe())
+    return rdma, choice
+
+
 async def _listen(nursery: trio.Nursery, service: Service, address: Address, fallback: Address | None) -> Address:
     """Serve `service` on `address`, or on `fallback` if that is given and `address` is taken."""
     try:
@@ -113,17 +133,14 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
         meta_store = MetaStore(home / "meta")
         log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",
                  name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
-        rdma = None
+        rdma: RdmaResponder | None = None
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
                 if choice is not None and choice.port is not None:
-                    from dlfs.data.rdma import RdmaResponder  # imports pyverbs: only where RDMA is used
-                    from dlfs.transport.verbs import memlock
-
-                    rdma = RdmaResponder(choice.port, chunks, pin_budget(memlock()))
-                    log.info("data daemon: RDMA on %s", rdma.describe())
-                    nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
+                    rdma, choice = _open_responder(choice, chunks)
+                    if rdma is not None:
+                        nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
                 if "data" in roles:
                     service = DataService(chunks, key, name, rdma, choice.reason if choice else "")
                     data_bound = await _listen(nursery, service, data_addr, data_fallback)

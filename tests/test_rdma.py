@@ -229,6 +229,37 @@ def test_cluster_file_transport_setting(tmp_path: Path) -> None:
             parse_cluster_file(tmp_path / "c.toml")
 
 
+async def test_rdma_that_fails_to_start_falls_back_or_fails_clearly(tmp_path: Path) -> None:
+    """Chosen but unusable (here: the device cannot be opened, by real pyverbs): auto goes on over
+    TCP with the reason, rdma is the one-line error."""
+    from dlfs.client.transport import chunk_transport
+    from dlfs.node import _open_responder
+    from dlfs.transport.verbs import TransportChoice
+
+    ghost = dataclasses.replace(ROCE, device="dlfs_no_such_device")
+    if ghost.device in REPORT.devices:
+        pytest.skip("a device has that name")
+    auto = TransportChoice("rdma", "auto: pretended", ghost, "auto")
+    async with running_node(tmp_path) as (spec, key):
+        cluster = Cluster([spec], key, 1, "test", local=spec.name)
+        async with trio.open_nursery() as nursery:
+            client = ClusterClient(cluster, nursery)
+            async with chunk_transport(client, auto, 64 << 20) as used:
+                assert used.name == "tcp" and client.rdma is None
+                assert used.reason.startswith("auto: RDMA on dlfs_no_such_device port 1 failed to start: ")
+                assert (await client.call(spec, "data", Msg.PING))[0]["node"] == "local"
+            with pytest.raises(TransportUnavailable, match="transport = rdma, but dlfs_no_such_device port 1 cannot be used"):
+                async with chunk_transport(client, dataclasses.replace(auto, setting="rdma"), 64 << 20):
+                    pass
+            nursery.cancel_scope.cancel()
+    store = ChunkStore(tmp_path / "store")
+    responder, choice = _open_responder(auto, store)
+    assert responder is None and choice.name == "tcp" and "failed to start" in choice.reason
+    with pytest.raises(TransportUnavailable):
+        _open_responder(dataclasses.replace(auto, setting="rdma"), store)
+    store.close()
+
+
 # --- registered memory --------------------------------------------------------------------------
 class _Registration:
     """Stands in for an MR where there is no device: the arena's own logic is what is tested."""

@@ -29,6 +29,7 @@ from dlfs.config import NodeSpec
 from dlfs.errors import DlfsError, NotFound, RdmaFailure, Unreachable, UsageError, error_from_status
 from dlfs.tasks import open_nursery
 from dlfs.transport.rdma import (
+    SEGMENT,
     Arena,
     Block,
     CompletionQueue,
@@ -72,9 +73,11 @@ class _Read:
 class Link:
     """The RC queue pair to one data daemon, and the chunk regions it holds there."""
 
-    def __init__(self, reader: RdmaReader, node: str, conn: Connection, qp: QP, cq: CompletionQueue) -> None:
+    def __init__(self, reader: RdmaReader, node: str, conn: Connection, qp: QP, cq: CompletionQueue,
+                 depth: int = SEND_DEPTH, piece: int = PIECE) -> None:
         self.reader, self.node, self.conn, self.qp, self.cq = reader, node, conn, qp, cq
-        self.slots = trio.Semaphore(SEND_DEPTH)
+        self.piece = piece
+        self.slots = trio.Semaphore(depth)
         self.reads: dict[int, _Read] = {}  # wr_id -> its read
         self.regions: OrderedDict[bytes, RemoteRegion] = OrderedDict()
         self.busy: Counter[bytes] = Counter()  # regions with reads in flight: never released
@@ -152,7 +155,7 @@ class Link:
     # --- reads ---
     async def read(self, block: Block, region: RemoteRegion, offset: int, n: int, timeout: float) -> None:
         """Fill `block` with bytes [offset, offset+n) of the region; RdmaFailure if the link fails."""
-        pieces = [(pos, min(PIECE, n - pos)) for pos in range(0, n, PIECE)]
+        pieces = [(pos, min(self.piece, n - pos)) for pos in range(0, n, self.piece)]
         read = _Read(block, region.id, len(pieces))
         self.busy[region.id] += 1
         posted = 0
@@ -253,6 +256,7 @@ class RdmaReader:
         self.links: dict[str, Link] = {}
         self.wr_ids = itertools.count(1)
         self._connecting: dict[str, trio.Lock] = {}
+        self._growing = trio.Lock()
         self._backoff: dict[str, tuple[float, float]] = {}  # node -> (RDMA off until, last back-off)
         self.nursery: trio.Nursery | None = None
         self.reads = self.bytes_read = self.failures = 0
@@ -263,6 +267,10 @@ class RdmaReader:
         """A reader whose links' completion tasks live in a nursery of its own; closed on exit."""
         reader = cls(client, port, arena_limit)
         try:
+            # The first segment now: registration problems show at start, not at the first read.
+            first = reader.arena.growth(1)
+            if first is not None:
+                await trio.to_thread.run_sync(reader.arena.add_segment, min(first, SEGMENT))
             async with open_nursery() as nursery:
                 reader.nursery = nursery
                 try:
@@ -306,9 +314,10 @@ class RdmaReader:
         """A queue pair connected to the daemon's over its data connection (Unreachable if that is down)."""
         assert self.nursery is not None
         conn = await self.client.connection(spec, "data")
-        cq = CompletionQueue(self.device, SEND_DEPTH)
+        depth = min(SEND_DEPTH, self.device.max_qp_wr)
+        cq = CompletionQueue(self.device, depth)
         try:
-            qp = QP(self.device.pd, qp_init_attr(cq.cq, SEND_DEPTH))
+            qp = QP(self.device.pd, qp_init_attr(cq.cq, depth))
         except BaseException:
             cq.close()
             raise
@@ -331,7 +340,7 @@ class RdmaReader:
                 log.warning("RDMA set-up with %s failed (%s); reading over TCP", spec.name, exc)
                 raise RdmaFailure(f"RDMA set-up with {spec.name} failed: {exc}") from None
             raise
-        link = Link(self, spec.name, conn, qp, cq)
+        link = Link(self, spec.name, conn, qp, cq, depth, min(PIECE, self.device.max_msg))
         self.nursery.start_soon(self._poll, link, name=f"dlfs-rdma-completions {spec.name}")
         log.info("RDMA link to %s: queue pair %d -> %d, %d READs in flight", spec.name, qp.qp_num, remote.qpn,
                  min(self.device.initiator_depth, remote.rd_atomic))
@@ -351,14 +360,30 @@ class RdmaReader:
         if offset >= end:
             return memoryview(b"")
         n = end - offset
-        block = self.arena.alloc(n)
-        if block is None:
-            raise RdmaFailure(f"all {human_bytes(self.arena.limit)} of RDMA memory is in use")
+        block = await self._block(n)
         await link.read(block, region, offset, n, timeout)
         self.reads += 1
         self.bytes_read += n
         self._backoff.pop(spec.name, None)
         return block.view()
+
+    async def _block(self, n: int) -> Block:
+        """Registered memory for `n` bytes, the arena grown (in a thread) if need be."""
+        block = self.arena.take(n)
+        while block is None:
+            async with self._growing:
+                block = self.arena.take(n)
+                if block is not None:
+                    break
+                grow = self.arena.growth(n)
+                if grow is None:
+                    raise RdmaFailure(f"all {human_bytes(self.arena.limit)} of RDMA memory is in use")
+                try:
+                    await trio.to_thread.run_sync(self.arena.add_segment, grow)
+                except (PyverbsError, OSError) as exc:
+                    raise RdmaFailure(f"cannot register {human_bytes(grow)} more for RDMA: {exc}") from None
+                block = self.arena.take(n)
+        return block
 
     def stats(self) -> dict[str, int]:
         return {"rdma_reads": self.reads, "rdma_bytes": self.bytes_read, "rdma_failures": self.failures,

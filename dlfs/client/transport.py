@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster
+from dlfs.errors import DlfsError
 from dlfs.transport.verbs import TransportChoice, choose_transport
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,20 @@ async def chunk_transport(client: ClusterClient, choice: TransportChoice,
     if choice.name != "rdma" or choice.port is None:
         yield choice
         return
-    from dlfs.client.rdma import RdmaReader  # imports pyverbs: only where RDMA is used
+    from pyverbs.pyverbs_error import PyverbsError  # only where RDMA is used
 
-    async with RdmaReader.open(client, choice.port, arena_bytes) as reader:
+    from dlfs.client.rdma import RdmaReader
+
+    async with AsyncExitStack() as stack:
+        try:
+            reader = await stack.enter_async_context(RdmaReader.open(client, choice.port, arena_bytes))
+        except (PyverbsError, OSError, DlfsError) as exc:
+            fallback = choice.failed_to_start(str(exc))  # raises for transport = rdma
+            log.info("chunks travel over TCP (%s)", fallback.reason)
+            reader = None
+        if reader is None:
+            yield fallback
+            return
         client.rdma = reader
         try:
             yield choice

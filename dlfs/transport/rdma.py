@@ -234,6 +234,7 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22  # Linux 5.14: fault the whole range in now
+MADV_POPULATE_WRITE = 23
 
 
 class MappedFile:
@@ -295,6 +296,8 @@ class _Segment:
         anchor = ctypes.c_ubyte.from_buffer(self.map)
         self.addr = ctypes.addressof(anchor)
         del anchor  # its buffer export would pin the mapping forever
+        # Fault the pages in first (ctypes drops the GIL): registering then only pins them.
+        _libc.madvise(self.addr, size, MADV_POPULATE_WRITE)
         self.mr = register(self.addr, size)
         self.free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, coalesced
 
@@ -353,8 +356,8 @@ class Arena:
         self.in_use = 0
         self._lock = threading.Lock()
 
-    def alloc(self, n: int) -> Block | None:
-        """A block of `n` bytes, or None when the arena is full (the caller reads over TCP)."""
+    def take(self, n: int) -> Block | None:
+        """A block of `n` bytes from the segments registered so far, or None."""
         size = block_size(n)
         with self._lock:
             for seg in self.segments:
@@ -362,20 +365,38 @@ class Arena:
                 if off is not None:
                     break
             else:
-                grow = max(SEGMENT, size)
-                if self.registered + grow > self.limit:
-                    grow = size
-                    if self.registered + grow > self.limit:
-                        return None
-                seg = _Segment(self.register, grow)
-                self.segments.append(seg)
-                self.registered += grow
-                off = seg.take(size)
-                assert off is not None
+                return None
             self.in_use += size
         data = (ctypes.c_ubyte * size).from_buffer(seg.map, off)
         weakref.finalize(data, self._give, seg, off, size)
         return Block(seg.addr + off, seg.mr.lkey, data, n)
+
+    def growth(self, n: int) -> int | None:
+        """The size of the segment to add so that `n` bytes fit, or None at the limit."""
+        size = block_size(n)
+        grow = max(SEGMENT, size)
+        if self.registered + grow > self.limit:
+            grow = max(self.limit - self.registered, size)
+        return grow if self.registered + grow <= self.limit else None
+
+    def add_segment(self, size: int) -> None:
+        """Map and register `size` more bytes. Slow (the pages are faulted in and pinned): the
+        reader runs it in a thread."""
+        seg = _Segment(self.register, size)
+        with self._lock:
+            self.segments.append(seg)
+            self.registered += size
+
+    def alloc(self, n: int) -> Block | None:
+        """A block of `n` bytes, growing the arena here if need be; None when it is full."""
+        block = self.take(n)
+        if block is None:
+            grow = self.growth(n)
+            if grow is None:
+                return None
+            self.add_segment(grow)
+            block = self.take(n)
+        return block
 
     def _give(self, seg: _Segment, off: int, size: int) -> None:
         with self._lock:

@@ -84,6 +84,15 @@ class TransportChoice:
     name: str  # "tcp" or "rdma"
     reason: str
     port: PortInfo | None = None
+    setting: str = "auto"  # what was asked for
+
+    def failed_to_start(self, why: str) -> TransportChoice:
+        """RDMA was chosen but its resources could not be set up: TCP for `auto`, an error for `rdma`."""
+        where = self.port.label() if self.port else "RDMA"
+        if self.setting == "rdma":
+            raise TransportUnavailable(f"transport = rdma, but {where} cannot be used: {why}")
+        log.warning("RDMA on %s cannot be used (%s); using TCP", where, why)
+        return TransportChoice("tcp", f"auto: RDMA on {where} failed to start: {why}", setting=self.setting)
 
 
 def _limit(v: int) -> int | None:
@@ -237,13 +246,13 @@ def choose_transport(setting: str, need_bytes: int, what: str, device: str | Non
     if setting not in ("auto", "tcp", "rdma"):
         raise UsageError(f"transport {setting!r}: use auto, tcp or rdma")
     if setting == "tcp":
-        return TransportChoice("tcp", "transport = tcp")
+        return TransportChoice("tcp", "transport = tcp", setting=setting)
     report = report if report is not None else probe(device)
     limits = limits if limits is not None else memlock(raise_soft=True)
     why, chosen = why_not_rdma(report, limits, need_bytes, what, port)
     if chosen is not None:
         return TransportChoice("rdma", f"{setting}: {chosen.label()} is active ({chosen.link_layer}), "
-                                       f"memlock {limits.describe()}", chosen)
+                                       f"memlock {limits.describe()}", chosen, setting)
     if setting == "rdma":
         raise TransportUnavailable(f"transport = rdma, but {why}")
-    return TransportChoice("tcp", f"auto: {why}")
+    return TransportChoice("tcp", f"auto: {why}", setting=setting)
