@@ -392,6 +392,44 @@ async def test_daemon_without_rdma_refuses_set_up_clearly(tmp_path: Path) -> Non
         assert (await data.call(Msg.PING))[0] == {"node": "local"}
 
 
+async def test_per_connection_state_ends_with_its_connection() -> None:
+    """What the data daemon's RDMA handlers rely on: each connection has its own Peer, and its
+    clean-ups run when that connection ends (its queue pair and registrations go with it)."""
+    from dlfs.transport.base import Address
+    from dlfs.wire.rpc import Reply, Service, connect, current_peer, serve
+
+    closed: list[str] = []
+
+    class Holder(Service):
+        name = "data"
+
+        def __init__(self) -> None:
+            super().__init__(b"k" * 32, "n1")
+            self.handlers[Msg.RDMA_CONNECT] = self.hold
+
+        async def hold(self, meta: dict, data: bytearray) -> Reply:
+            peer = current_peer()
+            peer.state["n"] = peer.state.get("n", 0) + 1
+            if peer.state["n"] == 1:
+                peer.on_close(lambda: closed.append(meta["who"]))
+            return {"n": peer.state["n"]}, b""
+
+    async with trio.open_nursery() as nursery:
+        [address] = await nursery.start(serve, Holder(), Address("127.0.0.1", 0))
+        async with connect(address, b"k" * 32, "data") as a:
+            async with connect(address, b"k" * 32, "data") as b:
+                assert (await a.call(Msg.RDMA_CONNECT, {"who": "a"}))[0]["n"] == 1
+                assert (await a.call(Msg.RDMA_CONNECT, {"who": "a"}))[0]["n"] == 2
+                assert (await b.call(Msg.RDMA_CONNECT, {"who": "b"}))[0]["n"] == 1
+            with trio.fail_after(5):
+                while closed != ["b"]:
+                    await trio.sleep(0.01)
+        with trio.fail_after(5):
+            while closed != ["b", "a"]:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+
+
 class ErrorStateRdma:
     """A test double of the RDMA path whose queue pair is in the error state: every read fails as
     a flushed work request does. The client must not let that reach the reader."""

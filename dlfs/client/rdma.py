@@ -240,6 +240,8 @@ class Link:
             read.error = read.error or f"link closed ({self.broken})"
             read.remaining = 0
             self._finish(read)
+        for _ in self.reads:  # wake readers waiting for a slot: they find the link closed
+            self.slots.release()
         self.reads.clear()
 
 

@@ -73,6 +73,7 @@ class ChunkRegistry:
         self._regs: dict[bytes, _Registration] = {}
         self._idle: OrderedDict[bytes, None] = OrderedDict()  # registered, held by nobody: oldest first
         self._pending: dict[bytes, trio.Event] = {}
+        self._invalidated: set[bytes] = set()  # deleted while being registered
         # Mapping and faulting a chunk in reads it from disk: in threads, a few at a time.
         self._io = trio.CapacityLimiter(4)
 
@@ -128,10 +129,14 @@ class ChunkRegistry:
                 raise
             self.pinned += reg.length - size  # the file's size as mapped
             reg.refs = 1
-            self._regs[cid] = reg
+            if cid in self._invalidated:
+                reg.stale = True  # this holder reads what it asked for; nobody else gets it
+            else:
+                self._regs[cid] = reg
             return reg
         finally:
             del self._pending[cid]
+            self._invalidated.discard(cid)
             done.set()
 
     def release(self, reg: _Registration) -> None:
@@ -147,6 +152,8 @@ class ChunkRegistry:
     def invalidate(self, cid: bytes) -> None:
         """The chunk file was deleted (a bad replica, a collected chunk): new readers must not get
         the old mapping. Idle, it goes now; held, it goes when its last holder lets go."""
+        if cid in self._pending:
+            self._invalidated.add(cid)
         reg = self._regs.pop(cid, None)
         if reg is None:
             return
