@@ -46,8 +46,8 @@ def _check_transport(cluster: Any, what: str) -> None:
     reads, so these use TCP; `--transport rdma` still fails here, early, where RDMA cannot work."""
     from dlfs.transport.verbs import choose_transport
 
-    if cluster.transport == "tcp":
-        return
+    if cluster.transport != "rdma":
+        return  # auto: TCP is what these use anyway
     choice = choose_transport(cluster.transport, 0, what, cluster.rdma_device, cluster.rdma_port)
     log.info("%s: chunk writes and replica checks travel over TCP (RDMA carries reads: %s)", what, choice.reason)
 

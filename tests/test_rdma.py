@@ -153,6 +153,25 @@ def test_init_rts_and_create_attributes() -> None:
     assert create.max_send_wr == 128 and create.max_send_sge == 1
 
 
+def test_read_chain_builds_signaled_rdma_reads() -> None:
+    import itertools
+
+    import pyverbs.enums as e
+
+    from dlfs.transport.rdma import read_chain
+
+    pieces = [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 4096)]
+    wrs = read_chain(pieces, 0x10000, 0x11, 0x7F0000000000, 0x22, itertools.count(40))
+    try:
+        assert [w.wr_id for w in wrs] == [42, 41, 40]  # ids given back to front; posted front first
+        for w in wrs:
+            assert w.opcode == e.IBV_WR_RDMA_READ and w.num_sge == 1
+            assert w.send_flags == e.IBV_SEND_SIGNALED
+    finally:
+        for w in wrs:
+            w.close()
+
+
 # --- the transport choice -----------------------------------------------------------------------
 def test_auto_falls_back_to_tcp_here_with_the_reason() -> None:
     choice = choose_transport("auto", GIB, "the mount's cache")
@@ -544,6 +563,23 @@ async def test_completions_in_error_break_the_link_and_fail_its_read() -> None:
 
 
 # --- the whole read path over a real device (skips without one) ---------------------------------
+def _big_chunk() -> tuple[bytes, bytes]:
+    """A 4.5 MB chunk of three incompressible records."""
+    from dlfs.format.chunk import ChunkWriter
+
+    rng = random.Random(7)
+    w = ChunkWriter(8 << 20)
+    for _ in range(3):
+        w.add(rng.randbytes(1_500_000), compress=False)
+    cid, view = w.finish()
+    return cid, bytes(view)
+
+
+def test_big_chunk_helper() -> None:
+    cid, data = _big_chunk()
+    assert len(data) > 4_500_000 and len(cid) == 16
+
+
 def _rdma_cluster(spec: NodeSpec, key: bytes) -> Cluster:
     return Cluster([spec], key, 1, "test", local=spec.name, transport="rdma")
 
@@ -565,7 +601,7 @@ async def test_read_path_over_rdma_every_byte_and_a_queue_pair_error(tmp_path: P
         async with connect(spec.meta, key, "meta") as meta_conn, connect(spec.data, key, "data") as data_conn:
             assert (await data_conn.call(Msg.STATUS))[0]["transport"] == "rdma"
             index, payloads = await _committed_dataset(tmp_path, meta_conn, data_conn, n_chunks=4)
-            big_id, big, _, _ = make_chunk(7, records=3, size=1_500_000)  # several work requests per read
+            big_id, big = _big_chunk()  # several work requests per read
             await put_chunk(data_conn, big_id, big)
         cluster = _rdma_cluster(spec, key)
         arena = 64 << 20

@@ -23,7 +23,7 @@ import trio
 from pyverbs.cq import WC, cqe_status_to_str
 from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QP
-from pyverbs.wr import SGE, SendWR
+from pyverbs.wr import SendWR
 
 from dlfs.config import NodeSpec
 from dlfs.errors import DlfsError, NotFound, RdmaFailure, Unreachable, UsageError, error_from_status
@@ -40,6 +40,7 @@ from dlfs.transport.rdma import (
     new_psn,
     qp_init_attr,
     qp_state,
+    read_chain,
 )
 from dlfs.transport.verbs import PortInfo
 from dlfs.units import human_bytes
@@ -189,22 +190,12 @@ class Link:
                 self.slots.release()
             raise RdmaFailure(f"RDMA link to {self.node} is down ({self.broken or 'closed'})")
         wrs: list[SendWR] = []
-        head: SendWR | None = None
         try:
-            for pos, size in reversed(batch):  # built back to front: each names the next
-                sge = SGE(read.block.addr + pos, size, read.block.lkey)
-                try:
-                    wr = SendWR(wr_id=next(self.reader.wr_ids), opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
-                                send_flags=e.IBV_SEND_SIGNALED, next_wr=head)
-                finally:
-                    sge.close()  # SendWR copied it; pyverbs 44 never frees it by itself
-                wr.set_wr_rdma(region.rkey, region.addr + offset + pos)
-                wrs.append(wr)
-                head = wr
+            wrs = read_chain(batch, read.block.addr, read.block.lkey, region.addr + offset, region.rkey,
+                             self.reader.wr_ids)
             for wr in wrs:
                 self.reads[wr.wr_id] = read
-            assert head is not None
-            self.qp.post_send(head)
+            self.qp.post_send(wrs[0])
         except PyverbsError as exc:
             for wr in wrs:
                 self.reads.pop(wr.wr_id, None)

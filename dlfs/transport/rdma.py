@@ -17,7 +17,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from pyverbs.mr import MR
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr, qp_state_to_str
+from pyverbs.wr import SGE, SendWR
 
 from dlfs.errors import DlfsError
 from dlfs.transport.verbs import PortInfo, gid_text
@@ -212,6 +213,31 @@ def connect_qp(qp: QP, port: PortInfo, access: int, remote: QpEndpoint, psn: int
     qp.to_init(init_attr(port, access))
     qp.to_rtr(rtr_attr(port, remote, responder_depth))
     qp.to_rts(rts_attr(port, psn, initiator_depth))
+
+
+def read_chain(pieces: list[tuple[int, int]], local_addr: int, lkey: int, remote_addr: int, rkey: int,
+               wr_ids: Iterator[int]) -> list[SendWR]:
+    """Signaled RDMA READ work requests for `pieces` ((offset, length) within the range), each
+    naming the next: the first is the one to post. The caller closes them all once posted."""
+    wrs: list[SendWR] = []
+    after: SendWR | None = None
+    try:
+        for pos, size in reversed(pieces):  # built back to front: each names the one after it
+            sge = SGE(local_addr + pos, size, lkey)
+            try:
+                wr = SendWR(wr_id=next(wr_ids), opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
+                            send_flags=e.IBV_SEND_SIGNALED, next_wr=after)
+            finally:
+                sge.close()  # SendWR copied it; pyverbs 44 never frees it by itself
+            wr.set_wr_rdma(rkey, remote_addr + pos)
+            wrs.append(wr)
+            after = wr
+    except BaseException:
+        for wr in wrs:
+            wr.close()
+        raise
+    wrs.reverse()
+    return wrs
 
 
 def qp_state(qp: QP) -> str:
