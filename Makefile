@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	@# The RDMA transport needs pyverbs: a venv made before without system site-packages would hide it.
+	@$(VENV)/bin/python -c 'import pyverbs.device, pyverbs.qp' || { echo "dlfs: pyverbs does not import in $(VENV): python3-pyverbs must be installed for $(PYTHON) and $(VENV) made with --system-site-packages (make clean install)" >&2; exit 1; }
 	touch $@
 
 demo: install

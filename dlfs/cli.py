@@ -35,7 +35,21 @@ def _setup_logging(args: argparse.Namespace, default: str = "WARNING") -> None:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    return load_cluster(args.cluster, home_dir(args.home))
+    cluster = load_cluster(args.cluster, home_dir(args.home))
+    if getattr(args, "transport", None):
+        cluster.transport = args.transport  # --transport overrides the cluster file's setting
+    return cluster
+
+
+def _check_transport(cluster: Any, what: str) -> None:
+    """For commands whose chunks only travel to daemons (writes, checks done there): RDMA carries
+    reads, so these use TCP; `--transport rdma` still fails here, early, where RDMA cannot work."""
+    from dlfs.transport.verbs import choose_transport
+
+    if cluster.transport != "rdma":
+        return  # auto: TCP is what these use anyway
+    choice = choose_transport(cluster.transport, 0, what, cluster.rdma_device, cluster.rdma_port)
+    log.info("%s: chunk writes and replica checks travel over TCP (RDMA carries reads: %s)", what, choice.reason)
 
 
 # --- node ---------------------------------------------------------------------------------------
@@ -47,7 +61,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     cluster_file = args.cluster or os.environ.get("DLFS_CLUSTER")
     cluster = parse_cluster_file(Path(cluster_file)) if cluster_file else None
     opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port,
-                       ROLES[args.role] if args.role else None)
+                       ROLES[args.role] if args.role else None, args.transport)
     trio.run(run_node, opts)
     return 0
 
@@ -103,6 +117,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
     cluster = _cluster(args)
+    _check_transport(cluster, "ingest")
     bar = _ProgressBar.display(transient=False)
     progress = _ProgressBar(bar, f"ingest {args.name}", "files")
     progress.show()  # at once: the walk before the totals can take a while on a big tree
@@ -316,6 +331,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError("name one dataset (NAME or NAME@VERSION) or give --all")
     name, version = parse_dataset_ref(args.name) if args.name else (None, None)
     cluster = _cluster(args)
+    _check_transport(cluster, "verify")
     home = home_dir(args.home)
 
     async def run(progress: _ProgressBar) -> tuple[int, dict[bytes, Any], Any]:
@@ -344,20 +360,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_repair(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
-    from dlfs.client.repair import dataset_chunks, live_versions, repair, verify
+    from dlfs.client.repair import READ_PIECE, REPAIR_IN_FLIGHT, dataset_chunks, live_versions, repair, verify
+    from dlfs.client.transport import choose_for, chunk_transport
     from dlfs.errors import CorruptData
 
     _setup_logging(args)
     cluster = _cluster(args)
     home = home_dir(args.home)
+    arena = REPAIR_IN_FLIGHT * READ_PIECE  # the copies' reads land here, a piece at a time
+    choice = choose_for(cluster, arena, "repair")
 
     async def run(bar: Any) -> tuple[int, dict[bytes, Any], Any, Any]:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
-            versions = await live_versions(client)
-            chunks = await dataset_chunks(client, home, versions)
-            report = await verify(client, chunks, _ProgressBar(bar, "verify", "replicas"))
-            healed = await repair(client, chunks, report, _ProgressBar(bar, "repair", "chunks"))
+            async with chunk_transport(client, choice, arena):
+                versions = await live_versions(client)
+                chunks = await dataset_chunks(client, home, versions)
+                report = await verify(client, chunks, _ProgressBar(bar, "verify", "replicas"))
+                healed = await repair(client, chunks, report, _ProgressBar(bar, "repair", "chunks"))
             nursery.cancel_scope.cancel()
         return len(versions), chunks, report, healed
 
@@ -425,6 +445,8 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
            args.dataset, str(mountpoint)]
     if args.cluster:
         cmd[3:3] = ["--cluster", args.cluster]
+    if args.transport:
+        cmd.insert(cmd.index("--foreground") + 1, f"--transport={args.transport}")
     if args.log_level:
         cmd[3:3] = ["--log-level", args.log_level]
     if not args.allow_other:
@@ -468,6 +490,25 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor -------------------------------------------------------------------------------------
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from dlfs.doctor import as_json, failed, render, run_checks, summary
+
+    _setup_logging(args, "ERROR")  # the table says it all; the checks' own log lines would repeat it
+    rows = run_checks(home_dir(args.home), args.cluster, args.transport)
+    if args.json:
+        print(json.dumps(as_json(rows), indent=2))
+    else:
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        console.print(render(rows))
+        console.print(summary(rows))
+    return 1 if failed(rows) else 0
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
@@ -476,7 +517,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dlfs.bench.run import bench_options, check_plotting, format_report, run_bench, write_plot
 
     _setup_logging(args)
-    opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick)
+    opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick, args.transport)
     if args.plot:
         check_plotting()
     t0 = time.monotonic()
@@ -511,18 +552,25 @@ def build_parser() -> argparse.ArgumentParser:
     # Accepted before and after the subcommand; after it, a default would overwrite the value
     # given before it (`dlfs --home H status`), so there the defaults are suppressed.
     common, sub_common = common_options(None), common_options(argparse.SUPPRESS)
+    # The commands that move chunks (and doctor, which checks what they would use).
+    transport_option = argparse.ArgumentParser(add_help=False)
+    transport_option.add_argument("--transport", choices=["auto", "tcp", "rdma"],
+                                  help="how chunks travel: auto (RDMA where it works, else TCP), tcp or rdma "
+                                       "(default: the cluster file's transport, else auto)")
 
     p = argparse.ArgumentParser(prog="dlfs", description="dlfs: a distributed file system for deep-learning datasets.",
                                 epilog=EPILOG, parents=[common])
     p.add_argument("--version", action="version", version=f"dlfs {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, parents=[sub_common], epilog=EPILOG)
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str,
+            moves_chunks: bool = False) -> argparse.ArgumentParser:
+        parents = [sub_common, transport_option] if moves_chunks else [sub_common]
+        sp = sub.add_parser(name, help=help, description=help, parents=parents, epilog=EPILOG)
         sp.set_defaults(fn=fn)
         return sp
 
-    sp = add("node", cmd_node, "Run this node's metadata and data daemons in the foreground until SIGINT/SIGTERM.")
+    sp = add("node", cmd_node, "Run this node's metadata and data daemons in the foreground until SIGINT/SIGTERM.", moves_chunks=True)
     sp.add_argument("--name", help="this node's name in the cluster file (default: the entry with a local address)")
     sp.add_argument("--role", choices=["data", "meta", "both"],
                     help="run the data daemon, the metadata daemon, or both (default: the cluster file's role, else both)")
@@ -532,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data-port", type=int, default=0,
                     help="data port with no cluster file (default: the last run's, else any free port)")
 
-    sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.")
+    sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.", moves_chunks=True)
     sp.add_argument("src", metavar="SRC", help="directory to ingest")
     sp.add_argument("--name", required=True, help="dataset name (letters, digits, . _ -)")
     sp.add_argument("--chunk-size", default="8M", metavar="SIZE", help="chunk size, e.g. 8M, 32MiB (default 8M)")
@@ -544,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rm", cmd_rm, "Remove a dataset (or NAME@VERSION, one version) and free its chunks.")
     sp.add_argument("name", metavar="NAME[@VERSION]")
 
-    sp = add("mount", cmd_mount, "Mount a dataset read-only; returns once the mount is ready.")
+    sp = add("mount", cmd_mount, "Mount a dataset read-only; returns once the mount is ready.", moves_chunks=True)
     sp.add_argument("dataset", metavar="NAME[@VERSION]", help="dataset to mount (default: its newest version)")
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
     sp.add_argument("--foreground", action="store_true", help="stay attached and serve until unmounted or interrupted")
@@ -563,15 +611,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", cmd_status, "Show the node's (or cluster's) state; exits non-zero when a node is unreachable.")
 
     sp = add("verify", cmd_verify, "Read and check every replica of every chunk of a dataset; exits 5 if any is bad, "
-             "missing or short of the cluster's replicas.")
+             "missing or short of the cluster's replicas.", moves_chunks=True)
     sp.add_argument("name", nargs="?", metavar="NAME[@VERSION]", help="dataset (all its versions) or one version")
     sp.add_argument("--all", action="store_true", help="every live dataset")
 
     add("repair", cmd_repair, "Verify every live dataset, then delete bad replicas and copy good ones until every "
-        "chunk has the cluster's replicas; prints what it copied.")
+        "chunk has the cluster's replicas; prints what it copied.", moves_chunks=True)
 
     sp = add("bench", cmd_bench, "Benchmark dlfs against local disk, squashfuse_ll and the kernel's squashfs: "
-             "epochs cold and warm, metadata walk, ingest, namespace scale (needs root; starts its own node).")
+             "epochs cold and warm, metadata walk, ingest, namespace scale (needs root; starts its own node).",
+             moves_chunks=True)
     sp.add_argument("--src", metavar="DIR", help="dataset to use (default: generate an ImageNet-like sample in --dir)")
     sp.add_argument("--files", type=int, metavar="N", help="files in the generated sample (default 35000; --quick 4000)")
     sp.add_argument("--dir", default=".bench", metavar="DIR",
@@ -582,6 +631,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="files in the synthetic indexes (default 100000,1000000; --quick 10000,100000)")
     sp.add_argument("--json", metavar="FILE", help="write every raw figure here")
     sp.add_argument("--plot", metavar="FILE", help="draw a PNG bar chart here (needs matplotlib: dlfs[bench])")
+
+    sp = add("doctor", cmd_doctor, "Check this node and its cluster (FUSE, memlock, RDMA and the transport, the "
+             "cluster file and key, every daemon's reachability, key and clock, free space); exits 1 if a check "
+             "fails, printing a fix for each.", moves_chunks=True)
+    sp.add_argument("--json", action="store_true", help="print the checks as JSON instead of a table")
 
     sp = add("keygen", cmd_keygen, "Write a new random cluster key (mode 0600).")
     sp.add_argument("file", metavar="FILE")

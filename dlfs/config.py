@@ -9,6 +9,12 @@ file (TOML) names the nodes instead:
     [[node]]
     name = "n1"
     address = "10.0.0.1"         # meta_port / data_port default to 7420 / 7421
+
+and how chunks travel (`--transport` overrides it per command):
+
+    transport = "auto"           # auto | tcp | rdma
+    rdma_device = "mlx5_0"       # optional: the RDMA device (default: the first with an active port)
+    rdma_port = 1                # optional: its port
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dlfs.wire.auth import read_key, write_key
 
 META_PORT = 7420
 DATA_PORT = 7421
+TRANSPORTS = ("auto", "tcp", "rdma")
 DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -67,6 +74,10 @@ class Cluster:
     source: str  # the cluster file, or the node.json of the embedded node
     local: str | None = None  # the node on this machine, read first
     extra: dict[str, object] = field(default_factory=dict)
+    transport: str = "auto"  # auto | tcp | rdma: how chunk reads travel (see dlfs/transport/verbs.py)
+    rdma_device: str | None = None  # None: the first device with an active port
+    rdma_port: int | None = None
+    key_file: str = ""  # where the key came from (dlfs doctor checks its permissions)
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
@@ -81,6 +92,13 @@ class Cluster:
     @property
     def meta_nodes(self) -> list[NodeSpec]:
         return [n for n in self.nodes if "meta" in n.roles]
+
+
+def check_transport(value: object, where: str) -> str:
+    """A transport setting, or a UsageError naming where the bad one came from."""
+    if value not in TRANSPORTS:
+        raise UsageError(f"{where}: transport = {value!r} (use auto, tcp or rdma)")
+    return str(value)
 
 
 def key_path(home: Path) -> Path:
@@ -144,7 +162,7 @@ def load_cluster(cluster_file: str | None, home: Path) -> Cluster:
     if not running(int(info.get("pid", 0))):
         raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)")
     spec = NodeSpec(info["name"], Address.parse(info["meta"]), Address.parse(info["data"]))
-    return Cluster([spec], ensure_home_key(home), 1, str(path), local=spec.name)
+    return Cluster([spec], ensure_home_key(home), 1, str(path), local=spec.name, key_file=str(key_path(home)))
 
 
     return True
@@ -187,9 +205,17 @@ def parse_cluster_file(path: Path) -> Cluster:
     key_file = doc.get("key_file")
     if not isinstance(key_file, str):
         raise UsageError(f"cluster file {path} needs key_file = \"...\"")
-    key = read_key((path.parent / key_file).resolve())
+    key_file = str((path.parent / key_file).resolve())
+    key = read_key(Path(key_file))
+    transport = check_transport(doc.get("transport", "auto"), f"cluster file {path}")
+    device, port = doc.get("rdma_device"), doc.get("rdma_port")
+    if device is not None and not isinstance(device, str):
+        raise UsageError(f"cluster file {path}: rdma_device must be a device name such as \"mlx5_0\"")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 255):
+        raise UsageError(f"cluster file {path}: rdma_port must be a port number from 1 to 255")
     local = _local_node(nodes)
-    return Cluster(nodes, key, replicas, str(path), local=local, extra=doc)
+    return Cluster(nodes, key, replicas, str(path), local=local, extra=doc, transport=transport,
+                   rdma_device=device, rdma_port=port, key_file=key_file)
 
 
 def _local_node(nodes: list[NodeSpec]) -> str | None:

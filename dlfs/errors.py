@@ -91,6 +91,15 @@ class MountError(DlfsError):
     exit_code = 11
 
 
+class TransportUnavailable(UsageError):
+    """The configured transport cannot work here (`transport = "rdma"` with no usable RDMA port)."""
+
+
+class RdmaFailure(Unreachable):
+    """The RDMA path to one node failed (a work request or queue pair in error, set-up refused, a
+    timeout); the client reads that range over TCP instead, so a reader never sees it."""
+
+
 # Wire status codes: errors cross the protocol as (code, message) and are rebuilt on the other side.
 STATUS_OK = 0
 _BY_STATUS: dict[int, type[DlfsError]] = {

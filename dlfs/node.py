@@ -9,6 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -16,15 +17,21 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
-from dlfs.errors import UsageError
+from dlfs.errors import DlfsError, UsageError
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
+from dlfs.transport.verbs import Memlock, TransportChoice, choose_transport
 from dlfs.wire.rpc import Service, serve
+
+if TYPE_CHECKING:
+    from dlfs.data.rdma import RdmaResponder
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE = 10.0
+PIN_MIN = 64 << 20  # registered chunk bytes the data daemon needs at least to serve RDMA
+PIN_DEFAULT = 8 << 30  # and at most keeps registered, memlock permitting
 
 
 @dataclass
@@ -36,6 +43,25 @@ class NodeOptions:
     meta_port: int = 0
     data_port: int = 0
     roles: frozenset[str] | None = None  # None: the cluster file's role for this node, else both
+    transport: str | None = None  # auto | tcp | rdma; None: the cluster file's, else auto
+
+
+def pin_budget(limits: Memlock) -> int:
+    """How many chunk bytes the data daemon keeps registered: PIN_DEFAULT within the memlock limit."""
+    if limits.ipc_lock or limits.soft is None:
+        return PIN_DEFAULT
+    return max(min(PIN_DEFAULT, limits.soft - (16 << 20)), 0)
+
+
+def data_transport(opts: NodeOptions) -> TransportChoice:
+    """How this node's data daemon serves chunks, checked (memlock included) and logged at start."""
+    cluster = opts.cluster
+    setting = opts.transport or (cluster.transport if cluster else "auto")
+    choice = choose_transport(setting, PIN_MIN, "the data daemon",
+                              cluster.rdma_device if cluster else None, cluster.rdma_port if cluster else None)
+    log.info("data daemon: chunks served over %s (%s)", "RDMA and TCP" if choice.name == "rdma" else "TCP",
+             choice.reason)
+    return choice
 
 
 def _lock_home(home: Path) -> int:
@@ -49,6 +75,22 @@ def _lock_home(home: Path) -> int:
         os.close(fd)
         raise UsageError(f"a dlfs node is already running under {home}") from None
     return fd
+
+
+def _open_responder(choice: TransportChoice, chunks: ChunkStore) -> tuple[RdmaResponder | None, TransportChoice]:
+    """The data daemon's RDMA resources; if the device cannot be set up, TCP (auto) or an error (rdma)."""
+    from pyverbs.pyverbs_error import PyverbsError  # only where RDMA is used
+
+    from dlfs.data.rdma import RdmaResponder
+    from dlfs.transport.verbs import memlock
+
+    assert choice.port is not None
+    try:
+        rdma = RdmaResponder(choice.port, chunks, pin_budget(memlock()))
+    except (PyverbsError, OSError, DlfsError) as exc:
+        return None, choice.failed_to_start(str(exc))
+    log.info("data daemon: RDMA on %s", rdma.describe())
+    return rdma, choice
 
 
 async def _listen(nursery: trio.Nursery, service: Service, address: Address, fallback: Address | None) -> Address:
@@ -87,15 +129,22 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
             spec = opts.cluster.node(name)
             meta_addr, data_addr = spec.meta, spec.data
         roles = opts.roles or (opts.cluster.node(name).roles if opts.cluster else ROLES["both"])
+        choice = data_transport(opts) if "data" in roles else None
         chunks = ChunkStore(home / "data")
         meta_store = MetaStore(home / "meta")
         log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",
                  name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
+        rdma: RdmaResponder | None = None
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
+                if choice is not None and choice.port is not None:
+                    rdma, choice = _open_responder(choice, chunks)
+                    if rdma is not None:
+                        nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
                 if "data" in roles:
-                    data_bound = await _listen(nursery, DataService(chunks, key, name), data_addr, data_fallback)
+                    service = DataService(chunks, key, name, rdma, choice.reason if choice else "")
+                    data_bound = await _listen(nursery, service, data_addr, data_fallback)
                 if opts.cluster is None:
                     cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
                 else:
@@ -119,6 +168,8 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_DEADLINE
                 nursery.cancel_scope.cancel()
         finally:
+            if rdma is not None:
+                rdma.close()
             chunks.close()
             if opts.cluster is None:
                 _forget_runtime(runtime_file(home))

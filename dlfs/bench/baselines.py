@@ -209,8 +209,9 @@ class KernelSquashfs(System):
 class DlfsNode:
     """The embedded one-node cluster under a private DLFS_HOME, and the CLI pointed at it."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, transport: str | None = None) -> None:
         self.home = home
+        self.transport = transport  # passed on to `dlfs node` and `dlfs mount`
         self.proc: subprocess.Popen[bytes] | None = None
         self.env = dict(os.environ, DLFS_HOME=str(home))
         self.env.pop("DLFS_CLUSTER", None)
@@ -230,8 +231,9 @@ class DlfsNode:
     def start(self, timeout: float = 30.0) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         with open(self.home / "node.log", "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dlfs", "node"], env=self.env, stdin=subprocess.DEVNULL,
-                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "dlfs", "node", *self.transport_args()], env=self.env,
+                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         runtime = self.home / "run" / "node.json"
         deadline = time.monotonic() + timeout
         while True:
@@ -246,6 +248,9 @@ class DlfsNode:
             if time.monotonic() > deadline:
                 raise DlfsError(f"the bench's dlfs node did not start within {timeout:.0f} s; see {self.home / 'node.log'}")
             time.sleep(0.1)
+
+    def transport_args(self) -> list[str]:
+        return [f"--transport={self.transport}"] if self.transport else []
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -314,7 +319,7 @@ class DlfsMount(System):
     def mount(self) -> None:
         """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""
         t0 = time.perf_counter()
-        self.node.cli("mount", self.dataset, str(self.root), timeout=300)
+        self.node.cli("mount", *self.node.transport_args(), self.dataset, str(self.root), timeout=300)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True
         self._pid = self.node.mount_pid(self.root)

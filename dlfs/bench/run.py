@@ -70,6 +70,7 @@ class BenchOptions:
     scale: list[int] = field(default_factory=lambda: [100_000, 1_000_000])
     quick: bool = False
     mean_size: int = MEAN_SIZE
+    transport: str | None = None  # the node's and the mounts' --transport (None: auto)
 
 
 def parse_counts(text: str, what: str) -> list[int]:
@@ -84,7 +85,7 @@ def parse_counts(text: str, what: str) -> list[int]:
 
 
 def bench_options(work_dir: str, src: str | None, files: int | None, readers: str | None, scale_sizes: str | None,
-                  quick: bool) -> BenchOptions:
+                  quick: bool, transport: str | None = None) -> BenchOptions:
     """The options of a run, from the command line's; --quick changes only the defaults."""
     if src is not None and files is not None:
         raise UsageError("--files sizes the generated sample; with --src the source decides")
@@ -93,7 +94,7 @@ def bench_options(work_dir: str, src: str | None, files: int | None, readers: st
     default_files, default_readers, default_scale = (4000, "1,2", "10000,100000") if quick else (DEFAULT_FILES, "1,2,4", "100000,1000000")
     return BenchOptions(Path(work_dir), Path(src) if src else None, files or default_files,
                         parse_counts(readers or default_readers, "--readers"),
-                        parse_counts(scale_sizes or default_scale, "--scale"), quick)
+                        parse_counts(scale_sizes or default_scale, "--scale"), quick, transport=transport)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
     work = opts.work_dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
     mnt_base, image = work / "mnt", work / "squash.img"
-    node = DlfsNode(work / "home")
+    node = DlfsNode(work / "home", opts.transport)
     # What an interrupted earlier run may have left: its mounts, its node, its state and image.
     unmount_all_under(mnt_base)
     node.stop_leftover()

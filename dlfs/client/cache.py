@@ -35,7 +35,6 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import Extent, Index
-from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUT = 10.0
@@ -214,14 +213,17 @@ class ChunkCache:
             corrupt = False
             for spec in self.client.replicas(chunk.id):
                 try:
-                    _, data = await self.client.call(spec, "data", Msg.READ_RANGE,
-                                                     {"id": chunk.id, "offset": base, "length": length},
-                                                     timeout=FETCH_TIMEOUT, into=into)
+                    data = await self.client.read_from(spec, chunk.id, base, length, timeout=FETCH_TIMEOUT,
+                                                       into=into)
                 except (Unreachable, NotFound, CorruptData) as exc:
                     errors.append(f"{spec.name}: {exc}")
                     continue
                 self.fetches += 1
                 self.fetched_bytes += len(data)
+                if slab != NO_SLAB and not (isinstance(data, memoryview) and data.obj is self._arena):
+                    # Landed elsewhere (RDMA's registered memory): the slab is not needed.
+                    self._free.append(slab)
+                    slab, into = NO_SLAB, None
                 if need is None:
                     self.prefetched_bytes += len(data)
                 try:
@@ -295,7 +297,11 @@ class ChunkCache:
                 ext = run[-1] + 1
 
     def stats(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
-                "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
-                "consumed": self.consumed, "evictions": self.evictions,
-                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt}
+        out = {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
+               "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
+               "consumed": self.consumed, "evictions": self.evictions,
+               "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
+               "tcp_fallbacks": self.client.tcp_fallbacks}
+        if self.client.rdma is not None:
+            out.update(self.client.rdma.stats())
+        return out

@@ -10,8 +10,9 @@ import trio
 import xxhash
 
 from dlfs.config import Cluster, NodeSpec
-from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
+from dlfs.errors import CorruptData, DlfsError, NotFound, RdmaFailure, Unreachable
 from dlfs.tasks import open_nursery
+from dlfs.transport.base import RangeReader
 from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Response, connect
 
@@ -62,6 +63,8 @@ class ClusterClient:
         self._conns: dict[tuple[str, str], Connection] = {}
         self._locks: dict[tuple[str, str], trio.Lock] = {}
         self.health: dict[str, Health] = {}
+        self.rdma: RangeReader | None = None  # set by client.transport.chunk_transport when RDMA is used
+        self.tcp_fallbacks = 0  # reads RDMA could not serve, read over TCP instead
 
     async def _hold(self, spec: NodeSpec, service: str,
                     task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED) -> None:
@@ -90,13 +93,38 @@ class ClusterClient:
             conn = await self.connection(spec, service)
             reply = await conn.call(msg, meta, data, timeout, into)
         except Unreachable:
-            h = self.health.setdefault(spec.name, Health())
-            h.fail(trio.current_time())
-            log.info("node %s is suspect for %.0f s (failure %d)", spec.name, h.backoff, h.failures)
+            self._failed(spec)
             raise
         if spec.name in self.health:
             del self.health[spec.name]
         return reply
+
+    def _failed(self, spec: NodeSpec) -> None:
+        h = self.health.setdefault(spec.name, Health())
+        h.fail(trio.current_time())
+        log.info("node %s is suspect for %.0f s (failure %d)", spec.name, h.backoff, h.failures)
+
+    async def read_from(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
+                        timeout: float = CALL_TIMEOUT, into: memoryview | None = None) -> bytes | bytearray | memoryview:
+        """Bytes [offset, offset+length) of a chunk on one node: over RDMA when this client uses it
+        and it works (into its registered memory), else over TCP (into `into` if given).
+        NotFound, Unreachable and CorruptData as READ_RANGE raises them."""
+        if self.rdma is not None:
+            try:
+                data = await self.rdma.read_range(spec, cid, offset, length, timeout)
+            except RdmaFailure as exc:
+                # The RDMA path logged its failure; the reader gets its bytes over TCP all the same.
+                self.tcp_fallbacks += 1
+                log.debug("chunk %s from %s over TCP: %s", cid.hex(), spec.name, exc)
+            except Unreachable:
+                self._failed(spec)
+                raise
+            else:
+                self.health.pop(spec.name, None)
+                return data
+        _, data = await self.call(spec, "data", Msg.READ_RANGE, {"id": cid, "offset": offset, "length": length},
+                                  timeout=timeout, into=into)
+        return data
 
     def suspect(self, name: str) -> bool:
         h = self.health.get(name)
@@ -150,9 +178,7 @@ class ClusterClient:
         errors = []
         for spec in self.replicas(cid):
             try:
-                _, data = await self.call(spec, "data", Msg.READ_RANGE,
-                                          {"id": cid, "offset": offset, "length": length}, timeout=timeout)
-                return data, spec.name
+                return await self.read_from(spec, cid, offset, length, timeout), spec.name
             except (Unreachable, NotFound, CorruptData) as exc:
                 errors.append(f"{spec.name}: {exc}")
         raise Unreachable(f"chunk {cid.hex()}: no replica answered ({'; '.join(errors)})")

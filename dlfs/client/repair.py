@@ -336,8 +336,7 @@ async def _read_good_copy(client: ClusterClient, cid: bytes, size: int,
             buf = bytearray()
             while len(buf) < size:
                 length = min(READ_PIECE, MAX_DATA, size - len(buf))
-                _, piece = await client.call(spec, "data", Msg.READ_RANGE,
-                                             {"id": cid, "offset": len(buf), "length": length}, timeout=_bound(length))
+                piece = await client.read_from(spec, cid, len(buf), length, timeout=_bound(length))
                 if not piece:
                     raise CorruptData(f"chunk {cid.hex()} ends at {len(buf)} of {size} bytes")
                 buf += piece

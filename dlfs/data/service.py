@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from dlfs.data.store import ChunkStore, check_id
+from dlfs.errors import TransportUnavailable
 from dlfs.wire.protocol import MAX_DATA, Msg
 from dlfs.wire.rpc import Reply, Service
+
+if TYPE_CHECKING:
+    from dlfs.data.rdma import RdmaResponder
 
 log = logging.getLogger(__name__)
 
@@ -17,9 +21,12 @@ log = logging.getLogger(__name__)
 class DataService(Service):
     name = "data"
 
-    def __init__(self, store: ChunkStore, key: bytes, node: str) -> None:
+    def __init__(self, store: ChunkStore, key: bytes, node: str, rdma: RdmaResponder | None = None,
+                 transport_reason: str = "") -> None:
         super().__init__(key, node)
         self.store = store
+        self.rdma = rdma  # None: chunks are served over TCP only
+        self.transport_reason = transport_reason
         # Disk reads and hashing run in threads; the limiter keeps them from swamping the disk.
         self.io = trio.CapacityLimiter(16)
         self.bytes_served = 0
@@ -32,13 +39,16 @@ class DataService(Service):
             Msg.DELETE_CHUNKS: self.delete_chunks,
             Msg.LIST_CHUNKS: self.list_chunks,
             Msg.VERIFY_CHUNKS: self.verify_chunks,
+            Msg.RDMA_CONNECT: self.rdma_connect,
+            Msg.RDMA_REGION: self.rdma_region,
         })
 
     async def status(self, meta: dict[str, Any], data: bytearray) -> Reply:
         free, total = self.store.disk()
         return {"node": self.node, "chunks": self.store.count, "bytes": self.store.bytes,
                 "disk_free": free, "disk_total": total, "reads": self.reads,
-                "bytes_served": self.bytes_served, "root": str(self.store.root)}, b""
+                "bytes_served": self.bytes_served, "root": str(self.store.root),
+                "transport": "rdma" if self.rdma else "tcp", "transport_reason": self.transport_reason}, b""
 
     async def put_chunk(self, meta: dict[str, Any], data: bytearray) -> Reply:
         cid = check_id(meta["id"])
@@ -67,6 +77,9 @@ class DataService(Service):
 
     async def delete_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
         ids = [check_id(c) for c in meta["ids"]]
+        if self.rdma is not None:
+            for cid in ids:  # readers must not get a mapping of a deleted file
+                self.rdma.registry.invalidate(cid)
         deleted = await trio.to_thread.run_sync(lambda: sum(self.store.delete(c) for c in ids))
         if deleted:
             log.info("deleted %d chunks", deleted)
@@ -84,3 +97,14 @@ class DataService(Service):
             if why:
                 bad[cid.hex()] = why
         return {"bad": bad}, b""
+
+    def _responder(self) -> RdmaResponder:
+        if self.rdma is None:
+            raise TransportUnavailable(f"node {self.node} does not serve RDMA ({self.transport_reason or 'transport tcp'})")
+        return self.rdma
+
+    async def rdma_connect(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        return await self._responder().connect(meta, data)
+
+    async def rdma_region(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        return await self._responder().regions(meta, data)

@@ -19,6 +19,7 @@ import trio
 
 from dlfs.client.cache import PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
@@ -111,9 +112,12 @@ def mount_record(home: Path, mountpoint: Path) -> Path:
 
 async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     """Mount and serve until unmounted or signalled; `ready` is told once the mount is live."""
+    arena = arena_for_cache(opts.cache_size)
+    choice = choose_for(opts.cluster, arena, f"mount of {opts.dataset}")
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(open_nursery())
         client = ClusterClient(opts.cluster, nursery)
+        await stack.enter_async_context(chunk_transport(client, choice, arena))
         nursery.start_soon(client.probe_failing, name="dlfs-probe-failing-nodes")
         meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": opts.dataset, "version": opts.version})
         info = VersionInfo(**meta)

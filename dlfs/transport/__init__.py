@@ -1,1 +1,2 @@
-"""Byte-stream transports behind one interface: TCP and Unix sockets (RDMA joins here)."""
+"""Transports: TCP and Unix socket byte streams (tcp.py), RDMA verbs (rdma.py), and which one a
+command uses (verbs.py)."""

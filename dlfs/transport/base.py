@@ -1,13 +1,17 @@
-"""Addresses and the transport interface every connection goes through."""
+"""Addresses and the transport interfaces: byte streams to daemons (TCP, Unix sockets) and reads
+of chunk ranges into memory the transport provides (RDMA)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from dlfs.errors import UsageError
+
+if TYPE_CHECKING:
+    from dlfs.config import NodeSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +46,19 @@ class Transport(Protocol):
     async def connect(self, address: Address) -> trio.abc.Stream: ...
 
     async def listen(self, address: Address) -> list[trio.abc.Listener[trio.abc.Stream]]: ...
+
+
+class RangeReader(Protocol):
+    """Reads byte ranges of chunks from one data node by a path other than the byte stream (RDMA).
+
+    `read_range` returns the bytes (shorter at the chunk's end), raises NotFound when the node
+    lacks the chunk, Unreachable when its daemon cannot be reached, and RdmaFailure when this path
+    cannot serve the read: the caller then reads it over the byte stream.
+    """
+
+    name: str
+
+    async def read_range(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
+                         timeout: float) -> bytes | bytearray | memoryview: ...
+
+    def stats(self) -> dict[str, int]: ...

@@ -10,6 +10,16 @@ Every frame (little-endian):
 
 A frame that does not parse, or breaks a size limit, closes its connection (ProtocolError); the
 peer's other connections and the daemon are unaffected.
+
+RDMA set-up rides on an authenticated data connection (dlfs/data/rdma.py, dlfs/client/rdma.py):
+
+    RDMA_CONNECT  request  QpEndpoint of the client's RC queue pair (rd_atomic: READs it wants in flight)
+                  response QpEndpoint of the daemon's queue pair for this connection (rd_atomic: READs
+                           it accepts at once); both pairs are then moved INIT -> RTR -> RTS
+    RDMA_REGION   request  {"ids": [chunk id, ...], "release": [chunk id, ...]}
+                  response {"regions": [RemoteRegion or {"id", "error", "status"}, ...]}: where each
+                           chunk's registered read-only mapping is (address, rkey, length); the daemon
+                           keeps it registered until the client releases it or the connection ends
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import errno
 import os
 import select
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +59,7 @@ class Msg(enum.IntEnum):
     # any daemon
     PING = 10
     STATUS = 11
+    TIME = 12  # reply: {"node", "time": the daemon's clock in seconds since the epoch} (dlfs doctor)
     # metadata daemon
     LIST_DATASETS = 20
     GET_DATASET = 21
@@ -70,6 +81,8 @@ class Msg(enum.IntEnum):
     DELETE_CHUNKS = 53
     LIST_CHUNKS = 54
     VERIFY_CHUNKS = 55
+    RDMA_CONNECT = 56
+    RDMA_REGION = 57
 
 
 @dataclass(slots=True)
@@ -256,6 +269,66 @@ class FrameStream:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+# --- RDMA set-up records ------------------------------------------------------------------------
+def _field(meta: Mapping[str, Any], name: str, what: str, bits: int) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < (1 << bits):
+        raise ProtocolError(f"malformed {what}: {name} must be an unsigned {bits}-bit number, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class QpEndpoint:
+    """What the far side needs to connect to one reliable-connected queue pair."""
+
+    qpn: int  # queue pair number, 24 bits
+    psn: int  # first packet sequence number this side sends, 24 bits
+    lid: int  # port LID (InfiniBand); 0 on RoCE, where the GID routes
+    gid: bytes  # 16-byte port GID (sgid of the chosen index); zeros when unused
+    mtu: int  # active path MTU as an ibv_mtu value (1 = 256 ... 5 = 4096)
+    rd_atomic: int  # RDMA READs in flight at once: wanted (client) or accepted (daemon)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"qpn": self.qpn, "psn": self.psn, "lid": self.lid, "gid": self.gid, "mtu": self.mtu,
+                "rd_atomic": self.rd_atomic}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> QpEndpoint:
+        what = "RDMA endpoint"
+        gid = meta.get("gid")
+        if not isinstance(gid, bytes) or len(gid) != 16:
+            raise ProtocolError(f"malformed {what}: gid must be 16 bytes")
+        mtu = _field(meta, "mtu", what, 8)
+        if not 1 <= mtu <= 5:
+            raise ProtocolError(f"malformed {what}: mtu {mtu} is not an ibv_mtu value (1-5)")
+        rd_atomic = _field(meta, "rd_atomic", what, 8)
+        if rd_atomic < 1:
+            raise ProtocolError(f"malformed {what}: rd_atomic must be at least 1")
+        return cls(_field(meta, "qpn", what, 24), _field(meta, "psn", what, 24), _field(meta, "lid", what, 16),
+                   gid, mtu, rd_atomic)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRegion:
+    """A chunk's registered read-only mapping on a data daemon: the target of RDMA READs."""
+
+    id: bytes  # chunk id
+    addr: int  # virtual address of the chunk's first byte in the daemon
+    rkey: int  # remote key of its memory registration
+    length: int  # bytes registered: the whole chunk file
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"id": self.id, "addr": self.addr, "rkey": self.rkey, "length": self.length}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RemoteRegion:
+        what = "RDMA region"
+        cid = meta.get("id")
+        if not isinstance(cid, bytes) or len(cid) != 16:
+            raise ProtocolError(f"malformed {what}: id must be a 16-byte chunk id")
+        return cls(cid, _field(meta, "addr", what, 64), _field(meta, "rkey", what, 32), _field(meta, "length", what, 64))
 
 
 def connection_lost(peer: str, exc: BaseException) -> Unreachable:

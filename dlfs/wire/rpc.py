@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -151,6 +153,37 @@ async def connect(address: Address, key: bytes, service: str,
             await fs.aclose()
 
 
+@dataclass
+class Peer:
+    """One served connection's own state: what its handlers set up for that peer (an RDMA queue
+    pair, registrations it holds) and undo through `on_close` when the connection ends."""
+
+    name: str
+    state: dict[str, Any] = field(default_factory=dict)
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        while self._closers:
+            fn = self._closers.pop()
+            try:
+                fn()
+            except Exception:
+                # One failed clean-up must not skip the others.
+                log.exception("cleaning up after %s failed", self.name)
+
+
+# Handlers run in tasks spawned by the connection's own task, so each sees its connection's Peer.
+_PEER: contextvars.ContextVar[Peer] = contextvars.ContextVar("dlfs_peer")
+
+
+def current_peer() -> Peer:
+    """The Peer of the connection whose request is being handled."""
+    return _PEER.get()
+
+
 class Service:
     """A daemon's request handlers by message id; `serve_stream` runs one connection."""
 
@@ -160,15 +193,20 @@ class Service:
     def __init__(self, key: bytes, node: str) -> None:
         self.key = key
         self.node = node
-        self.handlers: dict[int, Handler] = {Msg.PING: self._ping}
+        self.handlers: dict[int, Handler] = {Msg.PING: self._ping, Msg.TIME: self._time}
 
     async def _ping(self, meta: dict[str, Any], data: bytearray) -> Reply:
         return {"node": self.node}, b""
+
+    async def _time(self, meta: dict[str, Any], data: bytearray) -> Reply:
+        return {"node": self.node, "time": time.time()}, b""
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one peer until it leaves; bad frames or keys close this connection only."""
         peer = _peer_name(stream)
         fs = FrameStream(stream, peer)
+        state = Peer(peer)
+        _PEER.set(state)
         try:
             try:
                 await server_handshake(fs, self.key, self.name, self.node)
@@ -203,6 +241,7 @@ class Service:
             # Whatever one connection does, the daemon keeps serving the others.
             log.exception("%s daemon: connection from %s failed", self.name, peer)
         finally:
+            state.close()
             with trio.CancelScope(shield=True):
                 await fs.aclose()
 

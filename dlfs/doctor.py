@@ -1,0 +1,319 @@
+"""`dlfs doctor`: checks this node and its cluster, and says how to fix whatever fails.
+
+Each check gives one row: pass, warn, FAIL or info, what it found, and for anything short of pass,
+the fix. Checks cost little (no test mount): FUSE (device, fusermount3, kernel), memlock, RDMA
+(pyverbs, devices, ports, the transport a mount would use and why), the cluster file and its key,
+every daemon of the cluster (reachable, authenticated, clock skew), and the state directory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
+from dlfs.errors import AuthError, DlfsError, ProtocolError, TransportUnavailable, Unreachable
+from dlfs.units import human_bytes
+
+PASS, WARN, FAIL, INFO = "pass", "warn", "FAIL", "info"
+NODE_TIMEOUT = 3.0  # per daemon: connect, handshake and one request
+SKEW_WARN, SKEW_FAIL = 0.5, 5.0  # seconds
+FREE_FAIL = 1 << 30
+MOUNT_CACHE = 2 << 30  # what a mount registers by default (dlfs mount --cache-size)
+
+
+@dataclass
+class Check:
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+# --- FUSE --------------------------------------------------------------------------------------
+def check_fuse_device() -> Check:
+    path = "/dev/fuse"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return Check("/dev/fuse", FAIL, "missing",
+                     "load the fuse module (modprobe fuse); in a container, pass --device /dev/fuse")
+    if not stat.S_ISCHR(st.st_mode):
+        return Check("/dev/fuse", FAIL, "not a character device", "recreate it: mknod /dev/fuse c 10 229")
+    if not os.access(path, os.R_OK | os.W_OK):
+        return Check("/dev/fuse", FAIL, f"not readable and writable by uid {os.geteuid()}",
+                     "chmod 666 /dev/fuse, or run dlfs mount as root")
+    return Check("/dev/fuse", PASS, f"character device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, read-write")
+
+
+def check_fusermount() -> Check:
+    path = shutil.which("fusermount3")
+    if path is None:
+        return Check("fusermount3", FAIL, "not on PATH", "apt-get install fuse3 (or `make install`)")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False)
+        version = (out.stdout + out.stderr).strip().splitlines()[0] if (out.stdout + out.stderr).strip() else "?"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("fusermount3", FAIL, f"{path} does not run ({exc})", "reinstall fuse3")
+    setuid = bool(os.stat(path).st_mode & stat.S_ISUID)
+    if os.geteuid() != 0 and not setuid:
+        return Check("fusermount3", FAIL, f"{path} ({version}) is not setuid root: unprivileged users cannot unmount",
+                     f"chmod u+s {path}")
+    return Check("fusermount3", PASS, f"{path} ({version})")
+
+
+def _kernel_config() -> dict[str, str]:
+    """The kernel's CONFIG_* options, from /proc/config.gz or /boot/config-<release>, if readable."""
+    text = ""
+    try:
+        text = gzip.decompress(Path("/proc/config.gz").read_bytes()).decode(errors="replace")
+    except OSError:
+        try:
+            text = Path(f"/boot/config-{platform.release()}").read_text(errors="replace")
+        except OSError:
+            return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("CONFIG_FUSE") or line.startswith("CONFIG_INFINIBAND="):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+def check_kernel_fuse() -> Check:
+    try:
+        filesystems = Path("/proc/filesystems").read_text()
+    except OSError:
+        filesystems = ""
+    parts = [f"kernel {platform.release()}"]
+    config = _kernel_config()
+    if config:
+        wanted = [("CONFIG_FUSE_PASSTHROUGH", "passthrough"), ("CONFIG_FUSE_IO_URING", "io_uring")]
+        parts.append(", ".join(f"{label} {'yes' if config.get(key) == 'y' else 'no'}" for key, label in wanted))
+    params = Path("/sys/module/fuse/parameters")
+    for name in ("enable_uring", "max_user_bgreq"):
+        try:
+            parts.append(f"{name}={(params / name).read_text().strip()}")
+        except OSError:
+            continue
+    parts.append("fusectl " + ("mounted" if Path("/sys/fs/fuse/connections").is_dir() else "not mounted"))
+    if "\tfuse\n" not in filesystems and not filesystems.rstrip().endswith("\tfuse"):
+        return Check("kernel FUSE", FAIL, "; ".join(parts) + "; no fuse in /proc/filesystems",
+                     "load the fuse module (modprobe fuse) or use a kernel with CONFIG_FUSE_FS")
+    return Check("kernel FUSE", PASS, "; ".join(parts))
+
+
+def check_native() -> Check:
+    if importlib.util.find_spec("dlfs._native") is None:
+        return Check("dlfs C helper", WARN, "dlfs._native is not built: every open and close costs a request",
+                     "make install (builds it with the package)")
+    return Check("dlfs C helper", PASS, "dlfs._native is built")
+
+
+# --- RDMA --------------------------------------------------------------------------------------
+def check_rdma(setting: str, cluster: Cluster | None) -> list[Check]:
+    from dlfs.client.transport import QUEUE_HEADROOM, arena_for_cache
+    from dlfs.transport.verbs import MEMLOCK_FIX, choose_transport, memlock, probe
+
+    device = cluster.rdma_device if cluster else None
+    port = cluster.rdma_port if cluster else None
+    report = probe(device)
+    limits = memlock(raise_soft=True)
+    rows = []
+    if report.pyverbs_error:
+        rows.append(Check("pyverbs", FAIL, f"does not import: {report.pyverbs_error}",
+                          "make install (installs python3-pyverbs; the venv must see system site-packages)"))
+    else:
+        rows.append(Check("pyverbs", PASS, f"imports from {report.pyverbs_path}"))
+    if report.ports:
+        text = "; ".join(f"{p.label()}: {p.state}, {p.link_layer}" + (f", lid {p.lid}" if p.lid else "")
+                         for p in report.ports)
+        active = report.active_ports()
+        status = PASS if active else (FAIL if setting == "rdma" else WARN)
+        fix = "" if active else "check the cable and the subnet manager (ibstat, rdma link show)"
+        rows.append(Check("RDMA devices", status, text, fix))
+    else:
+        why = report.error or "none"
+        status = FAIL if setting == "rdma" else INFO
+        fix = "load the RDMA driver, or set transport = \"tcp\"" if setting == "rdma" else ""
+        rows.append(Check("RDMA devices", status, why if report.devices or report.error else "none", fix))
+    need = arena_for_cache(MOUNT_CACHE) + QUEUE_HEADROOM
+    rdma_possible = bool(report.active_ports()) and not report.pyverbs_error
+    if limits.allows(need):
+        rows.append(Check("memlock", PASS, f"{limits.describe()}: enough to register a mount's {human_bytes(need)}"))
+    elif rdma_possible or setting == "rdma":
+        rows.append(Check("memlock", FAIL if setting == "rdma" else WARN,
+                          f"{limits.describe()}: below the {human_bytes(need)} a mount with the default cache "
+                          f"registers for RDMA", MEMLOCK_FIX))
+    else:
+        rows.append(Check("memlock", INFO, f"{limits.describe()} (only RDMA registration needs more)"))
+    try:
+        choice = choose_transport(setting, need, "a mount with the default cache", device, port, report, limits)
+        rows.append(Check("transport", PASS, f"{choice.name.upper()}: {choice.reason}"))
+    except TransportUnavailable as exc:
+        rows.append(Check("transport", FAIL, str(exc), 'fix the cause above, or set transport = "auto" or "tcp"'))
+    return rows
+
+
+# --- the cluster -------------------------------------------------------------------------------
+def check_key(path: str) -> Check:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return Check("cluster key", FAIL, f"{path}: {exc.strerror}", "make one with `dlfs keygen FILE`")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        who = " and ".join(w for w, bits in (("group", 0o070), ("others", 0o007)) if mode & bits)
+        return Check("cluster key", FAIL, f"{path} has mode {mode:04o}: {who} can read or change it",
+                     f"chmod 600 {path}")
+    if st.st_uid != os.geteuid():
+        return Check("cluster key", WARN, f"{path} (mode {mode:04o}) belongs to uid {st.st_uid}, not {os.geteuid()}",
+                     f"chown {os.geteuid()} {path}")
+    return Check("cluster key", PASS, f"{path}, mode {mode:04o}")
+
+
+def load_for_doctor(cluster_file: str | None, home: Path) -> tuple[Cluster | None, list[Check]]:
+    """The cluster to check, and the rows about its file and key."""
+    cluster_file = cluster_file or os.environ.get("DLFS_CLUSTER")
+    rows = []
+    try:
+        if cluster_file:
+            cluster = parse_cluster_file(Path(cluster_file))
+            rows.append(Check("cluster file", PASS, f"{cluster_file}: {len(cluster.nodes)} nodes, "
+                                                    f"{cluster.replicas} replicas, transport {cluster.transport}"))
+        else:
+            cluster = load_cluster(None, home)
+            rows.append(Check("cluster file", INFO, f"none: the local node under {home}"))
+    except Unreachable as exc:
+        rows.append(Check("cluster file", FAIL, f"none, and {exc}", "start one with `dlfs node`, or pass --cluster FILE"))
+        key = home / "cluster.key"
+        if key.exists():
+            rows.append(check_key(str(key)))
+        return None, rows
+    except DlfsError as exc:
+        rows.append(Check("cluster file", FAIL, str(exc), "fix the file or its key (see README: Run a cluster)"))
+        return None, rows
+    rows.append(check_key(cluster.key_file))
+    return cluster, rows
+
+
+async def _check_daemon(cluster: Cluster, spec: NodeSpec, service: str) -> list[Check]:
+    from dlfs.wire.protocol import Msg
+    from dlfs.wire.rpc import connect
+
+    address = spec.meta if service == "meta" else spec.data
+    label = f"{spec.name} {service}"
+    t0 = time.monotonic()
+    try:
+        with trio.fail_after(NODE_TIMEOUT):
+            async with connect(address, cluster.key, service, NODE_TIMEOUT) as conn:
+                handshake = time.monotonic() - t0
+                sent = time.time()
+                meta, _ = await conn.call(Msg.TIME, timeout=NODE_TIMEOUT)
+                back = time.time()
+    except AuthError as exc:
+        return [Check(f"{label} daemon", FAIL, f"{address}: {exc}",
+                      "use the same key file on every node (copy it; `dlfs keygen` makes one once)")]
+    except ProtocolError as exc:
+        return [Check(f"{label} daemon", FAIL, f"{address}: {exc}", f"is a dlfs {service} daemon listening there?")]
+    except (Unreachable, trio.TooSlowError) as exc:
+        why = str(exc) if isinstance(exc, Unreachable) else f"no answer within {NODE_TIMEOUT:g} s"
+        return [Check(f"{label} daemon", FAIL, why,
+                      f"start `dlfs node` on {spec.name}, or open TCP port {address.port} to it")]
+    except DlfsError as exc:
+        return [Check(f"{label} daemon", FAIL, f"{address}: {exc}", f"see the log of dlfs node on {spec.name}")]
+    rows = [Check(f"{label} daemon", PASS, f"{address}: authenticated in {handshake * 1000:.1f} ms")]
+    remote = meta.get("time")
+    if isinstance(remote, (int, float)):
+        skew = round(float(remote) - (sent + back) / 2, 3) + 0.0  # + 0.0: no "-0.000"
+        text = f"{skew:+.3f} s (±{(back - sent) / 2:.3f} s) against {spec.name}"
+        fix = "keep clocks in sync: timedatectl set-ntp true (chrony or systemd-timesyncd)"
+        status = PASS if abs(skew) <= SKEW_WARN else WARN if abs(skew) <= SKEW_FAIL else FAIL
+        rows.append(Check(f"{label} clock", status, text, "" if status == PASS else fix))
+    return rows
+
+
+async def check_nodes(cluster: Cluster) -> list[Check]:
+    """Every daemon of the cluster at once, each bounded by NODE_TIMEOUT."""
+    results: dict[tuple[int, str], list[Check]] = {}
+
+    async def one(i: int, spec: NodeSpec, service: str) -> None:
+        results[i, service] = await _check_daemon(cluster, spec, service)
+
+    async with trio.open_nursery() as nursery:
+        for i, spec in enumerate(cluster.nodes):
+            for service in sorted(spec.roles, reverse=True):  # meta, then data
+                nursery.start_soon(one, i, spec, service)
+    return [row for key in sorted(results, key=lambda k: (k[0], k[1] != "meta")) for row in results[key]]
+
+
+def check_state_dir(home: Path) -> Check:
+    where = home
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError as exc:
+        return Check("state directory", FAIL, f"{home}: {exc.strerror}", f"create it: mkdir -p {home}")
+    if not os.access(where, os.W_OK):
+        return Check("state directory", FAIL, f"{where} is not writable by uid {os.geteuid()}",
+                     f"chown {os.geteuid()} {where}, or choose another with --home / DLFS_HOME")
+    text = f"{home}: {human_bytes(usage.free)} free of {human_bytes(usage.total)}"
+    if usage.free < FREE_FAIL:
+        return Check("state directory", FAIL, text, "free space there (dlfs gc; dlfs rm old versions) or move DLFS_HOME")
+    if usage.free < usage.total // 10:
+        return Check("state directory", WARN, text + " (under 10%)", "free space there, or move DLFS_HOME")
+    return Check("state directory", PASS, text)
+
+
+# --- all of it ---------------------------------------------------------------------------------
+def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> list[Check]:
+    rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native()]
+    cluster, cluster_rows = load_for_doctor(cluster_file, home)
+    rows += check_rdma(transport or (cluster.transport if cluster else "auto"), cluster)
+    rows += cluster_rows
+    if cluster is not None:
+        rows += trio.run(check_nodes, cluster)
+    rows.append(check_state_dir(home))
+    return rows
+
+
+def failed(rows: list[Check]) -> int:
+    return sum(r.status == FAIL for r in rows)
+
+
+def as_json(rows: list[Check]) -> dict[str, Any]:
+    return {"checks": [asdict(r) for r in rows], "failed": failed(rows),
+            "warnings": sum(r.status == WARN for r in rows)}
+
+
+def render(rows: list[Check]) -> Any:
+    """The table as a rich renderable."""
+    from rich.table import Table
+
+    styles = {PASS: "green", WARN: "yellow", FAIL: "bold red", INFO: "cyan"}
+    table = Table(title="dlfs doctor", title_justify="left", show_lines=False)
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("found")
+    table.add_column("fix")
+    for r in rows:
+        table.add_row(r.check, f"[{styles[r.status]}]{r.status}[/]", r.detail, r.fix)
+    return table
+
+
+def summary(rows: list[Check]) -> str:
+    n_fail, n_warn = failed(rows), sum(r.status == WARN for r in rows)
+    n_pass = sum(r.status == PASS for r in rows)
+    return f"{n_pass} passed, {n_warn} warnings, {n_fail} failed"

@@ -1,0 +1,229 @@
+"""`dlfs doctor` as a user meets it: a healthy node passes (exit 0); a readable key, an unreachable
+node, a wrong key, clock skew, a full disk, or RDMA asked for where there is none fail (exit 1),
+each with the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+from conftest import Node, run_dlfs
+from test_services import running_node
+
+from dlfs import doctor
+from dlfs.config import Cluster, ensure_home_key
+from dlfs.transport import verbs
+from dlfs.wire import rpc
+
+HAS_RDMA = bool(verbs.probe().active_ports())
+
+
+def checks(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, str]]:
+    """The rows of `dlfs doctor --json`, by check name; every row short of pass has its fix."""
+    doc = json.loads(proc.stdout)
+    rows = {r["check"]: r for r in doc["checks"]}
+    for r in doc["checks"]:
+        assert r["status"] in ("pass", "warn", "FAIL", "info"), r
+        if r["status"] in ("warn", "FAIL"):
+            assert r["fix"], r
+    assert doc["failed"] == sum(r["status"] == "FAIL" for r in doc["checks"])
+    assert proc.returncode == (1 if doc["failed"] else 0), proc
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cluster_file(path: Path, key: Path, nodes: list[tuple[str, int, int]], extra: str = "") -> Path:
+    lines = [extra, f'key_file = "{key}"', "replicas = 1"]
+    for name, meta, data in nodes:
+        lines += ["[[node]]", f'name = "{name}"', 'address = "127.0.0.1"', f"meta_port = {meta}", f"data_port = {data}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _ports(node: Node) -> tuple[int, int]:
+    info = json.loads((node.home / "run" / "node.json").read_text())
+    return int(info["meta"].rsplit(":", 1)[1]), int(info["data"].rsplit(":", 1)[1])
+
+
+@pytest.mark.timeout(60)
+def test_doctor_passes_on_a_healthy_node(node: Node) -> None:
+    proc = node.run("doctor", "--json", check=False)
+    rows = checks(proc)
+    assert proc.returncode == 0, proc.stdout
+    for name in ("/dev/fuse", "fusermount3", "kernel FUSE", "pyverbs", "RDMA devices", "memlock", "transport",
+                 "cluster file", "cluster key", "local meta daemon", "local data daemon", "local meta clock",
+                 "local data clock", "state directory"):
+        assert name in rows, name
+    assert rows["pyverbs"]["status"] == "pass"
+    assert rows["cluster key"]["status"] == "pass" and "mode 0600" in rows["cluster key"]["detail"]
+    assert "authenticated" in rows["local data daemon"]["detail"]
+    assert rows["local meta clock"]["status"] == "pass"
+    assert str(node.home) in rows["state directory"]["detail"]
+    if not HAS_RDMA:
+        assert rows["transport"]["detail"].startswith("TCP: auto: no RDMA device")
+        assert rows["RDMA devices"]["status"] == "info"
+    # The table: the same rows for a person, and the summary line.
+    table = node.run("doctor")
+    assert "dlfs doctor" in table.stdout and "0 failed" in table.stdout and "local data daemon" in table.stdout
+
+
+@pytest.mark.timeout(60)
+def test_doctor_fails_on_a_key_others_can_read(node: Node) -> None:
+    key = node.home / "cluster.key"
+    key.chmod(0o644)
+    try:
+        proc = node.run("doctor", "--json", check=False)
+        row = checks(proc)["cluster key"]
+        assert proc.returncode == 1
+        assert row["status"] == "FAIL" and "mode 0644: group and others can read or change it" in row["detail"]
+        assert row["fix"] == f"chmod 600 {key}"
+        table = node.run("doctor", check=False)
+        assert table.returncode == 1 and "FAIL" in table.stdout and "chmod 600" in table.stdout
+        assert "1 failed" in table.stdout
+    finally:
+        key.chmod(0o600)
+
+
+@pytest.mark.timeout(60)
+def test_doctor_fails_on_an_unreachable_node_and_a_wrong_key(node: Node, tmp_path: Path) -> None:
+    meta, data = _ports(node)
+    down_meta, down_data = _free_port(), _free_port()
+    cluster = _cluster_file(tmp_path / "c.toml", node.home / "cluster.key",
+                            [("n1", meta, data), ("n2", down_meta, down_data)])
+    proc = run_dlfs(tmp_path, "doctor", "--json", "--cluster", cluster, check=False)
+    rows = checks(proc)
+    assert proc.returncode == 1
+    assert rows["n1 meta daemon"]["status"] == rows["n1 data daemon"]["status"] == "pass"
+    assert rows["cluster file"]["status"] == "pass" and "2 nodes" in rows["cluster file"]["detail"]
+    down = rows["n2 data daemon"]
+    assert down["status"] == "FAIL" and f"127.0.0.1:{down_data}" in down["detail"]
+    assert down["detail"].startswith("cannot reach the data daemon")
+    assert down["fix"] == f"start `dlfs node` on n2, or open TCP port {down_data} to it"
+    assert "n2 meta clock" not in rows  # nothing to ask
+
+    other_key = tmp_path / "other.key"
+    run_dlfs(tmp_path, "keygen", other_key)
+    wrong = _cluster_file(tmp_path / "w.toml", other_key, [("n1", meta, data)])
+    rows = checks(run_dlfs(tmp_path, "doctor", "--json", "--cluster", wrong, check=False))
+    for service in ("meta", "data"):
+        row = rows[f"n1 {service} daemon"]
+        assert row["status"] == "FAIL" and "wrong cluster key" in row["detail"], row
+        assert "same key file on every node" in row["fix"]
+    # The node logged the refusal and kept serving.
+    assert node.run("status").returncode == 0
+
+
+@pytest.mark.timeout(60)
+def test_doctor_without_a_node_or_cluster_file(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    proc = run_dlfs(home, "doctor", "--json", check=False)
+    rows = checks(proc)
+    assert proc.returncode == 1
+    assert rows["cluster file"]["status"] == "FAIL"
+    assert f"no dlfs node is running under {home}" in rows["cluster file"]["detail"]
+    assert "dlfs node" in rows["cluster file"]["fix"]
+    assert rows["state directory"]["status"] == "pass"  # the nearest existing parent has the space
+
+
+@pytest.mark.timeout(60)
+def test_doctor_with_transport_rdma_where_there_is_none(tmp_path: Path, node: Node) -> None:
+    if HAS_RDMA:
+        pytest.skip("this machine has an active RDMA port")
+    proc = node.run("doctor", "--json", "--transport", "rdma", check=False)
+    rows = checks(proc)
+    assert proc.returncode == 1
+    assert rows["transport"]["status"] == "FAIL"
+    assert rows["transport"]["detail"].startswith("transport = rdma, but no RDMA device")
+    assert rows["RDMA devices"]["status"] == "FAIL" and rows["RDMA devices"]["fix"]
+    # The cluster file's setting counts the same way.
+    meta, data = _ports(node)
+    cluster = _cluster_file(tmp_path / "c.toml", node.home / "cluster.key", [("n1", meta, data)],
+                            extra='transport = "rdma"')
+    rows = checks(run_dlfs(tmp_path, "doctor", "--json", "--cluster", cluster, check=False))
+    assert rows["transport"]["status"] == "FAIL"
+    assert "transport rdma" in rows["cluster file"]["detail"]
+
+
+@pytest.mark.timeout(30)
+async def test_clock_skew_against_a_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = rpc.time.time
+    async with running_node(tmp_path) as (spec, key):
+        cluster = Cluster([spec], key, 1, "test", local=spec.name)
+        rows = {r.check: r for r in await doctor.check_nodes(cluster)}
+        assert rows["local data clock"].status == "pass"
+        # The daemon's clock 10 s ahead (its TIME handler reads rpc's clock; the doctor its own).
+        monkeypatch.setattr(rpc, "time", SimpleNamespace(time=lambda: real() + 10.0))
+        rows = {r.check: r for r in await doctor.check_nodes(cluster)}
+        skew = rows["local data clock"]
+        assert skew.status == "FAIL" and skew.detail.startswith("+10.0") and "timedatectl" in skew.fix
+        monkeypatch.setattr(rpc, "time", SimpleNamespace(time=lambda: real() - 1.0))
+        rows = {r.check: r for r in await doctor.check_nodes(cluster)}
+        assert rows["local meta clock"].status == "warn" and rows["local meta clock"].detail.startswith("-1.0")
+    assert ensure_home_key(tmp_path) == key
+
+
+def test_key_permissions_and_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = tmp_path / "k"
+    key.write_text("00" * 32 + "\n")
+    for mode, status, words in ((0o600, "pass", "mode 0600"), (0o400, "pass", "mode 0400"),
+                                (0o640, "FAIL", "group can read"), (0o602, "FAIL", "others can read")):
+        key.chmod(mode)
+        row = doctor.check_key(str(key))
+        assert row.status == status and words in row.detail, (oct(mode), row)
+    row = doctor.check_key(str(tmp_path / "missing.key"))
+    assert row.status == "FAIL" and "dlfs keygen" in row.fix
+
+    assert doctor.check_state_dir(tmp_path / "not" / "yet").status == "pass"
+    real = shutil.disk_usage
+
+    def full(path: Any) -> Any:
+        u = real(path)
+        return type(u)(u.total, u.total - (100 << 20), 100 << 20)
+
+    monkeypatch.setattr(shutil, "disk_usage", full)
+    row = doctor.check_state_dir(tmp_path)
+    assert row.status == "FAIL" and "104.9 MB free" in row.detail and "dlfs gc" in row.fix
+
+
+def test_fuse_checks_read_this_machine() -> None:
+    rows = {r.check: r for r in (doctor.check_fuse_device(), doctor.check_fusermount(), doctor.check_kernel_fuse())}
+    assert rows["/dev/fuse"].status == ("pass" if os.path.exists("/dev/fuse") else "FAIL")
+    assert rows["fusermount3"].status == ("pass" if shutil.which("fusermount3") else "FAIL")
+    kernel = rows["kernel FUSE"]
+    assert kernel.detail.startswith(f"kernel {os.uname().release}")
+    if "\tfuse\n" in Path("/proc/filesystems").read_text():
+        assert kernel.status == "pass"
+
+
+async def test_nodes_are_checked_at_once_within_their_bound(tmp_path: Path) -> None:
+    """A daemon that accepts but never answers costs NODE_TIMEOUT, not one timeout per check."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    try:
+        from dlfs.config import NodeSpec
+        from dlfs.transport.base import Address
+
+        specs = [NodeSpec(f"s{i}", Address("127.0.0.1", port), Address("127.0.0.1", port)) for i in range(3)]
+        cluster = Cluster(specs, b"k" * 32, 1, "test")
+        t0 = trio.current_time()
+        rows = await doctor.check_nodes(cluster)
+        assert trio.current_time() - t0 < doctor.NODE_TIMEOUT + 2
+        assert len(rows) == 6 and all(r.status == "FAIL" for r in rows)
+        assert all("start `dlfs node` on s" in r.fix for r in rows)
+    finally:
+        silent.close()
