@@ -26,12 +26,9 @@ EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DL
 
 
 def _setup_logging(args: argparse.Namespace, default: str = "WARNING") -> None:
-    level = (args.log_level or default).upper()
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if args.log_file:
-        handlers = [logging.FileHandler(args.log_file)]
-    logging.basicConfig(level=level, handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dlfs.logs import setup_logging
+
+    setup_logging(args.log_level or default, args.log_file)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -95,10 +92,12 @@ class _ProgressBar:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dlfs.ingest.run import IngestReport, check_chunk_size, ingest
+    from dlfs.logs import set_context
 
     _setup_logging(args)
     # Mistakes in the arguments are reported before the cluster is needed.
     check_dataset_name(args.name)
+    set_context(f"dataset={args.name}")
     chunk_size = check_chunk_size(parse_size(args.chunk_size))
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
@@ -460,6 +459,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def cmd_keygen(args: argparse.Namespace) -> int:
     from dlfs.wire.auth import write_key
 
+    _setup_logging(args)
     try:
         write_key(Path(args.file))
     except FileExistsError:

@@ -16,6 +16,7 @@ from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, r
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import UsageError
+from dlfs.logs import set_context
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.tasks import open_nursery
@@ -86,6 +87,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
             spec = opts.cluster.node(name)
             meta_addr, data_addr = spec.meta, spec.data
         roles = opts.roles or (opts.cluster.node(name).roles if opts.cluster else ROLES["both"])
+        set_context(f"node={name}")
         chunks = ChunkStore(home / "data")
         meta_store = MetaStore(home / "meta")
         log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",

@@ -44,7 +44,7 @@ class DataService(Service):
         cid = check_id(meta["id"])
         stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
         if stored:
-            log.debug("stored chunk %s (%d bytes)", cid.hex(), len(data))
+            log.debug("stored chunk %s (%d bytes) on node %s", cid.hex(), len(data), self.node)
         return {"stored": stored}, b""
 
     async def read_range(self, meta: dict[str, Any], data: bytearray) -> Reply:
@@ -68,7 +68,7 @@ class DataService(Service):
         ids = [check_id(c) for c in meta["ids"]]
         deleted = await trio.to_thread.run_sync(lambda: sum(self.store.delete(c) for c in ids))
         if deleted:
-            log.info("deleted %d chunks", deleted)
+            log.info("deleted %d chunks on node %s", deleted, self.node)
         return {"deleted": deleted}, b""
 
     async def list_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:

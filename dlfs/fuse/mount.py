@@ -23,6 +23,7 @@ from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.ops import DlfsOperations
+from dlfs.logs import set_context
 from dlfs.meta.store import VersionInfo
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
@@ -120,6 +121,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         stack.callback(index.close)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
         label = f"{info.name}@{info.version}"
+        set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
         if opts.allow_other:
@@ -204,7 +206,7 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
             return
         time.sleep(0.05)
     if pid:
-        log.warning("mount process %d still running after unmount", pid)
+        log.warning("mount process %d of %s still running %g s after unmount", pid, mountpoint, timeout)
 
 
 __all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "parse_dataset_ref", "serve_mount", "unmount"]
