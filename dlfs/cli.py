@@ -31,6 +31,15 @@ def _setup_logging(args: argparse.Namespace, default: str = "WARNING") -> None:
     setup_logging(args.log_level or default, args.log_file)
 
 
+def _metrics_address(args: argparse.Namespace) -> Any:
+    """--metrics as an address, checked before anything starts; None without it."""
+    if not args.metrics:
+        return None
+    from dlfs.metrics import parse_metrics_address  # prometheus_client only where metrics are served
+
+    return parse_metrics_address(args.metrics)
+
+
 def _cluster(args: argparse.Namespace) -> Any:
     return load_cluster(args.cluster, home_dir(args.home))
 
@@ -44,7 +53,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     cluster_file = args.cluster or os.environ.get("DLFS_CLUSTER")
     cluster = parse_cluster_file(Path(cluster_file)) if cluster_file else None
     opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port,
-                       ROLES[args.role] if args.role else None)
+                       ROLES[args.role] if args.role else None, _metrics_address(args), args.replica_check)
     trio.run(run_node, opts)
     return 0
 
@@ -389,12 +398,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mountpoint = Path(args.mountpoint).absolute()
     check_mountpoint(mountpoint)
     cache_size, readahead = parse_size(args.cache_size), parse_size(args.readahead)
+    metrics = _metrics_address(args)
     # Here, not in the background process: its errors would reach the user only through its log.
     cluster = _cluster(args)
     if not args.foreground:
         return _mount_background(args, home, name, mountpoint)
     _setup_logging(args, "INFO")
-    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other)
+    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -426,6 +436,8 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
         cmd[3:3] = ["--cluster", args.cluster]
     if args.log_level:
         cmd[3:3] = ["--log-level", args.log_level]
+    if args.metrics:
+        cmd.insert(cmd.index("--foreground") + 1, f"--metrics={args.metrics}")
     if not args.allow_other:
         cmd.insert(cmd.index("--foreground") + 1, "--no-allow-other")
     with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
@@ -531,6 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="metadata port with no cluster file (default: the last run's, else any free port)")
     sp.add_argument("--data-port", type=int, default=0,
                     help="data port with no cluster file (default: the last run's, else any free port)")
+    sp.add_argument("--metrics", metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (:PORT: every interface)")
+    sp.add_argument("--replica-check", type=float, default=60.0, metavar="SECONDS",
+                    help="with --metrics: count chunks short of replicas at most this often (default 60)")
 
     sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.")
     sp.add_argument("src", metavar="SRC", help="directory to ingest")
@@ -553,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-other", dest="allow_other", action="store_true", default=os.geteuid() == 0,
                     help="let other users read the mount (default when run as root)")
     sp.add_argument("--no-allow-other", dest="allow_other", action="store_false", help=argparse.SUPPRESS)
+    sp.add_argument("--metrics", metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (:PORT: every interface)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")

@@ -27,6 +27,23 @@ log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE = 10.0
 
 
+async def _serve_metrics(nursery: trio.Nursery, opts: NodeOptions, name: str, services: list[Service],
+                         cluster: Cluster, meta_store: MetaStore) -> None:
+    from dlfs.meta.census import ReplicaCensus
+    from dlfs.metrics import NodeCollector, registry_of, serve_metrics
+
+    data = next((s for s in services if isinstance(s, DataService)), None)
+    census = None
+    refresh = None
+    if any(isinstance(s, MetaService) for s in services):
+        census = ReplicaCensus(meta_store, ClusterClient(cluster, nursery), cluster.replicas, name, opts.replica_check)
+        refresh = census.refresh
+    collector = NodeCollector(name, services, data.store if data else None, data, census)
+    assert opts.metrics is not None
+    bound = await nursery.start(serve_metrics, opts.metrics, registry_of(collector), refresh, name="dlfs-node-metrics")
+    log.info("node %s: metrics on http://%s/metrics", name, bound)
+
+
 @dataclass
 class NodeOptions:
     home: Path
@@ -36,6 +53,8 @@ class NodeOptions:
     meta_port: int = 0
     data_port: int = 0
     roles: frozenset[str] | None = None  # None: the cluster file's role for this node, else both
+    metrics: Address | None = None  # serve Prometheus metrics here
+    replica_check: float = 60.0  # seconds between the metrics' counts of chunks short of replicas
 
 
 def _lock_home(home: Path) -> int:
@@ -95,8 +114,11 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
+                services: list[Service] = []
                 if "data" in roles:
-                    data_bound = await _listen(nursery, DataService(chunks, key, name), data_addr, data_fallback)
+                    data_service = DataService(chunks, key, name)
+                    services.append(data_service)
+                    data_bound = await _listen(nursery, data_service, data_addr, data_fallback)
                 if opts.cluster is None:
                     cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
                 else:
@@ -105,8 +127,11 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 if "meta" in roles:
                     ledger = ClusterClient(cluster, nursery)
                     meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes)
+                    services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
                     nursery.start_soon(meta_service.sync.run, name="dlfs-catalog-sync")
+                if opts.metrics is not None:
+                    await _serve_metrics(nursery, opts, name, services, cluster, meta_store)
                 me = NodeSpec(name, meta_bound, data_bound, roles)
                 if opts.cluster is None:
                     write_runtime(home, name, meta_bound, data_bound)

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from time import perf_counter
 
 import trio
 
 from dlfs.client.cluster import ClusterClient
+from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import Extent, Index
@@ -49,6 +51,10 @@ class ChunkCache:
         self._inflight: dict[int, trio.Event] = {}
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.corrupt = 0
+        self.failovers = 0  # fetches that moved on to another replica after one failed
+        self.fetched_by_node: dict[str, int] = {}  # bytes
+        self.fetches_by_node: dict[str, int] = {}
+        self.fetch_seconds = LatencyHistogram()
 
     def _resident_full(self, more: int) -> bool:
         return self._resident_size + more > self._resident_cap
@@ -121,6 +127,9 @@ class ChunkCache:
             errors: list[str] = []
             corrupt = False
             for spec in self.client.replicas(chunk.id):
+                if errors:
+                    self.failovers += 1
+                t0 = perf_counter()
                 try:
                     _, data = await self.client.call(spec, "data", Msg.READ_RANGE,
                                                      {"id": chunk.id, "offset": base, "length": end - base},
@@ -128,8 +137,11 @@ class ChunkCache:
                 except (Unreachable, NotFound, CorruptData) as exc:
                     errors.append(f"{spec.name}: {exc}")
                     continue
+                self.fetch_seconds.observe(perf_counter() - t0)
                 self.fetches += 1
                 self.fetched_bytes += len(data)
+                self.fetches_by_node[spec.name] = self.fetches_by_node.get(spec.name, 0) + 1
+                self.fetched_by_node[spec.name] = self.fetched_by_node.get(spec.name, 0) + len(data)
                 try:
                     return self._keep(run, extents, chunk.id, base, data, spec.name, ext)
                 except CorruptData as exc:

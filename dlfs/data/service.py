@@ -8,6 +8,7 @@ from typing import Any
 import trio
 
 from dlfs.data.store import ChunkStore, check_id
+from dlfs.errors import CorruptData
 from dlfs.wire.protocol import MAX_DATA, Msg
 from dlfs.wire.rpc import Reply, Service
 
@@ -24,6 +25,7 @@ class DataService(Service):
         self.io = trio.CapacityLimiter(16)
         self.bytes_served = 0
         self.reads = 0
+        self.checksum_failures = 0  # chunks that arrived or were found corrupt
         self.handlers.update({
             Msg.STATUS: self.status,
             Msg.PUT_CHUNK: self.put_chunk,
@@ -42,7 +44,12 @@ class DataService(Service):
 
     async def put_chunk(self, meta: dict[str, Any], data: bytearray) -> Reply:
         cid = check_id(meta["id"])
-        stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
+        try:
+            stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
+        except CorruptData as exc:
+            self.checksum_failures += 1
+            log.warning("refused chunk %s on node %s: %s", cid.hex(), self.node, exc)
+            raise
         if stored:
             log.debug("stored chunk %s (%d bytes) on node %s", cid.hex(), len(data), self.node)
         return {"stored": stored}, b""
@@ -82,4 +89,7 @@ class DataService(Service):
             why = await trio.to_thread.run_sync(self.store.verify, cid, limiter=self.io)
             if why:
                 bad[cid.hex()] = why
+                if why != "missing":
+                    self.checksum_failures += 1
+                    log.warning("chunk %s on node %s fails its check: %s", cid.hex(), self.node, why)
         return {"bad": bad}, b""

@@ -23,10 +23,12 @@ from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.ops import DlfsOperations
+from dlfs.fuse.stats import MountStats
 from dlfs.logs import set_context
 from dlfs.meta.store import VersionInfo
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
+from dlfs.transport.base import Address
 from dlfs.units import human_bytes
 from dlfs.wire.protocol import Msg
 
@@ -45,6 +47,7 @@ class MountOptions:
     cache_size: int = 2 << 30
     readahead: int = 4 << 20
     allow_other: bool = False
+    metrics: Address | None = None  # serve Prometheus metrics here
 
 
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
@@ -123,6 +126,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
+        await MountStats(label, opts.mountpoint, ops, cache, client).publish(nursery, opts.home, opts.metrics)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
         if opts.allow_other:
             options.add("allow_other")
