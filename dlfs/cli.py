@@ -468,6 +468,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from dlfs.stats import show
+
+    _setup_logging(args)
+    return show(home_dir(args.home), Path(args.mountpoint).absolute(), args.interval, args.watch, args.count)
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from dlfs.wire.auth import write_key
 
@@ -577,6 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("umount", cmd_umount, "Unmount a dlfs mount and wait for its process to finish.")
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    sp = add("stats", cmd_stats, "Show a mount's reads/s, MB/s, cache hit rate, bytes fetched by node and errors; "
+             "--watch keeps the view live.")
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+    sp.add_argument("--watch", action="store_true", help="refresh the view until Ctrl-C")
+    sp.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                    help="seconds between views; rates are over this interval (default 1; the mount updates once a second)")
+    sp.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N views")
 
     add("status", cmd_status, "Show the node's (or cluster's) state; exits non-zero when a node is unreachable.")
 
