@@ -392,6 +392,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
     from dlfs.fuse.mount import MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.sdnotify import notify
 
     home = home_dir(args.home)
     name, version = parse_dataset_ref(args.dataset)
@@ -413,6 +414,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             os.close(ready_fd)
         else:
             print(message, flush=True)
+            notify(f"READY=1\nSTATUS={message}")  # a Type=notify unit is up only now
 
     try:
         trio.run(serve_mount, opts, ready)

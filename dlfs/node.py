@@ -19,6 +19,7 @@ from dlfs.errors import UsageError
 from dlfs.logs import set_context
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
+from dlfs.sdnotify import notify
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.wire.rpc import Service, serve
@@ -138,6 +139,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 log.info("node %s (%s): metadata daemon on %s, data daemon on %s", name, "+".join(sorted(roles)),
                          meta_bound if "meta" in roles else "-", data_bound if "data" in roles else "-")
                 task_status.started(me)
+                notify(f"READY=1\nSTATUS=node {name} serving")  # a Type=notify unit is up only now
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for sig in signals:
                         log.info("node %s: %s, stopping", name, signal.Signals(sig).name)
