@@ -26,12 +26,18 @@ EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DL
 
 
 def _setup_logging(args: argparse.Namespace, default: str = "WARNING") -> None:
-    level = (args.log_level or default).upper()
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if args.log_file:
-        handlers = [logging.FileHandler(args.log_file)]
-    logging.basicConfig(level=level, handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dlfs.logs import setup_logging
+
+    setup_logging(args.log_level or default, args.log_file)
+
+
+def _metrics_address(args: argparse.Namespace) -> Any:
+    """--metrics as an address, checked before anything starts; None without it."""
+    if not args.metrics:
+        return None
+    from dlfs.metrics import parse_metrics_address  # prometheus_client only where metrics are served
+
+    return parse_metrics_address(args.metrics)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -61,7 +67,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     cluster_file = args.cluster or os.environ.get("DLFS_CLUSTER")
     cluster = parse_cluster_file(Path(cluster_file)) if cluster_file else None
     opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port,
-                       ROLES[args.role] if args.role else None, args.transport)
+                       ROLES[args.role] if args.role else None, args.transport, _metrics_address(args),
+                       args.replica_check)
     trio.run(run_node, opts)
     return 0
 
@@ -109,10 +116,12 @@ class _ProgressBar:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dlfs.ingest.run import IngestReport, check_chunk_size, ingest
+    from dlfs.logs import set_context
 
     _setup_logging(args)
     # Mistakes in the arguments are reported before the cluster is needed.
     check_dataset_name(args.name)
+    set_context(f"dataset={args.name}")
     chunk_size = check_chunk_size(parse_size(args.chunk_size))
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
@@ -404,18 +413,20 @@ def cmd_repair(args: argparse.Namespace) -> int:
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
     from dlfs.fuse.mount import MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.sdnotify import notify
 
     home = home_dir(args.home)
     name, version = parse_dataset_ref(args.dataset)
     mountpoint = Path(args.mountpoint).absolute()
     check_mountpoint(mountpoint)
     cache_size, readahead = parse_size(args.cache_size), parse_size(args.readahead)
+    metrics = _metrics_address(args)
     # Here, not in the background process: its errors would reach the user only through its log.
     cluster = _cluster(args)
     if not args.foreground:
         return _mount_background(args, home, name, mountpoint)
     _setup_logging(args, "INFO")
-    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other)
+    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -424,6 +435,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             os.close(ready_fd)
         else:
             print(message, flush=True)
+            notify(f"READY=1\nSTATUS={message}")  # a Type=notify unit is up only now
 
     try:
         trio.run(serve_mount, opts, ready)
@@ -449,6 +461,8 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
         cmd.insert(cmd.index("--foreground") + 1, f"--transport={args.transport}")
     if args.log_level:
         cmd[3:3] = ["--log-level", args.log_level]
+    if args.metrics:
+        cmd.insert(cmd.index("--foreground") + 1, f"--metrics={args.metrics}")
     if not args.allow_other:
         cmd.insert(cmd.index("--foreground") + 1, "--no-allow-other")
     with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
@@ -479,9 +493,17 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from dlfs.stats import show
+
+    _setup_logging(args)
+    return show(home_dir(args.home), Path(args.mountpoint).absolute(), args.interval, args.watch, args.count)
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from dlfs.wire.auth import write_key
 
+    _setup_logging(args)
     try:
         write_key(Path(args.file))
     except FileExistsError:
@@ -579,6 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="metadata port with no cluster file (default: the last run's, else any free port)")
     sp.add_argument("--data-port", type=int, default=0,
                     help="data port with no cluster file (default: the last run's, else any free port)")
+    sp.add_argument("--metrics", metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (:PORT: every interface)")
+    sp.add_argument("--replica-check", type=float, default=60.0, metavar="SECONDS",
+                    help="with --metrics: count chunks short of replicas at most this often (default 60)")
 
     sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.", moves_chunks=True)
     sp.add_argument("src", metavar="SRC", help="directory to ingest")
@@ -601,12 +627,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-other", dest="allow_other", action="store_true", default=os.geteuid() == 0,
                     help="let other users read the mount (default when run as root)")
     sp.add_argument("--no-allow-other", dest="allow_other", action="store_false", help=argparse.SUPPRESS)
+    sp.add_argument("--metrics", metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (:PORT: every interface)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")
 
     sp = add("umount", cmd_umount, "Unmount a dlfs mount and wait for its process to finish.")
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    sp = add("stats", cmd_stats, "Show a mount's reads/s, MB/s, cache hit rate, bytes fetched by node and errors; "
+             "--watch keeps the view live.")
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+    sp.add_argument("--watch", action="store_true", help="refresh the view until Ctrl-C")
+    sp.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                    help="seconds between views; rates are over this interval (default 1; the mount updates once a second)")
+    sp.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N views")
 
     add("status", cmd_status, "Show the node's (or cluster's) state; exits non-zero when a node is unreachable.")
 

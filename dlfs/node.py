@@ -18,8 +18,10 @@ from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, r
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import DlfsError, UsageError
+from dlfs.logs import set_context
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
+from dlfs.sdnotify import notify
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.verbs import Memlock, TransportChoice, choose_transport
@@ -34,6 +36,23 @@ PIN_MIN = 64 << 20  # registered chunk bytes the data daemon needs at least to s
 PIN_DEFAULT = 8 << 30  # and at most keeps registered, memlock permitting
 
 
+async def _serve_metrics(nursery: trio.Nursery, opts: NodeOptions, name: str, services: list[Service],
+                         cluster: Cluster, meta_store: MetaStore) -> None:
+    from dlfs.meta.census import ReplicaCensus
+    from dlfs.metrics import NodeCollector, registry_of, serve_metrics
+
+    data = next((s for s in services if isinstance(s, DataService)), None)
+    census = None
+    refresh = None
+    if any(isinstance(s, MetaService) for s in services):
+        census = ReplicaCensus(meta_store, ClusterClient(cluster, nursery), cluster.replicas, name, opts.replica_check)
+        refresh = census.refresh
+    collector = NodeCollector(name, services, data.store if data else None, data, census)
+    assert opts.metrics is not None
+    bound = await nursery.start(serve_metrics, opts.metrics, registry_of(collector), refresh, name="dlfs-node-metrics")
+    log.info("node %s: metrics on http://%s/metrics", name, bound)
+
+
 @dataclass
 class NodeOptions:
     home: Path
@@ -44,6 +63,8 @@ class NodeOptions:
     data_port: int = 0
     roles: frozenset[str] | None = None  # None: the cluster file's role for this node, else both
     transport: str | None = None  # auto | tcp | rdma; None: the cluster file's, else auto
+    metrics: Address | None = None  # serve Prometheus metrics here
+    replica_check: float = 60.0  # seconds between the metrics' counts of chunks short of replicas
 
 
 def pin_budget(limits: Memlock) -> int:
@@ -129,6 +150,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
             spec = opts.cluster.node(name)
             meta_addr, data_addr = spec.meta, spec.data
         roles = opts.roles or (opts.cluster.node(name).roles if opts.cluster else ROLES["both"])
+        set_context(f"node={name}")
         choice = data_transport(opts) if "data" in roles else None
         chunks = ChunkStore(home / "data")
         meta_store = MetaStore(home / "meta")
@@ -138,13 +160,15 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
+                services: list[Service] = []
                 if choice is not None and choice.port is not None:
                     rdma, choice = _open_responder(choice, chunks)
                     if rdma is not None:
                         nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
                 if "data" in roles:
-                    service = DataService(chunks, key, name, rdma, choice.reason if choice else "")
-                    data_bound = await _listen(nursery, service, data_addr, data_fallback)
+                    data_service = DataService(chunks, key, name, rdma, choice.reason if choice else "")
+                    services.append(data_service)
+                    data_bound = await _listen(nursery, data_service, data_addr, data_fallback)
                 if opts.cluster is None:
                     cluster = Cluster([NodeSpec(name, meta_addr, data_bound)], key, 1, "embedded", local=name)
                 else:
@@ -153,14 +177,18 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 if "meta" in roles:
                     ledger = ClusterClient(cluster, nursery)
                     meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes)
+                    services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
                     nursery.start_soon(meta_service.sync.run, name="dlfs-catalog-sync")
+                if opts.metrics is not None:
+                    await _serve_metrics(nursery, opts, name, services, cluster, meta_store)
                 me = NodeSpec(name, meta_bound, data_bound, roles)
                 if opts.cluster is None:
                     write_runtime(home, name, meta_bound, data_bound)
                 log.info("node %s (%s): metadata daemon on %s, data daemon on %s", name, "+".join(sorted(roles)),
                          meta_bound if "meta" in roles else "-", data_bound if "data" in roles else "-")
                 task_status.started(me)
+                notify(f"READY=1\nSTATUS=node {name} serving")  # a Type=notify unit is up only now
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for sig in signals:
                         log.info("node %s: %s, stopping", name, signal.Signals(sig).name)

@@ -178,9 +178,9 @@ def stop_node(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout:
 
 
 @contextmanager
-def running_node(home: Path, scratch: Path) -> Iterator[Node]:
+def running_node(home: Path, scratch: Path, *node_args: str) -> Iterator[Node]:
     """A node under `home`; on leaving, unmounts everything under `scratch` and stops the node."""
-    proc, log = start_node_process(home)
+    proc, log = start_node_process(home, *node_args)
     node = Node(home, proc, log)
     try:
         wait_for_node(home, proc, log)
@@ -202,8 +202,10 @@ def _free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def running_cluster(base: Path, n: int = 2, replicas: int = 2) -> Iterator[list[Node]]:
-    """n nodes on localhost from one cluster file, each with its own home; stopped on leaving."""
+def running_cluster(base: Path, n: int = 2, replicas: int = 2,
+                    extra_args: list[list[str]] | None = None) -> Iterator[list[Node]]:
+    """n nodes on localhost from one cluster file, each with its own home; stopped on leaving.
+    extra_args[i]: more `dlfs node` arguments for node i."""
     base.mkdir(parents=True, exist_ok=True)
     run_dlfs(base, "keygen", base / "cluster.key")
     ports = _free_ports(2 * n)
@@ -217,7 +219,8 @@ def running_cluster(base: Path, n: int = 2, replicas: int = 2) -> Iterator[list[
     try:
         for i in range(n):
             home, name = base / f"h{i + 1}", f"n{i + 1}"
-            proc, log = start_node_process(home, "--cluster", str(cluster), "--name", name)
+            more = extra_args[i] if extra_args else []
+            proc, log = start_node_process(home, "--cluster", str(cluster), "--name", name, *more)
             nodes.append(Node(home, proc, log, cluster=cluster, name=name))
         for node in nodes:
             wait_for_node(node.home, node.proc, node.log, cluster)

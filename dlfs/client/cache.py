@@ -28,10 +28,12 @@ import math
 import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import trio
 
 from dlfs.client.cluster import ClusterClient
+from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import Extent, Index
@@ -81,6 +83,10 @@ class ChunkCache:
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.prefetched_bytes = self.consumed = self.corrupt = 0
+        self.failovers = 0  # fetches that moved on to another replica after one failed
+        self.fetched_by_node: dict[str, int] = {}  # bytes
+        self.fetches_by_node: dict[str, int] = {}
+        self.fetch_seconds = LatencyHistogram()
 
     # --- room and memory ---
 
@@ -212,12 +218,16 @@ class ChunkCache:
             errors: list[str] = []
             corrupt = False
             for spec in self.client.replicas(chunk.id):
+                if errors:
+                    self.failovers += 1
+                t0 = perf_counter()
                 try:
                     data = await self.client.read_from(spec, chunk.id, base, length, timeout=FETCH_TIMEOUT,
                                                        into=into)
                 except (Unreachable, NotFound, CorruptData) as exc:
                     errors.append(f"{spec.name}: {exc}")
                     continue
+                self.fetch_seconds.observe(perf_counter() - t0)
                 self.fetches += 1
                 self.fetched_bytes += len(data)
                 if slab != NO_SLAB and not (isinstance(data, memoryview) and data.obj is self._arena):
@@ -226,6 +236,8 @@ class ChunkCache:
                     slab, into = NO_SLAB, None
                 if need is None:
                     self.prefetched_bytes += len(data)
+                self.fetches_by_node[spec.name] = self.fetches_by_node.get(spec.name, 0) + 1
+                self.fetched_by_node[spec.name] = self.fetched_by_node.get(spec.name, 0) + len(data)
                 try:
                     raw = self._keep(run, extents, chunk.id, base, data, spec.name, need, slab)
                 except CorruptData as exc:

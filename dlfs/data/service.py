@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from dlfs.data.store import ChunkStore, check_id
-from dlfs.errors import TransportUnavailable
+from dlfs.errors import CorruptData, TransportUnavailable
 from dlfs.wire.protocol import MAX_DATA, Msg
 from dlfs.wire.rpc import Reply, Service
 
@@ -31,6 +31,7 @@ class DataService(Service):
         self.io = trio.CapacityLimiter(16)
         self.bytes_served = 0
         self.reads = 0
+        self.checksum_failures = 0  # chunks that arrived or were found corrupt
         self.handlers.update({
             Msg.STATUS: self.status,
             Msg.PUT_CHUNK: self.put_chunk,
@@ -52,9 +53,14 @@ class DataService(Service):
 
     async def put_chunk(self, meta: dict[str, Any], data: bytearray) -> Reply:
         cid = check_id(meta["id"])
-        stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
+        try:
+            stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
+        except CorruptData as exc:
+            self.checksum_failures += 1
+            log.warning("refused chunk %s on node %s: %s", cid.hex(), self.node, exc)
+            raise
         if stored:
-            log.debug("stored chunk %s (%d bytes)", cid.hex(), len(data))
+            log.debug("stored chunk %s (%d bytes) on node %s", cid.hex(), len(data), self.node)
         return {"stored": stored}, b""
 
     async def read_range(self, meta: dict[str, Any], data: bytearray) -> Reply:
@@ -82,7 +88,7 @@ class DataService(Service):
                 self.rdma.registry.invalidate(cid)
         deleted = await trio.to_thread.run_sync(lambda: sum(self.store.delete(c) for c in ids))
         if deleted:
-            log.info("deleted %d chunks", deleted)
+            log.info("deleted %d chunks on node %s", deleted, self.node)
         return {"deleted": deleted}, b""
 
     async def list_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
@@ -96,6 +102,9 @@ class DataService(Service):
             why = await trio.to_thread.run_sync(self.store.verify, cid, limiter=self.io)
             if why:
                 bad[cid.hex()] = why
+                if why != "missing":
+                    self.checksum_failures += 1
+                    log.warning("chunk %s on node %s fails its check: %s", cid.hex(), self.node, why)
         return {"bad": bad}, b""
 
     def _responder(self) -> RdmaResponder:

@@ -24,10 +24,13 @@ from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.ops import TIMEOUT, DlfsOperations
+from dlfs.fuse.stats import MountStats
+from dlfs.logs import set_context
 from dlfs.meta.store import VersionInfo
 from dlfs.native import serve_index, stop_index
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
+from dlfs.transport.base import Address
 from dlfs.units import human_bytes
 from dlfs.wire.protocol import Msg
 
@@ -46,6 +49,7 @@ class MountOptions:
     cache_size: int = 2 << 30
     readahead: int = 4 << 20
     allow_other: bool = False
+    metrics: Address | None = None  # serve Prometheus metrics here
 
 
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
@@ -127,7 +131,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         label = f"{info.name}@{info.version}"
+        set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
+        await MountStats(label, opts.mountpoint, ops, cache, client).publish(nursery, opts.home, opts.metrics)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
         if opts.allow_other:
             options.add("allow_other")
@@ -214,7 +220,7 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
             return
         time.sleep(0.05)
     if pid:
-        log.warning("mount process %d still running after unmount", pid)
+        log.warning("mount process %d of %s still running %g s after unmount", pid, mountpoint, timeout)
 
 
 __all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "parse_dataset_ref", "serve_mount", "unmount"]

@@ -11,11 +11,13 @@ import os
 import stat
 from collections.abc import Awaitable, Callable
 from functools import wraps
+from time import perf_counter
 from typing import Any, TypeVar
 
 import pyfuse3
 
 from dlfs.client.cache import ChunkCache
+from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.index import Index, Inode
 from dlfs.native import fuse_hooked
@@ -70,6 +72,7 @@ class DlfsOperations(pyfuse3.Operations):
         self.reads = 0
         self.bytes_read = 0
         self.errors = 0
+        self.read_seconds = LatencyHistogram()
 
     def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
         return self.fill(_new_attrs(), node.ino)
@@ -158,6 +161,7 @@ class DlfsOperations(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         # A view into the cache block is enough: pyfuse3 copies it straight into the reply.
+        t0 = perf_counter()
         try:
             data = await self._read(fh, off, size)
         except DlfsError as exc:
@@ -171,6 +175,7 @@ class DlfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO) from None
         self.reads += 1
         self.bytes_read += len(data)
+        self.read_seconds.observe(perf_counter() - t0)
         return data
 
     async def _read(self, ino: int, off: int, size: int) -> bytes | bytearray | memoryview:

@@ -273,6 +273,13 @@ class MetaStore:
 
     def live_chunks(self) -> set[bytes]:
         """Every chunk a committed version or an open ingest still needs."""
+        live = self.committed_chunks()
+        for s in self.sessions.values():
+            live |= s.pins
+        return live
+
+    def committed_chunks(self) -> set[bytes]:
+        """Every chunk a committed, live version references."""
         live: set[bytes] = set()
         for v in self.datasets():
             key = (v.name, v.version)
@@ -283,8 +290,6 @@ class MetaStore:
                 finally:
                     idx.close()
             live |= self._chunk_sets[key]
-        for s in self.sessions.values():
-            live |= s.pins
         return live
 
 

@@ -9,10 +9,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import trio
 
+from dlfs.counters import MessageStats
 from dlfs.errors import AuthError, DlfsError, ProtocolError, Unreachable, error_from_status, status_of
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
@@ -194,6 +196,19 @@ class Service:
         self.key = key
         self.node = node
         self.handlers: dict[int, Handler] = {Msg.PING: self._ping, Msg.TIME: self._time}
+        self.served: dict[int, MessageStats] = {}  # by message id; 0 gathers the unknown ones
+
+    def _account(self, f: Frame, reply: Frame, seconds: float) -> None:
+        # Unknown ids share one entry: a peer sending garbage ids must not grow this without bound.
+        key = f.msg if f.msg in self.handlers else 0
+        s = self.served.get(key)
+        if s is None:
+            s = self.served[key] = MessageStats()
+        s.requests += 1
+        s.errors += reply.status != 0
+        s.bytes_in += len(f.data)
+        s.bytes_out += len(reply.data)
+        s.latency.observe(seconds)
 
     async def _ping(self, meta: dict[str, Any], data: bytearray) -> Reply:
         return {"node": self.node}, b""
@@ -248,6 +263,7 @@ class Service:
     async def _answer(self, fs: FrameStream, send_lock: trio.Lock, limiter: trio.CapacityLimiter,
                       token: object, f: Frame) -> None:
         reply: Frame | None = None
+        t0 = perf_counter()
         try:
             handler = self.handlers.get(f.msg)
             try:
@@ -265,6 +281,7 @@ class Service:
                 # A bug in one handler must not take the daemon down with it.
                 log.exception("%s daemon: %s failed", self.name, _msg_name(f.msg))
                 reply = Frame(RESPONSE, f.msg, f.req_id, 1, {"error": f"internal error in {_msg_name(f.msg)}: {exc}"})
+            self._account(f, reply, perf_counter() - t0)
             async with send_lock:
                 await fs.send(reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):

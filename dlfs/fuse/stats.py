@@ -1,0 +1,89 @@
+"""A mount's counters, published for `dlfs stats` (a JSON file) and Prometheus (`--metrics`).
+
+The file sits beside the mount's record under $DLFS_HOME/run/mounts/ and is replaced whole once a
+second, so any user who can read the state directory can watch the mount with no socket and no
+privilege; it is removed when the mount ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from dlfs.transport.base import Address
+
+log = logging.getLogger(__name__)
+STATS_FORMAT = 1
+WRITE_INTERVAL = 1.0
+
+
+def stats_file(home: Path, mountpoint: Path) -> Path:
+    from dlfs.fuse.mount import mount_record  # the record's own naming; mount.py imports this module
+
+    return mount_record(home, mountpoint).with_suffix(".stats")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(f".stats.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class MountStats:
+    """Reads the counters of one mount's operations, cache and cluster client when asked."""
+
+    def __init__(self, label: str, mountpoint: Path, ops: Any, cache: Any, client: Any) -> None:
+        self.label, self.mountpoint, self.ops, self.cache, self.client = label, mountpoint, ops, cache, client
+        self.started = time.time()
+        self.metrics: Address | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        ops, c = self.ops, self.cache
+        nodes = sorted(set(c.fetched_by_node) | set(c.fetches_by_node))
+        return {
+            "format": STATS_FORMAT, "time": time.time(), "pid": os.getpid(), "started": self.started,
+            "dataset": self.label, "mountpoint": str(self.mountpoint),
+            "metrics": str(self.metrics) if self.metrics else None,
+            "reads": ops.reads, "read_bytes": ops.bytes_read, "read_errors": ops.errors,
+            "read_seconds": ops.read_seconds.to_dict(),
+            "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
+            "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
+            "fetches": c.fetches, "fetched_bytes": c.fetched_bytes, "fetch_seconds": c.fetch_seconds.to_dict(),
+            "by_node": {n: {"fetches": c.fetches_by_node.get(n, 0), "bytes": c.fetched_by_node.get(n, 0)}
+                        for n in nodes},
+            "failovers": c.failovers, "checksum_failures": c.corrupt,
+            "failing_nodes": sorted(self.client.health),
+        }
+
+    async def publish(self, nursery: trio.Nursery, home: Path, metrics: Address | None) -> None:
+        """Serve metrics on `metrics` (if given; a bad address fails here, before the mount is
+        made) and keep the stats file current until the nursery ends."""
+        if metrics is not None:
+            from dlfs.metrics import MountCollector, registry_of, serve_metrics
+
+            self.metrics = await nursery.start(serve_metrics, metrics, registry_of(MountCollector(self.snapshot)),
+                                               name="dlfs-mount-metrics")
+            log.info("%s: metrics on http://%s/metrics", self.label, self.metrics)
+        nursery.start_soon(self.write_every, stats_file(home, self.mountpoint), name="dlfs-mount-stats")
+
+    async def write_every(self, path: Path, interval: float = WRITE_INTERVAL) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        warned = False
+        try:
+            while True:
+                try:
+                    await trio.to_thread.run_sync(_write_atomic, path, json.dumps(self.snapshot()))
+                except OSError as exc:
+                    if not warned:  # a full disk must not take the mount down, nor fill its log
+                        log.warning("%s: cannot write %s: %s", self.label, path, exc.strerror or exc)
+                        warned = True
+                await trio.sleep(interval)
+        finally:
+            # Here, not in an exit callback: a write still running in its thread would bring it back.
+            path.unlink(missing_ok=True)

@@ -1,0 +1,185 @@
+"""`dlfs stats MOUNTPOINT`: a top-like view of one mount, from the counters it publishes.
+
+The mount replaces its stats file once a second (fuse/stats.py); rates are the difference of two
+of its samples divided by the time between them, as the mount itself measured it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlfs.errors import NotFound, UsageError
+from dlfs.fuse.stats import STATS_FORMAT, stats_file
+from dlfs.procs import running
+from dlfs.units import human_bytes
+
+NEW_SAMPLE_WAIT = 3.0  # the mount writes every second; a little more for a busy machine
+
+
+def read_sample(home: Path, mountpoint: Path) -> dict[str, Any]:
+    """The mount's latest sample; NotFound with a one-line reason when there is no live mount."""
+    path = stats_file(home, mountpoint)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"no dlfs mount at {mountpoint} under {home} (mounts made with another "
+                       "--home or $DLFS_HOME are listed under that one)") from None
+    except (OSError, ValueError) as exc:
+        raise NotFound(f"cannot read the stats of {mountpoint} ({path}): {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != STATS_FORMAT:
+        raise UsageError(f"{path} was written by another version of dlfs; use that version's `dlfs stats`")
+    if not running(int(doc.get("pid", 0))):
+        raise NotFound(f"the mount at {mountpoint} is gone (its process {doc.get('pid')} exited)")
+    return doc
+
+
+def next_sample(home: Path, mountpoint: Path, after: dict[str, Any], wait: float) -> dict[str, Any]:
+    """The first sample taken at least `wait` seconds after `after` (or the newest one there is)."""
+    deadline = time.monotonic() + wait + NEW_SAMPLE_WAIT
+    time.sleep(wait)
+    while True:
+        doc = read_sample(home, mountpoint)
+        if doc["time"] >= after["time"] + wait * 0.9 or time.monotonic() > deadline:
+            return doc
+        time.sleep(0.05)
+
+
+@dataclass
+class Rates:
+    """What changed between two samples, per second where that is the natural unit."""
+
+    seconds: float
+    reads: float
+    read_bytes: float
+    latency: float | None  # mean seconds per read in the interval
+    hits: int
+    misses: int
+    evictions: int
+    fetched_bytes: float
+    errors: int
+    failovers: int
+    checksum_failures: int
+    node_bytes: dict[str, float]
+
+    @property
+    def hit_rate(self) -> float | None:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else None
+
+
+def _hist(doc: dict[str, Any]) -> tuple[int, float]:
+    return sum(doc["counts"]), float(doc["sum"])
+
+
+def rates(prev: dict[str, Any], cur: dict[str, Any]) -> Rates:
+    dt = max(cur["time"] - prev["time"], 1e-9)
+    n0, s0 = _hist(prev["read_seconds"])
+    n1, s1 = _hist(cur["read_seconds"])
+    nodes = {name: (n["bytes"] - prev["by_node"].get(name, {}).get("bytes", 0)) / dt
+             for name, n in cur["by_node"].items()}
+    return Rates(
+        seconds=dt, reads=(cur["reads"] - prev["reads"]) / dt, read_bytes=(cur["read_bytes"] - prev["read_bytes"]) / dt,
+        latency=(s1 - s0) / (n1 - n0) if n1 > n0 else None,
+        hits=cur["cache_hits"] - prev["cache_hits"], misses=cur["cache_misses"] - prev["cache_misses"],
+        evictions=cur["cache_evictions"] - prev["cache_evictions"],
+        fetched_bytes=(cur["fetched_bytes"] - prev["fetched_bytes"]) / dt,
+        errors=cur["read_errors"] - prev["read_errors"], failovers=cur["failovers"] - prev["failovers"],
+        checksum_failures=cur["checksum_failures"] - prev["checksum_failures"], node_bytes=nodes)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.3f} ms"
+
+
+def _mbs(x: float) -> str:
+    return f"{x / 1e6:.1f} MB/s"
+
+
+def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
+    """The view of one interval: a header line, the mount's figures, and bytes fetched by node."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    r = rates(prev, cur)
+    up = datetime.timedelta(seconds=int(cur["time"] - cur["started"]))
+    where = f", metrics at http://{cur['metrics']}/metrics" if cur.get("metrics") else ""
+    head = Text(f"{cur['dataset']} at {cur['mountpoint']}\npid {cur['pid']}, up {up}{where}", style="bold")
+    looked = cur["cache_hits"] + cur["cache_misses"]
+    n_reads, lat_sum = _hist(cur["read_seconds"])
+    t = Table(box=None, pad_edge=False)
+    t.add_column("")
+    t.add_column(f"last {r.seconds:.1f} s", justify="right")
+    t.add_column("since mounted", justify="right")
+    t.add_row("reads", f"{r.reads:,.0f}/s", f"{cur['reads']:,}")
+    t.add_row("read", _mbs(r.read_bytes), human_bytes(cur["read_bytes"]))
+    t.add_row("read latency (mean)", _ms(r.latency), _ms(lat_sum / n_reads if n_reads else None))
+    t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
+    t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
+    t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
+    t.add_row("cache held", "", f"{human_bytes(cur['cache_bytes'])} of {human_bytes(cur['cache_capacity'])}")
+    t.add_row("fetched", _mbs(r.fetched_bytes), f"{human_bytes(cur['fetched_bytes'])} in {cur['fetches']:,} fetches")
+    t.add_row("read errors", f"{r.errors:,}", f"{cur['read_errors']:,}")
+    t.add_row("failovers", f"{r.failovers:,}", f"{cur['failovers']:,}")
+    t.add_row("checksum failures", f"{r.checksum_failures:,}", f"{cur['checksum_failures']:,}")
+    parts: list[Any] = [head, t]
+    if cur["failing_nodes"]:
+        parts.append(Text(f"failing nodes (read last): {', '.join(cur['failing_nodes'])}", style="red"))
+    nodes = Table(box=None, pad_edge=False, title="fetched by node", title_justify="left")
+    nodes.add_column("node")
+    nodes.add_column("now", justify="right")
+    nodes.add_column("bytes", justify="right")
+    nodes.add_column("fetches", justify="right")
+    nodes.add_column("share", justify="right")
+    total = cur["fetched_bytes"] or 1
+    for name, n in sorted(cur["by_node"].items(), key=lambda kv: -kv[1]["bytes"]):
+        nodes.add_row(name, _mbs(r.node_bytes.get(name, 0.0)), human_bytes(n["bytes"]), f"{n['fetches']:,}",
+                      f"{100 * n['bytes'] / total:.0f} %")
+    if not cur["by_node"]:
+        nodes.add_row("(nothing fetched yet)", "", "", "", "")
+    parts.append(nodes)
+    return Group(*parts)
+
+
+def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int | None) -> int:
+    """Print one view (rates over `interval`), or with `watch` refresh it until Ctrl-C or `count` views."""
+    from rich.console import Console
+    from rich.live import Live
+
+    if interval <= 0:
+        raise UsageError("--interval must be more than 0 seconds")
+    if count is not None and count < 1:
+        raise UsageError("--count must be at least 1")
+    console = Console()
+    prev = read_sample(home, mountpoint)
+    if not watch:
+        console.print(render(prev, next_sample(home, mountpoint, prev, interval)))
+        return 0
+    shown = 0
+    try:
+        if console.is_terminal:
+            with Live(console=console, auto_refresh=False) as live:
+                while count is None or shown < count:
+                    cur = next_sample(home, mountpoint, prev, interval)
+                    live.update(render(prev, cur), refresh=True)
+                    prev, shown = cur, shown + 1
+        else:  # a log or a pipe: one view after the other, like vmstat
+            while count is None or shown < count:
+                cur = next_sample(home, mountpoint, prev, interval)
+                console.print(render(prev, cur))
+                console.print()
+                sys.stdout.flush()
+                prev, shown = cur, shown + 1
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a watch ends
+    return 0
