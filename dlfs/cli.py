@@ -412,6 +412,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.client.cache import auto_cache_size
     from dlfs.fuse.mount import MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
     from dlfs.sdnotify import notify
 
@@ -419,7 +420,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     name, version = parse_dataset_ref(args.dataset)
     mountpoint = Path(args.mountpoint).absolute()
     check_mountpoint(mountpoint)
-    cache_size, readahead = parse_size(args.cache_size), parse_size(args.readahead)
+    cache_size = auto_cache_size() if args.cache_size == "auto" else parse_size(args.cache_size)
+    readahead = parse_size(args.readahead)
     metrics = _metrics_address(args)
     # Here, not in the background process: its errors would reach the user only through its log.
     cluster = _cluster(args)
@@ -622,7 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dataset", metavar="NAME[@VERSION]", help="dataset to mount (default: its newest version)")
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
     sp.add_argument("--foreground", action="store_true", help="stay attached and serve until unmounted or interrupted")
-    sp.add_argument("--cache-size", default="2G", metavar="SIZE", help="memory for cached file data (default 2G)")
+    sp.add_argument("--cache-size", default="auto", metavar="SIZE",
+                    help="most memory for file data fetched but not yet read (default auto: a quarter of "
+                         "physical memory, at least 1G); data already read lives in the page cache")
     sp.add_argument("--readahead", default="4M", metavar="SIZE", help="bytes fetched per miss within a chunk (default 4M)")
     sp.add_argument("--allow-other", dest="allow_other", action="store_true", default=os.geteuid() == 0,
                     help="let other users read the mount (default when run as root)")

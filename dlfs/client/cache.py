@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -42,6 +43,16 @@ log = logging.getLogger(__name__)
 FETCH_TIMEOUT = 10.0
 PREFETCH_WORKERS = 2
 NO_SLAB = -1
+
+
+def auto_cache_size() -> int:
+    """The default cache bound: a quarter of physical memory, at least 1 GiB. It bounds read-ahead
+    not yet read (what was read is the page cache's), so it is only used as far as that needs."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 0
+    return max(1 << 30, total // 4)
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ class MountOptions:
     dataset: str
     version: int | None
     mountpoint: Path
-    cache_size: int = 2 << 30
+    cache_size: int = 2 << 30  # the CLI passes auto_cache_size() unless told
     readahead: int = 4 << 20
     allow_other: bool = False
     metrics: Address | None = None  # serve Prometheus metrics here
