@@ -428,7 +428,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not args.foreground:
         return _mount_background(args, home, name, mountpoint)
     _setup_logging(args, "INFO")
-    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics)
+    opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
+                        args.short_circuit)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -467,6 +468,8 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
         cmd.insert(cmd.index("--foreground") + 1, f"--metrics={args.metrics}")
     if not args.allow_other:
         cmd.insert(cmd.index("--foreground") + 1, "--no-allow-other")
+    if not args.short_circuit:
+        cmd.insert(cmd.index("--foreground") + 1, "--no-short-circuit")
     with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(wfd,),
                                 start_new_session=True)
@@ -633,6 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-allow-other", dest="allow_other", action="store_false", help=argparse.SUPPRESS)
     sp.add_argument("--metrics", metavar="HOST:PORT",
                     help="serve Prometheus metrics at http://HOST:PORT/metrics (:PORT: every interface)")
+    sp.add_argument("--no-short-circuit", dest="short_circuit", action="store_false",
+                    help="read chunks this machine's node holds through its data daemon too, not from its "
+                         "chunk files")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")

@@ -381,7 +381,8 @@ def test_random_access_across_chunks(edge: Edge) -> None:
 @pytest.mark.parametrize("cache_size", ["", "64K"], ids=["default-cache", "tiny-cache"])
 def test_concurrent_readers(edge: Edge, cache_size: str) -> None:
     # A tiny cache evicts blocks while other readers still hold views into them: bytes must stay right.
-    extra = ("--cache-size", cache_size) if cache_size else ()
+    # The tiny cache reads through the daemon (not the local chunk files), so its blocks are evicted.
+    extra = ("--cache-size", cache_size, "--no-short-circuit") if cache_size else ()
     mnt = edge.node.mount(NAME, edge.base / f"mnt-threads{cache_size}", *extra)
     try:
         names = [os.path.join(MANY_DIR, n) for n in sorted(os.listdir(os.path.join(edge.bsrc, MANY_DIR)))]
@@ -498,9 +499,13 @@ def test_mount_survives_node_restart(node: Node, tmp_path: Path) -> None:
     (src / "before").write_bytes(os.urandom(40_000))
     (src / "after").write_bytes(os.urandom(40_000))
     node.ingest(src, "restart", "--chunk-size", "64K")  # one file a chunk: reading one caches nothing of the other
-    mnt = node.mount("restart", tmp_path / "mnt")
+    # Through the daemon: the local chunk files would serve reads with the node down.
+    mnt = node.mount("restart", tmp_path / "mnt", "--no-short-circuit")
+    local = node.mount("restart", tmp_path / "mnt-local")
     assert (mnt / "before").read_bytes() == (src / "before").read_bytes()
     node.stop()
+    assert (local / "after").read_bytes() == (src / "after").read_bytes(), "short-circuit reads need no daemon"
+    node.umount(local)
     # With the node down an uncached read fails at once with EIO: no hang, and the mount stays.
     with pytest.raises(OSError) as info:
         (mnt / "after").read_bytes()
@@ -541,6 +546,7 @@ def test_bad_replica_fails_over_to_a_good_one(tmp_path: Path) -> None:
                 assert (mnt / p.name).read_bytes() == p.read_bytes(), p.name
             log = n1.mount_log("twice").read_text()
             assert "(from n1)" in log and "next replica" in log
+            assert "(local copy of n1)" in log and "reading it from the replicas" in log  # short-circuit checked too
         finally:
             n1.umount(mnt)
         # With the good replica's node down too, the damage shows: EIO, not wrong bytes.

@@ -34,6 +34,7 @@ from time import perf_counter
 import trio
 
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.local import LocalChunks
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
@@ -90,6 +91,7 @@ class ChunkCache:
         self._next_block = 0
         self._inflight: dict[int, trio.Event] = {}
         self._prefetch = prefetch
+        self.local: LocalChunks | None = None  # this machine's chunk files, read in place when set
         self._queued: set[int] = set()
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
@@ -154,7 +156,7 @@ class ChunkCache:
         """Whether extent `ext` is here now (a read of it would not fetch)."""
         return ext in self._records
 
-    async def record(self, ext: int) -> bytes | memoryview:
+    async def record(self, ext: int) -> bytes | bytearray | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes."""
         while True:
             hit = self._records.get(ext)
@@ -167,6 +169,20 @@ class ChunkCache:
             if pending is None:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
+        if self.local is not None:
+            e = self.index.extent(ext)
+            self.misses += 1
+            raw = await self.local.record(self.index.chunk(e.chunk).id, e.record)
+            if raw is not None:
+                # Counted as fetched from the local node (its disk), and kept nowhere: the
+                # kernel's page cache holds what it is sent.
+                n, node = e.record.stored_len, self.local.node
+                self.fetches += 1
+                self.fetched_bytes += n
+                self.fetches_by_node[node] = self.fetches_by_node.get(node, 0) + 1
+                self.fetched_by_node[node] = self.fetched_by_node.get(node, 0) + n
+                return raw
+            self.misses -= 1
         self.misses += 1
         readahead = self._room(self.slab_size)
         if readahead:
@@ -327,4 +343,6 @@ class ChunkCache:
                "tcp_fallbacks": self.client.tcp_fallbacks}
         if self.client.rdma is not None:
             out.update(self.client.rdma.stats())
+        if self.local is not None:
+            out.update(self.local.stats())
         return out

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from dlfs.data.store import ChunkStore, check_id
+from dlfs.data.store import ChunkStore, boot_id, check_id
 from dlfs.errors import CorruptData, TransportUnavailable
 from dlfs.wire.protocol import MAX_DATA, Msg
 from dlfs.wire.rpc import Reply, Service
@@ -49,6 +49,7 @@ class DataService(Service):
         return {"node": self.node, "chunks": self.store.count, "bytes": self.store.bytes,
                 "disk_free": free, "disk_total": total, "reads": self.reads,
                 "bytes_served": self.bytes_served, "root": str(self.store.root),
+                "chunk_dir": str(self.store.chunk_dir), "boot_id": boot_id(),
                 "transport": "rdma" if self.rdma else "tcp", "transport_reason": self.transport_reason}, b""
 
     async def put_chunk(self, meta: dict[str, Any], data: bytearray) -> Reply:

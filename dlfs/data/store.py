@@ -21,6 +21,19 @@ from dlfs.wire.protocol import FileRange
 log = logging.getLogger(__name__)
 
 
+def boot_id() -> str:
+    """This kernel's boot id: two processes that report the same one share a machine (and disk)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def chunk_path(chunk_dir: Path, cid: bytes) -> Path:
+    h = cid.hex()
+    return chunk_dir / h[:2] / h
+
+
 def check_id(cid: object) -> bytes:
     if not isinstance(cid, bytes) or len(cid) != ID_BYTES:
         raise ValueError("a chunk id is 16 bytes")
@@ -47,8 +60,7 @@ class ChunkStore:
             self.bytes += self.path(cid).stat().st_size
 
     def path(self, cid: bytes) -> Path:
-        h = cid.hex()
-        return self.chunk_dir / h[:2] / h
+        return chunk_path(self.chunk_dir, cid)
 
     def put(self, cid: bytes, data: bytes | bytearray | memoryview) -> bool:
         """Store a chunk after checking it whole; False if it was already here."""

@@ -19,6 +19,7 @@ import trio
 
 from dlfs.client.cache import PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.local import open_local_chunks
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
@@ -50,6 +51,7 @@ class MountOptions:
     readahead: int = 4 << 20
     allow_other: bool = False
     metrics: Address | None = None  # serve Prometheus metrics here
+    short_circuit: bool = True  # read the local node's chunk files in place
 
 
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
@@ -128,6 +130,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         index = Index(await fetch_index(client, info, opts.home))
         stack.callback(index.close)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
+        cache.local = await open_local_chunks(client) if opts.short_circuit else None
+        if cache.local is not None:
+            stack.callback(cache.local.close)
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         label = f"{info.name}@{info.version}"
