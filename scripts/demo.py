@@ -98,7 +98,7 @@ def main() -> int:
             print(format_row("dlfs 2nd read", second, source))
             print()
             print("source dir: local disk, page cache warm from generation and ingest")
-            print("dlfs 1st read: mount's cache empty (chunks come from the data daemon)")
+            print("dlfs 1st read: nothing cached in the mount (chunks read from the node's chunk files, short-circuit)")
             print("dlfs 2nd read: the same files again (kernel page cache of the mount warm)")
             bad = first.n_errors + second.n_errors
             for err in (first.errors + second.errors)[:10]:
