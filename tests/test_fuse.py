@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import errno
 import filecmp
+import json
 import mmap
 import os
 import random
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -489,6 +492,29 @@ def test_corrupt_and_truncated_chunks_give_eio(node: Node, tmp_path: Path) -> No
         (mnt / flipped).read_bytes()
     assert info.value.errno == errno.EIO
     node.umount(mnt)
+
+
+# --- a mount whose process was killed ----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_dead_mount_is_named_as_such(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 1000)
+    node.ingest(src, "dead")
+    mnt = node.mount("dead", tmp_path / "mnt")
+    pid = next(int(json.loads(p.read_text())["pid"]) for p in (node.home / "run" / "mounts").glob("*.json"))
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(100):  # until the kernel has let go of the process
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        time.sleep(0.05)
+    try:
+        proc = node.run("mount", "dead", mnt, check=False)
+        assert proc.returncode != 0 and "is a dead mount" in proc.stderr and "fusermount3 -u -z" in proc.stderr, proc.stderr
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+    node.mounts.remove(mnt)
+    assert (node.mount("dead", mnt) / "f").read_bytes() == b"x" * 1000
 
 
 # --- the node restarts under a mount ----------------------------------------------------------

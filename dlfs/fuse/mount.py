@@ -65,6 +65,13 @@ def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
 
 
 def check_mountpoint(path: Path) -> None:
+    try:
+        # statvfs always reaches the file system (a stat may be answered from the kernel's cache).
+        os.statvfs(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose process is gone
+            raise MountError(f"{path} is a dead mount (its process ended): clear it with "
+                             f"`fusermount3 -u -z {path}`, then mount again") from None
     if not path.exists():
         raise UsageError(f"mountpoint {path} does not exist")
     if not path.is_dir():
