@@ -192,17 +192,27 @@ int dlfs_meta_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     return 1;
 }
 
+/* The start of every handler: 0 to go on with `n` filled; 1 if the request is answered (EIO);
+ * -1 if no index is registered (Python answers). */
+static int begin(fuse_req_t req, fuse_ino_t ino, struct inode *n)
+{
+    if (!ix.active)
+        return -1;
+    answered++;
+    if (get_inode(ino, n) < 0) {
+        corrupt(req);
+        return 1;
+    }
+    return 0;
+}
+
 int dlfs_meta_getattr(fuse_req_t req, fuse_ino_t ino)
 {
     struct inode n;
     struct stat st;
-    if (!ix.active)
-        return 0;
-    answered++;
-    if (get_inode(ino, &n) < 0) {
-        corrupt(req);
-        return 1;
-    }
+    int r = begin(req, ino, &n);
+    if (r)
+        return r > 0;
     fill_stat(&st, ino, &n);
     fuse_reply_attr(req, &st, ix.timeout);
     return 1;
@@ -211,13 +221,9 @@ int dlfs_meta_getattr(fuse_req_t req, fuse_ino_t ino)
 int dlfs_meta_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     struct inode n;
-    if (!ix.active)
-        return 0;
-    answered++;
-    if (get_inode(ino, &n) < 0) {
-        corrupt(req);
-        return 1;
-    }
+    int r = begin(req, ino, &n);
+    if (r)
+        return r > 0;
     if (!S_ISDIR(n.mode)) {
         fuse_reply_err(req, ENOTDIR);
         return 1;

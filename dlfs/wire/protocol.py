@@ -279,6 +279,13 @@ def _field(meta: Mapping[str, Any], name: str, what: str, bits: int) -> int:
     return value
 
 
+def _bytes16(meta: Mapping[str, Any], name: str, what: str, means: str) -> bytes:
+    value = meta.get(name)
+    if not isinstance(value, bytes) or len(value) != 16:
+        raise ProtocolError(f"malformed {what}: {name} must be {means}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class QpEndpoint:
     """What the far side needs to connect to one reliable-connected queue pair."""
@@ -297,9 +304,7 @@ class QpEndpoint:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> QpEndpoint:
         what = "RDMA endpoint"
-        gid = meta.get("gid")
-        if not isinstance(gid, bytes) or len(gid) != 16:
-            raise ProtocolError(f"malformed {what}: gid must be 16 bytes")
+        gid = _bytes16(meta, "gid", what, "16 bytes")
         mtu = _field(meta, "mtu", what, 8)
         if not 1 <= mtu <= 5:
             raise ProtocolError(f"malformed {what}: mtu {mtu} is not an ibv_mtu value (1-5)")
@@ -325,9 +330,7 @@ class RemoteRegion:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RemoteRegion:
         what = "RDMA region"
-        cid = meta.get("id")
-        if not isinstance(cid, bytes) or len(cid) != 16:
-            raise ProtocolError(f"malformed {what}: id must be a 16-byte chunk id")
+        cid = _bytes16(meta, "id", what, "a 16-byte chunk id")
         return cls(cid, _field(meta, "addr", what, 64), _field(meta, "rkey", what, 32), _field(meta, "length", what, 64))
 
 
