@@ -169,27 +169,27 @@ class ChunkCache:
             if pending is None:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
+        self.misses += 1
         if self.local is not None:
             e = self.index.extent(ext)
-            self.misses += 1
             raw = await self.local.record(self.index.chunk(e.chunk).id, e.record)
             if raw is not None:
                 # Counted as fetched from the local node (its disk), and kept nowhere: the
                 # kernel's page cache holds what it is sent.
-                n, node = e.record.stored_len, self.local.node
-                self.fetches += 1
-                self.fetched_bytes += n
-                self.fetches_by_node[node] = self.fetches_by_node.get(node, 0) + 1
-                self.fetched_by_node[node] = self.fetched_by_node.get(node, 0) + n
+                self._count_fetch(self.local.node, e.record.stored_len)
                 return raw
-            self.misses -= 1
-        self.misses += 1
         readahead = self._room(self.slab_size)
         if readahead:
             self._queue_chunk(self.index.extent(ext).chunk)
         data = await self._fetch(self._run(ext) if readahead else [ext], ext)
         assert data is not None
         return data
+
+    def _count_fetch(self, node: str, nbytes: int) -> None:
+        self.fetches += 1
+        self.fetched_bytes += nbytes
+        self.fetches_by_node[node] = self.fetches_by_node.get(node, 0) + 1
+        self.fetched_by_node[node] = self.fetched_by_node.get(node, 0) + nbytes
 
     def consume(self, ext: int, nbytes: int) -> None:
         """`nbytes` of extent `ext` went to the kernel, which keeps them: once all have, drop it."""
@@ -255,16 +255,13 @@ class ChunkCache:
                     errors.append(f"{spec.name}: {exc}")
                     continue
                 self.fetch_seconds.observe(perf_counter() - t0)
-                self.fetches += 1
-                self.fetched_bytes += len(data)
+                self._count_fetch(spec.name, len(data))
                 if slab != NO_SLAB and not (isinstance(data, memoryview) and data.obj is self._arena):
                     # Landed elsewhere (RDMA's registered memory): the slab is not needed.
                     self._free.append(slab)
                     slab, into = NO_SLAB, None
                 if need is None:
                     self.prefetched_bytes += len(data)
-                self.fetches_by_node[spec.name] = self.fetches_by_node.get(spec.name, 0) + 1
-                self.fetched_by_node[spec.name] = self.fetched_by_node.get(spec.name, 0) + len(data)
                 try:
                     raw = self._keep(run, extents, chunk.id, base, data, spec.name, need, slab)
                 except CorruptData as exc:
