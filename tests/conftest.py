@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from dlfs.bench.baselines import mounts_under as bench_mounts_under
+
 REPO = Path(__file__).resolve().parent.parent
 DLFS = [sys.executable, "-m", "dlfs"]
 START_TIMEOUT = 15.0
@@ -50,29 +52,9 @@ def run_dlfs(home: Path, *args: str | os.PathLike[str], check: bool = True,
     return proc
 
 
-def _unescape_mount_field(field_: str) -> str:
-    # /proc/self/mounts writes space, tab, newline and backslash as \ooo octal escapes.
-    out, i = [], 0
-    while i < len(field_):
-        if field_[i] == "\\" and field_[i + 1 : i + 4].isdigit() and len(field_[i + 1 : i + 4]) == 3:
-            out.append(chr(int(field_[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field_[i])
-            i += 1
-    return "".join(out)
-
-
 def mounts_under(base: Path) -> list[str]:
-    """Mount points at or below `base`, deepest first."""
-    prefix = str(base.absolute())
-    found = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            mnt = _unescape_mount_field(line.split()[1])
-            if mnt == prefix or mnt.startswith(prefix + "/"):
-                found.append(mnt)
-    return sorted(found, key=len, reverse=True)
+    """Mount points at or below `base`, deepest first (the bench's parser of /proc/self/mounts)."""
+    return [str(p) for p in bench_mounts_under(base)]
 
 
 def force_unmount(base: Path) -> list[str]:

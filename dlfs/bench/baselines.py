@@ -70,7 +70,7 @@ def _unescape(field: str) -> str:
     # /proc/self/mounts writes space, tab, newline and backslash as \ooo octal escapes.
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
             out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
