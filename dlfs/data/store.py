@@ -119,18 +119,6 @@ class ChunkStore:
                 os.close(old)
             return os.dup(fd)
 
-    def read_range(self, cid: bytes, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset+length) of a chunk; shorter if the file is (the reader checks)."""
-        if offset < 0 or length < 0:
-            raise ValueError("negative offset or length")
-        fd = self._fd(cid)
-        try:
-            return os.pread(fd, length, offset)
-        except OSError as exc:
-            raise CorruptData(f"chunk {cid.hex()}: read failed ({exc.strerror})") from None
-        finally:
-            os.close(fd)
-
     def open_range(self, cid: bytes, offset: int, length: int) -> FileRange:
         """Bytes [offset, offset+length) of a chunk as a file range to sendfile; shorter if the file
         is (the reader checks)."""
