@@ -49,7 +49,7 @@ def serve_index(index: Index, timeout: float) -> bool:
     if not fuse_hooked():
         return False
     assert native is not None
-    native.serve_index(*index.sections(), timeout)
+    native.serve_index(index.sections(), timeout)
     return True
 
 

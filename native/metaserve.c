@@ -13,45 +13,27 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "indexview.h"
 #include "metaserve.h"
 
-#define INODE_SIZE 48
-#define DIRENT_SIZE 16
 #define BLKSIZE (128 << 10)
 #define NAME_BUF 4096
 
-static struct {
-    const uint8_t *inodes, *dirents, *names;
-    uint64_t n_inodes, n_dirents, names_size;
-    double timeout;
-    int active;
-} ix;
-
+static struct dlfs_ix ix;
+static double timeout;
+static int active;
 static unsigned long long corrupt_replies, answered;
 
-struct inode {
-    uint32_t mode, uid, gid, nlink;
-    int64_t size, mtime_ns;
-    uint64_t ref;
-    uint32_t count, parent;
-};
-
-void dlfs_meta_register(const void *inodes, const void *dirents, const void *names, uint64_t n_inodes,
-                        uint64_t n_dirents, uint64_t names_size, double timeout)
+void dlfs_meta_register(const struct dlfs_ix *index, double entry_timeout)
 {
-    ix.inodes = inodes;
-    ix.dirents = dirents;
-    ix.names = names;
-    ix.n_inodes = n_inodes;
-    ix.n_dirents = n_dirents;
-    ix.names_size = names_size;
-    ix.timeout = timeout;
-    ix.active = 1;
+    ix = *index;
+    timeout = entry_timeout;
+    active = 1;
 }
 
 void dlfs_meta_unregister(void)
 {
-    ix.active = 0;
+    active = 0;
 }
 
 unsigned long long dlfs_meta_corrupt(void)
@@ -64,43 +46,7 @@ unsigned long long dlfs_meta_answered(void)
     return answered;
 }
 
-static int get_inode(fuse_ino_t ino, struct inode *out)
-{
-    if (ino < 1 || ino > ix.n_inodes)
-        return -1;
-    const uint8_t *p = ix.inodes + (ino - 1) * INODE_SIZE;
-    memcpy(&out->mode, p, 4);
-    memcpy(&out->uid, p + 4, 4);
-    memcpy(&out->gid, p + 8, 4);
-    memcpy(&out->nlink, p + 12, 4);
-    memcpy(&out->size, p + 16, 8);
-    memcpy(&out->mtime_ns, p + 24, 8);
-    memcpy(&out->ref, p + 32, 8);
-    memcpy(&out->count, p + 40, 4);
-    memcpy(&out->parent, p + 44, 4);
-    return 0;
-}
-
-/* A directory's dirents lie within the section: checked once per request, not per entry. */
-static int dir_ok(const struct inode *d)
-{
-    return d->ref <= ix.n_dirents && d->count <= ix.n_dirents - d->ref;
-}
-
-static int dirent_at(uint64_t i, const uint8_t **name, uint32_t *len, uint32_t *ino)
-{
-    const uint8_t *p = ix.dirents + i * DIRENT_SIZE;
-    uint64_t off;
-    memcpy(&off, p, 8);
-    memcpy(len, p + 8, 4);
-    memcpy(ino, p + 12, 4);
-    if (off > ix.names_size || *len > ix.names_size - off)
-        return -1;
-    *name = ix.names + off;
-    return 0;
-}
-
-static void fill_stat(struct stat *st, fuse_ino_t ino, const struct inode *n)
+static void fill_stat(struct stat *st, fuse_ino_t ino, const struct dlfs_inode *n)
 {
     memset(st, 0, sizeof *st);
     st->st_ino = ino;
@@ -120,12 +66,12 @@ static void fill_stat(struct stat *st, fuse_ino_t ino, const struct inode *n)
     st->st_atim = st->st_ctim = st->st_mtim;
 }
 
-static void fill_entry(struct fuse_entry_param *e, fuse_ino_t ino, const struct inode *n)
+static void fill_entry(struct fuse_entry_param *e, fuse_ino_t ino, const struct dlfs_inode *n)
 {
     memset(e, 0, sizeof *e);
     e->ino = ino;
-    e->attr_timeout = ix.timeout;
-    e->entry_timeout = ix.timeout;
+    e->attr_timeout = timeout;
+    e->entry_timeout = timeout;
     fill_stat(&e->attr, ino, n);
 }
 
@@ -135,22 +81,13 @@ static void corrupt(fuse_req_t req)
     fuse_reply_err(req, EIO);
 }
 
-/* Python's bytes order: unsigned bytes, then length. */
-static int name_cmp(const uint8_t *a, size_t alen, const char *b, size_t blen)
-{
-    int c = memcmp(a, b, alen < blen ? alen : blen);
-    if (c)
-        return c;
-    return alen < blen ? -1 : alen > blen;
-}
-
 int dlfs_meta_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
-    struct inode d, n;
-    if (!ix.active || (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))))
+    struct dlfs_inode d, n;
+    if (!active || (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))))
         return 0;
     answered++;
-    if (get_inode(parent, &d) < 0 || !dir_ok(&d)) {
+    if (dlfs_ix_inode(&ix, parent, &d) < 0 || !dlfs_ix_dir_ok(&ix, &d)) {
         corrupt(req);
         return 1;
     }
@@ -158,48 +95,37 @@ int dlfs_meta_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         fuse_reply_err(req, ENOTDIR);
         return 1;
     }
-    size_t len = strlen(name);
-    uint64_t lo = d.ref, hi = d.ref + d.count;
-    while (lo < hi) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        const uint8_t *probe;
-        uint32_t plen, ino;
-        if (dirent_at(mid, &probe, &plen, &ino) < 0) {
+    uint32_t ino;
+    struct fuse_entry_param e;
+    switch (dlfs_ix_find(&ix, &d, name, strlen(name), &ino)) {
+    case 1:
+        if (dlfs_ix_inode(&ix, ino, &n) < 0) {
             corrupt(req);
             return 1;
         }
-        int c = name_cmp(probe, plen, name, len);
-        if (c == 0) {
-            struct fuse_entry_param e;
-            if (get_inode(ino, &n) < 0) {
-                corrupt(req);
-                return 1;
-            }
-            fill_entry(&e, ino, &n);
-            fuse_reply_entry(req, &e);
-            return 1;
-        }
-        if (c < 0)
-            lo = mid + 1;
-        else
-            hi = mid;
+        fill_entry(&e, ino, &n);
+        fuse_reply_entry(req, &e);
+        return 1;
+    case 0:
+        /* A negative entry: the namespace never changes, so the kernel may remember the miss. */
+        memset(&e, 0, sizeof e);
+        e.entry_timeout = timeout;
+        fuse_reply_entry(req, &e);
+        return 1;
+    default:
+        corrupt(req);
+        return 1;
     }
-    /* A negative entry: the namespace never changes, so the kernel may remember the miss. */
-    struct fuse_entry_param e;
-    memset(&e, 0, sizeof e);
-    e.entry_timeout = ix.timeout;
-    fuse_reply_entry(req, &e);
-    return 1;
 }
 
 /* The start of every handler: 0 to go on with `n` filled; 1 if the request is answered (EIO);
  * -1 if no index is registered (Python answers). */
-static int begin(fuse_req_t req, fuse_ino_t ino, struct inode *n)
+static int begin(fuse_req_t req, fuse_ino_t ino, struct dlfs_inode *n)
 {
-    if (!ix.active)
+    if (!active)
         return -1;
     answered++;
-    if (get_inode(ino, n) < 0) {
+    if (dlfs_ix_inode(&ix, ino, n) < 0) {
         corrupt(req);
         return 1;
     }
@@ -208,19 +134,19 @@ static int begin(fuse_req_t req, fuse_ino_t ino, struct inode *n)
 
 int dlfs_meta_getattr(fuse_req_t req, fuse_ino_t ino)
 {
-    struct inode n;
+    struct dlfs_inode n;
     struct stat st;
     int r = begin(req, ino, &n);
     if (r)
         return r > 0;
     fill_stat(&st, ino, &n);
-    fuse_reply_attr(req, &st, ix.timeout);
+    fuse_reply_attr(req, &st, timeout);
     return 1;
 }
 
 int dlfs_meta_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
-    struct inode n;
+    struct dlfs_inode n;
     int r = begin(req, ino, &n);
     if (r)
         return r > 0;
@@ -239,7 +165,7 @@ int dlfs_meta_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 /* Positions as in Python's readdir: 0 ".", 1 "..", entry i at i + 2; an entry's next is its
  * position + 1. */
 static size_t add_entry(fuse_req_t req, char *buf, size_t left, const uint8_t *name, uint32_t len,
-                        fuse_ino_t ino, const struct inode *n, off_t next)
+                        fuse_ino_t ino, const struct dlfs_inode *n, off_t next)
 {
     char cname[NAME_BUF];
     struct fuse_entry_param e;
@@ -253,11 +179,11 @@ static size_t add_entry(fuse_req_t req, char *buf, size_t left, const uint8_t *n
 
 int dlfs_meta_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off)
 {
-    struct inode d, n;
-    if (!ix.active)
+    struct dlfs_inode d, n;
+    if (!active)
         return 0;
     answered++;
-    if (get_inode(ino, &d) < 0 || !dir_ok(&d) || !S_ISDIR(d.mode)) {
+    if (dlfs_ix_inode(&ix, ino, &d) < 0 || !dlfs_ix_dir_ok(&ix, &d) || !S_ISDIR(d.mode)) {
         corrupt(req);
         return 1;
     }
@@ -272,14 +198,14 @@ int dlfs_meta_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off
     for (uint64_t pos = (uint64_t)off; pos < (uint64_t)d.count + 2; pos++) {
         if (pos < 2) {
             fuse_ino_t target = pos == 0 ? ino : (d.parent ? d.parent : ino);
-            if (get_inode(target, &n) < 0)
+            if (dlfs_ix_inode(&ix, target, &n) < 0)
                 goto bad;
             want = add_entry(req, buf + used, size - used, (const uint8_t *)"..", pos == 0 ? 1 : 2, target, &n,
                              (off_t)pos + 1);
         } else {
             const uint8_t *name;
             uint32_t len, child;
-            if (dirent_at(d.ref + pos - 2, &name, &len, &child) < 0 || get_inode(child, &n) < 0)
+            if (dlfs_ix_dirent(&ix, d.ref + pos - 2, &name, &len, &child) < 0 || dlfs_ix_inode(&ix, child, &n) < 0)
                 goto bad;
             want = add_entry(req, buf + used, size - used, name, len, child, &n, (off_t)pos + 1);
         }

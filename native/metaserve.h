@@ -4,9 +4,10 @@
 #include <fuse_lowlevel.h>
 #include <stdint.h>
 
+#include "indexview.h"
+
 /* Serve metadata from an mmap'd index (pointers to its sections) until unregistered. */
-void dlfs_meta_register(const void *inodes, const void *dirents, const void *names, uint64_t n_inodes,
-                        uint64_t n_dirents, uint64_t names_size, double timeout);
+void dlfs_meta_register(const struct dlfs_ix *index, double timeout);
 void dlfs_meta_unregister(void);
 unsigned long long dlfs_meta_corrupt(void);
 unsigned long long dlfs_meta_answered(void);

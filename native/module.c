@@ -4,10 +4,30 @@
 
 #include "fusehook.h"
 #include "metaserve.h"
+#include "module.h"
 
 static PyObject *fuse_hooked(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(dlfs_fuse_hooked());
+}
+
+int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix *ix)
+{
+    PyObject *map;
+    unsigned long long inodes, dirents, names, extents, n_inodes, n_dirents, names_size, n_extents;
+    if (!PyArg_ParseTuple(sections, "OKKKKKKKK;sections must be dlfs.format.index.Sections", &map, &inodes,
+                          &dirents, &names, &extents, &n_inodes, &n_dirents, &names_size, &n_extents))
+        return -1;
+    if (PyObject_GetBuffer(map, view, PyBUF_SIMPLE) < 0)
+        return -1;
+    /* Every section must lie inside the mapping, whatever the caller passed. */
+    if (dlfs_ix_init(ix, view->buf, (uint64_t)view->len, inodes, dirents, names, extents, n_inodes, n_dirents,
+                     names_size, n_extents) < 0) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "index sections lie outside the mapping");
+        return -1;
+    }
+    return 0;
 }
 
 static Py_buffer index_view; /* held while registered: the mmap cannot be closed under C */
@@ -15,30 +35,20 @@ static int index_held;
 
 static PyObject *serve_index(PyObject *self, PyObject *args)
 {
-    PyObject *map;
-    unsigned long long inodes, dirents, names, n_inodes, n_dirents, names_size;
+    PyObject *sections;
     double timeout;
-    if (!PyArg_ParseTuple(args, "OKKKKKKd", &map, &inodes, &dirents, &names, &n_inodes, &n_dirents, &names_size,
-                          &timeout))
+    if (!PyArg_ParseTuple(args, "O!d", &PyTuple_Type, &sections, &timeout))
         return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(map, &view, PyBUF_SIMPLE) < 0)
+    struct dlfs_ix ix;
+    if (dlfs_index_from_sections(sections, &view, &ix) < 0)
         return NULL;
-    unsigned long long len = (unsigned long long)view.len;
-    /* Every section must lie inside the mapping, whatever the caller passed. */
-    if (inodes > len || n_inodes > (len - inodes) / 48 || dirents > len || n_dirents > (len - dirents) / 16 ||
-        names > len || names_size > len - names) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "index sections lie outside the mapping");
-        return NULL;
-    }
     dlfs_meta_unregister();
     if (index_held)
         PyBuffer_Release(&index_view);
     index_view = view;
     index_held = 1;
-    const char *base = view.buf;
-    dlfs_meta_register(base + inodes, base + dirents, base + names, n_inodes, n_dirents, names_size, timeout);
+    dlfs_meta_register(&ix, timeout);
     Py_RETURN_NONE;
 }
 
@@ -59,7 +69,7 @@ static PyObject *meta_stats(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"serve_index", serve_index, METH_VARARGS,
-     "serve_index(mmap, inodes_off, dirents_off, names_off, n_inodes, n_dirents, names_size, timeout): "
+     "serve_index(sections, timeout): "
      "answer LOOKUP, GETATTR, OPENDIR and READDIRPLUS from this index in C."},
     {"stop_index", stop_index, METH_NOARGS, "Stop answering from the index and release the mapping."},
     {"meta_stats", meta_stats, METH_NOARGS, "Metadata requests answered in C, and those answered EIO as corrupt."},
@@ -74,5 +84,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && dlfs_direct_add_types(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

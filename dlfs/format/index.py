@@ -28,7 +28,7 @@ import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import xxhash
 
@@ -90,6 +90,20 @@ class Totals:
     bytes: int
     chunk_size: int
     created_ns: int
+
+
+class Sections(NamedTuple):
+    """An open index's mapping and the offsets and counts of its sections (native/indexview.h)."""
+
+    map: mmap.mmap
+    inodes: int
+    dirents: int
+    names: int
+    extents: int
+    n_inodes: int
+    n_dirents: int
+    names_size: int
+    n_extents: int
 
 
 class IndexWriter:
@@ -233,11 +247,11 @@ class Index:
     def close(self) -> None:
         self._map.close()
 
-    def sections(self) -> tuple[mmap.mmap, int, int, int, int, int, int]:
-        """(mapping, inodes offset, dirents offset, names offset, inodes, dirents, names bytes):
-        what the C metadata server reads in place."""
+    def sections(self) -> Sections:
+        """Where each section lies in the mapping: what the C helper reads in place."""
         t = self.totals
-        return self._map, self._inodes, self._dirents, self._names, t.inodes, t.dirents, t.names_size
+        return Sections(self._map, self._inodes, self._dirents, self._names, self._extents, t.inodes, t.dirents,
+                        t.names_size, t.extents)
 
     def _bad(self, what: str) -> CorruptData:
         return CorruptData(f"index {self.path}: {what}")
