@@ -87,6 +87,7 @@ typedef struct {
     const char *mem;
     struct dlfs_ix ix;
     long row; /* this client's row; -1 for the mount */
+    PyObject *keep; /* what must live as long as any pin (the client's connection: its end frees the row) */
     uint32_t max_row; /* the mount: rows ever attached, the ones a retire must sum */
     unsigned long fork_gen;
 } SharedCache;
@@ -162,19 +163,20 @@ static void shared_dealloc(SharedCache *s)
         PyBuffer_Release(&s->arena);
     if (s->held_index)
         PyBuffer_Release(&s->index);
+    Py_CLEAR(s->keep);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"ctl", "arena", "create", "slab_size", "nslabs", "n_extents", "n_rows", "row", "sections",
-                            NULL};
-    PyObject *ctl, *arena, *sections = Py_None;
+                            "keep", NULL};
+    PyObject *ctl, *arena, *sections = Py_None, *keep = NULL;
     int create = 0;
     unsigned long long slab_size = 0, nslabs = 0, n_extents = 0, n_rows = 0;
     long row = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$pKKKKlO", names, &ctl, &arena, &create, &slab_size, &nslabs,
-                                     &n_extents, &n_rows, &row, &sections))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$pKKKKlOO", names, &ctl, &arena, &create, &slab_size, &nslabs,
+                                     &n_extents, &n_rows, &row, &sections, &keep))
         return -1;
     if (s->held_ctl) {
         PyErr_SetString(PyExc_RuntimeError, "SharedCache is already initialised");
@@ -235,6 +237,8 @@ static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
     s->mem = s->arena.buf;
     s->row = row < 0 ? -1 : row;
     s->fork_gen = fork_gen;
+    Py_XINCREF(keep);
+    s->keep = keep;
     if (sections != Py_None) {
         if (!PyTuple_Check(sections)) {
             PyErr_SetString(PyExc_TypeError, "sections must be dlfs.format.index.Sections");

@@ -5,6 +5,11 @@ straight into a free slab and its records are views into it, so no buffer is all
 per fetch, and slabs freed are reused most-recent first (this VM's first touch of fresh memory
 costs 1-2 s per GB). Records bigger than a slab get memory of their own.
 
+Shared: the arena is a memfd that dlfs.direct clients map read-only (native/direct.c), and every
+record that sits whole in a slab is published there, so a client pins and reads it with no request
+at all. A slab is reused only once no client holds a pin on it: one that is still pinned when its
+records are dropped waits, retired, until its pins are released (or its clients are gone).
+
 What a record is kept for: the FUSE mount runs in no_open mode, so the kernel keeps the pages of
 every file it has read; once all of a record's bytes have gone to the kernel the record is
 *consumed* and dropped here, and a slab whose records are all consumed is free again. The cache
@@ -39,11 +44,13 @@ from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import Extent, Index
+from dlfs.native import native
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUT = 10.0
 PREFETCH_WORKERS = 2
 NO_SLAB = -1
+DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 
 
 def auto_cache_size() -> int:
@@ -74,10 +81,22 @@ class ChunkCache:
         self.slab_size = max(readahead, 64 << 10)
         nslabs = max(capacity // self.slab_size, 4)
         self.capacity = nslabs * self.slab_size
-        # Anonymous and lazily touched: a large cache costs address space, not memory, until used.
-        self._arena = mmap.mmap(-1, self.capacity)
+        # A memfd, lazily touched: a large cache costs address space, not memory, until used; the
+        # same pages are mapped by dlfs.direct clients.
+        self.arena_fd = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
+        os.ftruncate(self.arena_fd, self.capacity)
+        self._arena = mmap.mmap(self.arena_fd, self.capacity)
         self._mem = memoryview(self._arena)
+        self.shared = self.ctl_fd = self._ctl = None
+        if native is not None:
+            size = native.shared_size(self.slab_size, nslabs, index.totals.extents, DIRECT_CLIENTS)
+            self.ctl_fd = os.memfd_create("dlfs-cache-control", os.MFD_CLOEXEC)
+            os.ftruncate(self.ctl_fd, size)
+            self._ctl = mmap.mmap(self.ctl_fd, size)
+            self.shared = native.SharedCache(self._ctl, self._arena, create=True, slab_size=self.slab_size,
+                                             nslabs=nslabs, n_extents=index.totals.extents, n_rows=DIRECT_CLIENTS)
         self._free = list(range(nslabs - 1, -1, -1))  # a stack: the most recently freed slab is reused first
+        self._retired: list[int] = []  # slabs whose records are gone but that a client still pins
         self._records: dict[int, tuple[bytes | memoryview, int]] = {}  # extent -> (raw bytes, block)
         self._served: dict[int, int] = {}  # extent -> bytes of it sent to the kernel so far
         # 1 once an extent was consumed: read-ahead and prefetch pass it over (the kernel has it).
@@ -101,6 +120,13 @@ class ChunkCache:
         self.fetches_by_node: dict[str, int] = {}
         self.fetch_seconds = LatencyHistogram()
 
+    def close(self) -> None:
+        """Let go of the memfds (the mappings go with the last reference to them)."""
+        for fd in (self.arena_fd, self.ctl_fd):
+            if fd is not None:
+                os.close(fd)
+        self.arena_fd = self.ctl_fd = None
+
     # --- room and memory ---
 
     def _room(self, more: int) -> bool:
@@ -110,6 +136,8 @@ class ChunkCache:
     def _take_slab(self) -> int:
         """A free slab, evicting scratch blocks (then the oldest resident ones) if none is free;
         NO_SLAB if every slab is being fetched into."""
+        if not self._free and self._retired:
+            self._reclaim_retired()
         while not self._free:
             order = self._scratch or self._resident
             victim = next((b for b in order if self._blocks[b].slab != NO_SLAB), None)
@@ -123,6 +151,7 @@ class ChunkCache:
         for ext in b.live:
             self._records.pop(ext, None)
             self._served.pop(ext, None)
+            self._unpublish(ext)
         if evicted:
             self.evictions += len(b.live)
         if b.resident:
@@ -132,15 +161,38 @@ class ChunkCache:
             del self._scratch[bid]
             self._scratch_size -= b.nbytes
         if b.slab != NO_SLAB:
-            self._free.append(b.slab)
+            self._release_slab(b.slab)
 
-    def _add_block(self, slab: int, nbytes: int, records: dict[int, bytes | memoryview]) -> None:
+    def _release_slab(self, slab: int) -> None:
+        """A slab whose records are all dropped: free now, or once no client pins it."""
+        if self.shared is None or self.shared.retire(slab):
+            self._free.append(slab)
+        else:
+            self._retired.append(slab)
+
+    def _reclaim_retired(self) -> None:
+        assert self.shared is not None
+        still = []
+        for slab in self._retired:
+            (self._free if self.shared.pinned(slab) == 0 else still).append(slab)
+        self._retired = still
+
+    def _unpublish(self, ext: int) -> None:
+        if self.shared is not None:
+            self.shared.unpublish(ext)
+
+    def _add_block(self, slab: int, nbytes: int, records: dict[int, bytes | memoryview],
+                   offsets: dict[int, int]) -> None:
+        """Keep fetched records as one block; `offsets` are those lying whole in the slab (published)."""
         bid = self._next_block
         self._next_block += 1
         resident = self._resident_size + nbytes <= self._resident_cap
         self._blocks[bid] = Block(slab, nbytes, resident, set(records))
         for ext, raw in records.items():
             self._records[ext] = (raw, bid)
+        if self.shared is not None:
+            for ext, off in offsets.items():
+                self.shared.publish(ext, slab, off)
         if resident:
             self._resident[bid] = None
             self._resident_size += nbytes
@@ -156,8 +208,13 @@ class ChunkCache:
         """Whether extent `ext` is here now (a read of it would not fetch)."""
         return ext in self._records
 
-    async def record(self, ext: int) -> bytes | bytearray | memoryview:
-        """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes."""
+    def where(self, ext: int) -> tuple[int, int] | None:
+        """(slab, offset) of extent `ext` if it lies whole in a slab of the shared arena now."""
+        return self.shared.where(ext) if self.shared is not None else None
+
+    async def record(self, ext: int, shared: bool = False) -> bytes | bytearray | memoryview:
+        """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes.
+        `shared`: for a dlfs.direct client, so land it in the shared arena, local copy or not."""
         while True:
             hit = self._records.get(ext)
             if hit is not None:
@@ -170,7 +227,7 @@ class ChunkCache:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
-        if self.local is not None:
+        if self.local is not None and not shared:
             e = self.index.extent(ext)
             raw = await self.local.record(self.index.chunk(e.chunk).id, e.record)
             if raw is not None:
@@ -202,6 +259,7 @@ class ChunkCache:
             return
         self._served.pop(ext, None)
         del self._records[ext]
+        self._unpublish(ext)
         self._done[ext] = 1
         self.consumed += 1
         b = self._blocks[hit[1]]
@@ -244,6 +302,21 @@ class ChunkCache:
             # replica are read again from the next, as are replicas that are down.
             errors: list[str] = []
             corrupt = False
+            if self.local is not None:
+                # This machine's own copy first, read in place into the slab.
+                data = await self.local.read_range(chunk.id, base, length, into)
+                if data is not None:
+                    try:
+                        raw = self._keep(run, extents, chunk.id, base, data, self.local.node, need, slab)
+                    except CorruptData as exc:
+                        self.local.fallbacks += 1
+                        log.warning("%s; reading it from the replicas", exc)
+                    else:
+                        self._count_fetch(self.local.node, length)
+                        if need is None:
+                            self.prefetched_bytes += length
+                        kept = True
+                        return raw
             for spec in self.client.replicas(chunk.id):
                 if errors:
                     self.failovers += 1
@@ -288,6 +361,7 @@ class ChunkCache:
         CorruptData if it is bad (keeping nothing: the next replica's copy replaces them all)."""
         view = memoryview(data)
         kept: dict[int, bytes | memoryview] = {}
+        in_slab: dict[int, int] = {}
         nbytes = self.slab_size if slab != NO_SLAB else len(view)
         for i, e in zip(run, extents):
             rec = e.record
@@ -300,10 +374,12 @@ class ChunkCache:
                 raise
             if raw is not piece:
                 nbytes += len(raw)  # decompressed: its own memory
+            elif slab != NO_SLAB:
+                in_slab[i] = rec.offset - base
             kept[i] = raw
         if not kept:
             raise CorruptData(f"chunk {cid.hex()} (from {node}): no record of the range is good")
-        self._add_block(slab, nbytes, kept)
+        self._add_block(slab, nbytes, kept, in_slab)
         return kept[need] if need is not None else None
 
     # --- prefetch ---
@@ -337,6 +413,7 @@ class ChunkCache:
                "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
                "consumed": self.consumed, "evictions": self.evictions,
                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
+               "retired_slabs": len(self._retired),
                "tcp_fallbacks": self.client.tcp_fallbacks}
         if self.client.rdma is not None:
             out.update(self.client.rdma.stats())

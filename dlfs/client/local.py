@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 OPEN_FILES = 256
 
 
-def _read_cached(fd: int, buf: bytearray, offset: int) -> int:
+def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
     """What of the range the page cache has, without waiting for the disk (RWF_NOWAIT)."""
     try:
         return os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
@@ -64,31 +64,50 @@ class LocalChunks:
             os.close(self._fds.popitem(last=False)[1])
         return fd
 
-    async def record(self, cid: bytes, rec: Record) -> bytes | bytearray | memoryview | None:
-        """The record's raw bytes, verified, if this machine holds its chunk intact; else None."""
+    async def read_range(self, cid: bytes, offset: int, length: int,
+                         into: memoryview | None = None) -> memoryview | None:
+        """`length` bytes of the chunk from `offset` (into `into` when given), if this machine holds
+        its chunk and they are all there; else None. Unchecked: the caller verifies the records."""
         fd = self._fd(cid)
         if fd is None:
             return None
-        where = f"chunk {cid.hex()} (local copy of {self.node}) record at offset {rec.offset}"
-        buf = bytearray(rec.stored_len)
+        buf = into[:length] if into is not None else memoryview(bytearray(length))
         try:
-            got = _read_cached(fd, buf, rec.offset)
-            if got < len(buf):
+            got = _read_cached(fd, buf, offset)
+            if got < length:
                 # Not all in the page cache: the disk read goes to a thread (on its own descriptor,
                 # which no eviction here can close), so the other readers' requests go on.
                 dup = os.dup(fd)
                 try:
-                    got += await trio.to_thread.run_sync(os.preadv, dup, [memoryview(buf)[got:]], rec.offset + got)
+                    got += await trio.to_thread.run_sync(os.preadv, dup, [buf[got:]], offset + got)
                 finally:
                     os.close(dup)
-            raw = decode_record(memoryview(buf)[:got], rec, where)
-        except (OSError, CorruptData) as exc:
+        except OSError as exc:
             self.fallbacks += 1
-            log.warning("%s: %s; reading it from the replicas", where, exc)
+            log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
+                        cid.hex(), self.node, offset, exc)
+            return None
+        if got < length:
+            self.fallbacks += 1
+            log.warning("chunk %s (local copy of %s) is short (%d of %d bytes at offset %d); reading it "
+                        "from the replicas", cid.hex(), self.node, got, length, offset)
             return None
         self.reads += 1
         self.bytes += got
-        return raw
+        return buf
+
+    async def record(self, cid: bytes, rec: Record) -> bytes | bytearray | memoryview | None:
+        """The record's raw bytes, verified, if this machine holds its chunk intact; else None."""
+        stored = await self.read_range(cid, rec.offset, rec.stored_len)
+        if stored is None:
+            return None
+        where = f"chunk {cid.hex()} (local copy of {self.node}) record at offset {rec.offset}"
+        try:
+            return decode_record(stored, rec, where)
+        except CorruptData as exc:
+            self.fallbacks += 1
+            log.warning("%s; reading it from the replicas", exc)
+            return None
 
     def close(self) -> None:
         for fd in self._fds.values():

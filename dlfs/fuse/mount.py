@@ -24,6 +24,7 @@ from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
+from dlfs.fuse.control import ControlServer, control_socket_path
 from dlfs.fuse.ops import TIMEOUT, DlfsOperations
 from dlfs.fuse.stats import MountStats
 from dlfs.logs import set_context
@@ -128,6 +129,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     arena = arena_for_cache(opts.cache_size)
     choice = choose_for(opts.cluster, arena, f"mount of {opts.dataset}")
     async with AsyncExitStack() as stack:
+        # What must outlive every task (descriptors a task may still be sending): closed after the nursery.
+        last: list[Callable[[], None]] = []
+        stack.callback(lambda: [close() for close in reversed(last)])
         nursery = await stack.enter_async_context(open_nursery())
         client = ClusterClient(opts.cluster, nursery)
         await stack.enter_async_context(chunk_transport(client, choice, arena))
@@ -137,6 +141,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         index = Index(await fetch_index(client, info, opts.home))
         stack.callback(index.close)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
+        last.append(cache.close)
         cache.local = await open_local_chunks(client) if opts.short_circuit else None
         if cache.local is not None:
             stack.callback(cache.local.close)
@@ -145,6 +150,12 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
+        if cache.shared is not None:
+            control = ControlServer(cache, index, label, opts.mountpoint,
+                                    control_socket_path(opts.home, opts.mountpoint))
+            last.append(control.close)
+            await nursery.start(control.serve, name="dlfs-direct-control")
+            ops.control_path = os.fsencode(control.path)
         await MountStats(label, opts.mountpoint, ops, cache, client).publish(nursery, opts.home, opts.metrics)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
         if opts.allow_other:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # A mounted version never changes: the kernel may keep names and attributes as long as it likes.
 TIMEOUT = 86400.0
 BLKSIZE = 128 << 10
+CONTROL_XATTR = b"user.dlfs.control"  # on the root: the mount's control socket (dlfs.direct)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
@@ -73,6 +74,7 @@ class DlfsOperations(pyfuse3.Operations):
         self.bytes_read = 0
         self.errors = 0
         self.read_seconds = LatencyHistogram()
+        self.control_path: bytes | None = None  # the control socket dlfs.direct attaches to
 
     def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
         return self.fill(_new_attrs(), node.ino)
@@ -246,6 +248,9 @@ class DlfsOperations(pyfuse3.Operations):
         return True
 
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        # Not listed by listxattr: a copy of the tree must not carry it along.
+        if inode == pyfuse3.ROOT_INODE and name == CONTROL_XATTR and self.control_path is not None:
+            return self.control_path
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:

@@ -20,6 +20,20 @@ RDMA set-up rides on an authenticated data connection (dlfs/data/rdma.py, dlfs/c
                   response {"regions": [RemoteRegion or {"id", "error", "status"}, ...]}: where each
                            chunk's registered read-only mapping is (address, rkey, length); the daemon
                            keeps it registered until the client releases it or the connection ends
+
+dlfs.direct talks to a mount over its control socket (a Unix socket named by the xattr
+user.dlfs.control on the mount's root; dlfs/fuse/control.py), in the same frames, with no key: the
+socket is the mount owner's alone (mode 0600, and its peer's uid is checked):
+
+    DIRECT_ATTACH  request  {"pid"}
+                   response {"row", "label", "mountpoint"}, sent with three descriptors (SCM_RIGHTS):
+                            the shared cache's control region and arena (native/direct.c) and the index
+    DIRECT_READ    request  {"exts": [extent, ...]} (at most DIRECT_BATCH)
+                   response {"at": [[slab, offset] | None, ...], "errors": [[i, status, message], ...]};
+                            each [slab, offset] is pinned for the client's row; a None not named in
+                            errors is in data (raw bytes, in order, each its extent's raw length)
+    DIRECT_STATS   request  {}
+                   response the mount's cache statistics (fetches, bytes fetched by node, ...)
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ MAX_DATA = 320 << 20
 # Before the handshake a peer is unknown: it gets tiny frames only.
 MAX_DATA_UNAUTHENTICATED = 0
 MAX_META_UNAUTHENTICATED = 4096
+DIRECT_BATCH = 4096  # extents in one DIRECT_READ
 
 
 class Msg(enum.IntEnum):
@@ -83,6 +98,10 @@ class Msg(enum.IntEnum):
     VERIFY_CHUNKS = 55
     RDMA_CONNECT = 56
     RDMA_REGION = 57
+    # a mount's control socket (dlfs.direct)
+    DIRECT_ATTACH = 60
+    DIRECT_READ = 61
+    DIRECT_STATS = 62
 
 
 @dataclass(slots=True)
@@ -142,6 +161,30 @@ def encode_header(f: Frame, meta: bytes) -> bytes:
     return HEADER.pack(MAGIC, VERSION, f.kind, f.msg, f.status, f.req_id, len(meta), len(f.data))
 
 
+def parse_header(head: bytes | bytearray, peer: str, max_meta: int, max_data: int) -> tuple[int, int, int, int, int, int]:
+    """(kind, msg, status, req_id, meta_len, data_len) of a frame header; ProtocolError if it is bad."""
+    magic, version, kind, msg, status, req_id, meta_len, data_len = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"malformed frame from {peer}: bad magic {magic:#06x}")
+    if version != VERSION:
+        raise ProtocolError(f"frame from {peer}: protocol version {version} not spoken")
+    if kind not in (REQUEST, RESPONSE):
+        raise ProtocolError(f"malformed frame from {peer}: kind {kind}")
+    if meta_len > max_meta or data_len > max_data:
+        raise ProtocolError(f"frame from {peer} over the size limit (meta {meta_len}, data {data_len})")
+    return kind, msg, status, req_id, meta_len, data_len
+
+
+def encode_frame(f: Frame) -> bytes:
+    """Header and meta of a frame (its data follows them on the wire); ProtocolError over a limit."""
+    meta = pack_meta(f.meta)
+    if len(meta) > MAX_META:
+        raise ProtocolError(f"meta of {len(meta)} bytes is over the {MAX_META} limit")
+    if len(f.data) > MAX_DATA:
+        raise ProtocolError(f"data of {len(f.data)} bytes is over the {MAX_DATA} limit")
+    return encode_header(f, meta) + meta
+
+
 def pack_meta(meta: dict[str, Any]) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
@@ -178,12 +221,7 @@ class FrameStream:
         self.max_meta, self.max_data = MAX_META, MAX_DATA
 
     async def send(self, f: Frame) -> None:
-        meta = pack_meta(f.meta)
-        if len(meta) > MAX_META:
-            raise ProtocolError(f"meta of {len(meta)} bytes is over the {MAX_META} limit")
-        if len(f.data) > MAX_DATA:
-            raise ProtocolError(f"data of {len(f.data)} bytes is over the {MAX_DATA} limit")
-        head = encode_header(f, meta) + meta
+        head = encode_frame(f)
         if isinstance(f.data, FileRange):
             try:
                 await self.stream.send_all(head)
@@ -245,17 +283,7 @@ class FrameStream:
             if self._got:  # a partial header is a broken frame, not a clean end
                 raise ProtocolError(f"connection from {self.peer} ended inside a frame header") from None
             raise
-        magic, version, kind, msg, status, req_id, meta_len, data_len = HEADER.unpack(head)
-        if magic != MAGIC:
-            raise ProtocolError(f"malformed frame from {self.peer}: bad magic {magic:#06x}")
-        if version != VERSION:
-            raise ProtocolError(f"frame from {self.peer}: protocol version {version} not spoken")
-        if kind not in (REQUEST, RESPONSE):
-            raise ProtocolError(f"malformed frame from {self.peer}: kind {kind}")
-        if meta_len > self.max_meta or data_len > self.max_data:
-            raise ProtocolError(
-                f"frame from {self.peer} over the size limit (meta {meta_len}, data {data_len})"
-            )
+        kind, msg, status, req_id, meta_len, data_len = parse_header(head, self.peer, self.max_meta, self.max_data)
         raw_meta = bytearray(meta_len)
         dest = sink(req_id, data_len) if sink is not None and data_len else None
         data: bytearray | memoryview = bytearray(data_len) if dest is None else dest[:data_len]

@@ -1,0 +1,352 @@
+"""dlfs.direct: read a dlfs mount's files straight out of its shared chunk cache.
+
+    import dlfs.direct
+    reader = dlfs.direct.connect("/mnt/imagenet")
+    with reader.read("/mnt/imagenet/train/n01440764/x.JPEG") as view:   # a read-only memoryview
+        decode(view)
+    views = reader.read_many(paths)                                      # one round trip at most
+
+A file already in the mount's cache costs no request and no system call: the path is resolved in
+the index (mapped here too), the record's slab is pinned in shared memory and the view points at
+the bytes where they lie. Files not cached yet are fetched by the mount, a batch per request, and
+handed over pinned. A view's bytes never change while it lives: its pin is released when the view
+is released (the `with` block, `view.release()`) or dropped, and the mount reuses no pinned slab.
+
+Files that are not on a dlfs mount, or a mount this process may not attach to, are read with plain
+open() instead (same results, as read-only memoryviews of bytes), so code written against
+dlfs.direct runs anywhere. Errors are the ones open() raises: FileNotFoundError,
+IsADirectoryError, NotADirectoryError, PermissionError, and OSError(EIO) for data no replica has
+intact. After fork() a reader attaches anew in the child (each process has its own pins).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from dlfs.errors import DlfsError, error_from_status
+from dlfs.format.index import Index
+from dlfs.native import native
+from dlfs.wire.protocol import (
+    DIRECT_BATCH,
+    HEADER,
+    MAX_DATA,
+    MAX_META,
+    REQUEST,
+    RESPONSE,
+    Frame,
+    Msg,
+    encode_frame,
+    parse_header,
+    unpack_meta,
+)
+
+log = logging.getLogger(__name__)
+CONTROL_XATTR = "user.dlfs.control"
+REQUEST_BYTES = 64 << 20  # raw bytes asked for in one DIRECT_READ (any of them may come inline)
+BIG_RECORD = 32 << 20  # files with a record this big are read through the kernel instead
+TIMEOUT = 120.0  # seconds a request may wait for the mount (it fails over replicas meanwhile)
+Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
+__all__ = ["DirectReader", "PlainReader", "connect"]
+
+
+def _plain(path: Path) -> memoryview:
+    with open(path, "rb", buffering=0) as f:
+        return memoryview(f.read())
+
+
+class PlainReader:
+    """The fallback: the same calls as DirectReader, with open() and read()."""
+
+    direct = False
+
+    def __init__(self, root: Path | None = None, reason: str = "not a dlfs mount") -> None:
+        self.root = root
+        self.reason = reason
+
+    def read(self, path: Path) -> memoryview:
+        """The file's bytes as a read-only memoryview."""
+        return _plain(path)
+
+    def read_many(self, paths: Iterable[Path]) -> list[memoryview]:
+        return [_plain(p) for p in paths]
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> PlainReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(mountpoint: Path) -> DirectReader | PlainReader:
+    """A reader for the files under `mountpoint`: a DirectReader if it is a dlfs mount this process
+    may attach to, else a PlainReader (the reason is logged and kept as `.reason`)."""
+    root = os.path.abspath(os.fsdecode(mountpoint))
+    try:
+        control = os.getxattr(root, CONTROL_XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return PlainReader(root, f"{root} is not a dlfs mount")
+        raise  # ENOENT, ENOTCONN (a dead mount), EACCES: what open() would say too
+    if native is None:
+        return PlainReader(root, "dlfs's C helper is not loaded (DLFS_NO_NATIVE, or not built)")
+    try:
+        return DirectReader(root, os.fsdecode(control))
+    except OSError as exc:
+        reason = f"cannot attach to the mount's control socket {os.fsdecode(control)}: {exc.strerror or exc}"
+        log.warning("dlfs.direct on %s: %s; reading through the mount instead", root, reason)
+        return PlainReader(root, reason)
+
+
+def _error(err: int, path: Path, what: str | None = None) -> OSError:
+    return OSError(err, what or os.strerror(err), os.fsdecode(path))
+
+
+class DirectReader:
+    direct = True
+
+    def __init__(self, root: str, control: str) -> None:
+        self.root = root
+        self.control = control
+        self._prefix = os.fsencode(root).rstrip(b"/") + b"/"
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._attach()
+
+    # --- the connection ---
+
+    def _attach(self) -> None:
+        """Connect and map the shared cache: at start, and again in a forked child."""
+        if self._pid != -1:
+            self._sock.close()  # the parent's connection: closing our copy leaves it open for the parent
+            self._shared = None
+        self._pid = os.getpid()
+        self._req = 0
+        self._pending = bytearray()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(TIMEOUT)
+        try:
+            self._sock.connect(self.control)
+            self._send(Msg.DIRECT_ATTACH, {"pid": self._pid})
+            data, fds, _, _ = socket.recv_fds(self._sock, 1 << 16, 3)
+            if not data:
+                raise ConnectionResetError(errno.ECONNRESET, "the mount closed its control socket")
+            self._pending += data
+            try:
+                meta, _ = self._receive(Msg.DIRECT_ATTACH)
+                if len(fds) != 3:
+                    raise OSError(errno.EPROTO, f"the mount sent {len(fds)} descriptors, not 3")
+                ctl = mmap.mmap(fds[0], 0)
+                arena = mmap.mmap(fds[1], 0, prot=mmap.PROT_READ)
+                self.index = Index(f"/proc/self/fd/{fds[2]}")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self.row, self.label = int(meta["row"]), str(meta["label"])
+            assert native is not None
+            # The socket lives as long as any view: its end is what releases this process's pins.
+            self._shared = native.SharedCache(ctl, arena, row=self.row, sections=self.index.sections(),
+                                              keep=self._sock)
+        except BaseException:
+            self._sock.close()
+            raise
+        log.debug("dlfs.direct: attached to %s at %s as row %d", self.label, self.root, self.row)
+
+    def _send(self, msg: Msg, meta: dict[str, Any]) -> None:
+        self._req = (self._req + 1) & 0xFFFFFFFF
+        self._sock.sendall(encode_frame(Frame(REQUEST, msg, self._req, 0, meta)))
+
+    def _fill(self, view: memoryview) -> None:
+        got = min(len(self._pending), len(view))
+        view[:got] = self._pending[:got]
+        del self._pending[:got]
+        while got < len(view):
+            n = self._sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionResetError(errno.ECONNRESET, f"the dlfs mount at {self.root} went away")
+            got += n
+
+    def _receive(self, msg: Msg) -> tuple[dict[str, Any], bytearray]:
+        """The answer to the request just sent; its error, if it is one, as a DlfsError."""
+        head = bytearray(HEADER.size)
+        self._fill(memoryview(head))
+        peer = f"the dlfs mount at {self.root}"
+        kind, got_msg, status, req_id, meta_len, data_len = parse_header(head, peer, MAX_META, MAX_DATA)
+        raw_meta, data = bytearray(meta_len), bytearray(data_len)
+        self._fill(memoryview(raw_meta))
+        self._fill(memoryview(data))
+        if kind != RESPONSE or got_msg != msg or req_id != self._req:
+            raise OSError(errno.EPROTO, f"{peer} answered out of turn")
+        meta = unpack_meta(raw_meta) if meta_len else {}
+        if status:
+            raise error_from_status(status, str(meta.get("error", "mount error")))
+        return meta, data
+
+    def _check_open(self) -> None:
+        if self._shared is None:
+            raise ValueError(f"dlfs.direct reader of {self.root} is closed")
+
+    def _call(self, msg: Msg, meta: dict[str, Any]) -> tuple[dict[str, Any], bytearray]:
+        self._check_open()
+        with self._lock:
+            if self._pid != os.getpid():
+                self._attach()
+            self._send(msg, meta)
+            return self._receive(msg)
+
+    def close(self) -> None:
+        """Detach from the mount. Views still alive stay valid: the connection, and with it their
+        pins, ends when the last of them is released."""
+        shared, sock = self._shared, self._sock
+        if shared is None:
+            return
+        self._shared = self._sock = None  # type: ignore[assignment]
+        if self._pid != os.getpid() or shared.row_pins(self.row) == 0:
+            sock.close()
+
+    def __enter__(self) -> DirectReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reads ---
+
+    def stats(self) -> dict[str, Any]:
+        """The mount's cache statistics (fetches, bytes fetched by node, attached clients, ...)."""
+        return self._call(Msg.DIRECT_STATS, {})[0]
+
+    def read(self, path: Path) -> memoryview:
+        """The file's bytes, a read-only memoryview into the shared cache, pinned until released."""
+        return self.read_many([path])[0]
+
+    def read_many(self, paths: Sequence[Path]) -> list[memoryview]:
+        """Every file's bytes, as read() gives them, with at most one request per batch of misses.
+        The first path that fails raises its error (the views already made are let go)."""
+        self._check_open()
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._attach()
+        rels: list[bytes] = []
+        outside: dict[int, Path] = {}
+        prefix = self._prefix
+        for i, p in enumerate(paths):
+            full = os.fsencode(os.path.abspath(p))
+            if full.startswith(prefix):
+                rels.append(full[len(prefix):])
+            elif full == prefix[:-1]:
+                rels.append(b"")
+            else:
+                rels.append(b"")
+                outside[i] = p  # not on this mount: read it plainly
+        got: list[Any] = self._shared.read_many(rels)
+        ask: dict[int, int] = {}
+        for i, r in enumerate(got):
+            if isinstance(r, memoryview):
+                continue
+            if i in outside:
+                got[i] = _plain(outside[i])
+            elif r < 0:
+                raise _error(-r, paths[i], "corrupt index entry" if r == -errno.EIO else None)
+            else:
+                ask[i] = r
+        if ask:
+            self._finish(paths, got, ask)
+        return got
+
+    def _finish(self, paths: Sequence[Path], got: list[Any], ask: dict[int, int]) -> None:
+        """Files not (wholly) in the shared cache: symlinks through the kernel, the rest from the mount."""
+        wanted: list[tuple[int, int, int]] = []  # (path position, first extent, extents)
+        for i, ino in ask.items():
+            node = self.index.inode(ino)
+            if stat.S_ISLNK(node.mode):
+                got[i] = self._via_symlink(paths[i])
+            elif not stat.S_ISREG(node.mode):
+                got[i] = _plain(paths[i])  # what open() does with it (a FIFO or device is not ingested)
+            elif any(self.index.extent(e).record.raw_len > BIG_RECORD for e in range(node.ref, node.ref + node.count)):
+                got[i] = _plain(paths[i])
+            else:
+                wanted.append((i, node.ref, node.count))
+        exts = [e for _, ref, n in wanted for e in range(ref, ref + n)]
+        pieces = self._fetch(exts, {e: paths[i] for i, ref, n in wanted for e in range(ref, ref + n)})
+        pos = 0
+        for i, ref, n in wanted:
+            mine = pieces[pos : pos + n]
+            pos += n
+            if n == 1:
+                got[i] = mine[0]
+                continue
+            whole = bytearray(sum(len(m) for m in mine))
+            at = 0
+            for m in mine:
+                whole[at : at + len(m)] = m
+                at += len(m)
+                m.release()
+            got[i] = memoryview(whole).toreadonly()
+
+    def _via_symlink(self, path: Path) -> memoryview:
+        target = os.path.realpath(path)  # the kernel follows it, as open() would
+        if os.fsencode(target).startswith(self._prefix):
+            return self.read_many([target])[0]
+        return _plain(target)
+
+    def _fetch(self, exts: list[int], path_of: dict[int, Path]) -> list[memoryview]:
+        """Views of these extents' records, asked of the mount in batches."""
+        out: list[memoryview] = []
+        start = 0
+        while start < len(exts):
+            end, size = start, 0
+            while end < len(exts) and end - start < DIRECT_BATCH:
+                size += self.index.extent(exts[end]).record.raw_len
+                if size > REQUEST_BYTES and end > start:
+                    break
+                end += 1
+            out += self._fetch_batch(exts[start:end], path_of)
+            start = end
+        return out
+
+    def _fetch_batch(self, exts: list[int], path_of: dict[int, Path]) -> list[memoryview]:
+        try:
+            meta, data = self._call(Msg.DIRECT_READ, {"exts": exts})
+        except DlfsError as exc:
+            raise _error(exc.errno, path_of[exts[0]], exc.message) from None
+        at, errors = meta.get("at"), meta.get("errors", [])
+        if not isinstance(at, list) or len(at) != len(exts):
+            raise OSError(errno.EPROTO, f"the dlfs mount at {self.root} answered a read with the wrong shape")
+        out: list[memoryview] = []
+        # The pins the mount took for us are each released by the view made of them.
+        for i, where in enumerate(at):
+            if where is not None:
+                out.append(self._shared.take(where[0], where[1], self.index.extent(exts[i]).record.raw_len))
+        failed = {int(i): (int(status), str(msg)) for i, status, msg in errors}
+        if failed:
+            i = min(failed)
+            exc = error_from_status(*failed[i])
+            raise _error(exc.errno, path_of[exts[i]], exc.message)
+        views, inline, off = iter(out), memoryview(data).toreadonly(), 0
+        result = []
+        for i, where in enumerate(at):
+            if where is not None:
+                result.append(next(views))
+            else:
+                n = self.index.extent(exts[i]).record.raw_len
+                if off + n > len(inline):
+                    raise OSError(errno.EPROTO, f"the dlfs mount at {self.root} sent too few bytes")
+                result.append(inline[off : off + n])
+                off += n
+        return result
