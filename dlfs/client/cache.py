@@ -78,7 +78,8 @@ class ChunkCache:
                  readahead: int = 4 << 20, prefetch: bool = True) -> None:
         self.index = index
         self.client = client
-        self.slab_size = max(readahead, 64 << 10)
+        # No fetch spans chunks: a slab bigger than the dataset's chunks would be memory never used.
+        self.slab_size = max(min(readahead, index.totals.chunk_size or readahead), 64 << 10)
         nslabs = max(capacity // self.slab_size, 4)
         self.capacity = nslabs * self.slab_size
         # A memfd, lazily touched: a large cache costs address space, not memory, until used; the
@@ -115,6 +116,7 @@ class ChunkCache:
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.prefetched_bytes = self.consumed = self.corrupt = 0
+        self.retired_pinned = 0  # slabs a dlfs.direct client still pinned when their records were dropped
         self.failovers = 0  # fetches that moved on to another replica after one failed
         self.fetched_by_node: dict[str, int] = {}  # bytes
         self.fetches_by_node: dict[str, int] = {}
@@ -169,6 +171,7 @@ class ChunkCache:
             self._free.append(slab)
         else:
             self._retired.append(slab)
+            self.retired_pinned += 1
 
     def _reclaim_retired(self) -> None:
         assert self.shared is not None
@@ -409,11 +412,13 @@ class ChunkCache:
                 ext = run[-1] + 1
 
     def stats(self) -> dict[str, int]:
+        if self._retired:
+            self._reclaim_retired()  # so retired_slabs counts only those still pinned
         out = {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
                "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
                "consumed": self.consumed, "evictions": self.evictions,
                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
-               "retired_slabs": len(self._retired),
+               "retired_slabs": len(self._retired), "retired_pinned": self.retired_pinned,
                "tcp_fallbacks": self.client.tcp_fallbacks}
         if self.client.rdma is not None:
             out.update(self.client.rdma.stats())
