@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # --system-site-packages: pyverbs comes from the system's rdma-core (python3-pyverbs), as on real clusters.
-$(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
+$(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh scripts/constraints.txt
 	./scripts/install-system-deps.sh
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	@# torch for dlfs.torch and its tests: the CPU build (scripts/constraints.txt), not a CUDA one of several GB.
+	$(VENV)/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test,torch]'
 	@# The RDMA transport needs pyverbs: a venv made before without system site-packages would hide it.
 	@$(VENV)/bin/python -c 'import pyverbs.device, pyverbs.qp' || { echo "dlfs: pyverbs does not import in $(VENV): python3-pyverbs must be installed for $(PYTHON) and $(VENV) made with --system-site-packages (make clean install)" >&2; exit 1; }
 	touch $@

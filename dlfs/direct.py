@@ -230,6 +230,36 @@ class DirectReader:
         """The mount's cache statistics (fetches, bytes fetched by node, attached clients, ...)."""
         return self._call(Msg.DIRECT_STATS, {})[0]
 
+    def files_under(self, directory: Path) -> tuple[list[str], list[int]]:
+        """Every regular file below `directory` (paths relative to it, sorted) and the chunk holding
+        each one's first bytes (-1 for an empty file), from the index: no request, no kernel."""
+        self._check_open()
+        full = os.path.abspath(os.fsdecode(directory))
+        rel = os.fsencode(full)[len(self._prefix):] if os.fsencode(full).startswith(self._prefix) else b""
+        if full != self.root and not os.fsencode(full).startswith(self._prefix):
+            raise ValueError(f"{full} is not under the dlfs mount at {self.root}")
+        ino = 1
+        for part in (p for p in rel.split(b"/") if p):
+            found = self.index.lookup(ino, part) if stat.S_ISDIR(self.index.inode(ino).mode) else None
+            if found is None:
+                raise _error(errno.ENOENT, full)
+            ino = found
+        if not stat.S_ISDIR(self.index.inode(ino).mode):
+            raise _error(errno.ENOTDIR, full)
+        out: list[tuple[bytes, int]] = []
+        todo = [(b"", ino)]
+        while todo:
+            base, d = todo.pop()
+            for _, name, child in self.index.entries(d):
+                mode, *_, ref, count, _ = self.index.inode_fields(child)
+                path = base + name
+                if stat.S_ISDIR(mode):
+                    todo.append((path + b"/", child))
+                elif stat.S_ISREG(mode):
+                    out.append((path, self.index.extent(ref).chunk if count else -1))
+        out.sort()
+        return [os.fsdecode(p) for p, _ in out], [c for _, c in out]
+
     def read(self, path: Path) -> memoryview:
         """The file's bytes, a read-only memoryview into the shared cache, pinned until released."""
         return self.read_many([path])[0]
