@@ -111,7 +111,22 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         assert all(p["mount_s"] > 0 and p["remount_s"] > 0 and p["rss_stat"] > 0 for p in points)
         assert out["scale"]["rss_bytes_per_file"] is not None
         assert out["targets"] and all(isinstance(t["met"], bool) for t in out["targets"])
-        assert "TARGETS (issue 4)" in proc.stdout and "EPOCH" in proc.stdout
+        total = out["dataset"]["bytes"]
+        for kind, modes in (("cold", ("local", "batched")), ("warm", ("local", "single", "batched")),
+                            ("warm_hash", ("local", "single", "batched"))):
+            for mode in modes:
+                r = out["direct"][kind][mode]
+                assert r["files"] == 300 and r["bytes"] == total and r["files_per_s"] > 0, (kind, mode)
+        for workers in ("0", "2"):
+            by = out["torch"][workers]
+            assert by["dlfs"]["direct"] and not by["local"]["direct"]
+            # The whole directory, the sample's marker file included.
+            assert by["dlfs"]["files"] == by["local"]["files"] == 301
+            assert by["dlfs"]["bytes"] == by["local"]["bytes"] > total
+        jobs = out["two_jobs"]
+        assert [j["files"] for j in jobs["jobs"]] == [300, 300] and jobs["dataset_bytes"] == total
+        assert 1.0 <= jobs["fetched_ratio"] <= 1.1, jobs  # each chunk fetched once for both jobs
+        assert "TARGETS (issues 4, 5)" in proc.stdout and "EPOCH" in proc.stdout and "DIRECT" in proc.stdout
     finally:
         # Whatever happened: nothing of the run may stay mounted, looped or running.
         left = mounts_under(tmp_path)

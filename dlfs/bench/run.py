@@ -9,6 +9,7 @@ grows. Whatever it mounted is unmounted and the node stopped on the way out, err
 from __future__ import annotations
 
 import datetime
+import operator
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dlfs.bench import scale
+from dlfs.bench.direct import run_direct
 from dlfs.bench.baselines import (
     DlfsMount,
     DlfsNode,
@@ -57,6 +59,11 @@ PASSES = {
     "warm": "the same read again at once, on the same mount (page cache and daemon caches warm)",
     "metadata": "page cache dropped, then a fresh mount; one os.scandir walk with an lstat of every entry",
     "ingest": "page cache dropped first; wall time until the data is on disk (the command, then sync)",
+    "direct": "one process, random order, on a fresh mount: cold (page cache dropped), then warm (the mount's "
+              "shared cache and the local page cache hot); views taken as they come, or every byte hashed",
+    "torch": "DirectDataset, raw bytes to uint8 tensors, chunk-local sampler, batches of 64; the second epoch",
+    "two_jobs": "two processes, each a whole epoch in its own random order, at once on a fresh mount, "
+                "page cache dropped",
 }
 Say = Callable[[str], None]
 
@@ -160,6 +167,8 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
             fresh_start(s)
             out["metadata"][s.name] = metadata_walk(s.root)
             s.unmount()
+
+        out.update(run_direct(dlfs, str(src), relpaths, total, say))  # type: ignore[arg-type]
 
         points = []
         chunk = scale.fake_chunk()
@@ -325,10 +334,12 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 4's targets: each a measured value, its goal, and whether it is met."""
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, goal: float, unit: str, higher_is_better: bool = True) -> None:
-        met = value is not None and (value >= goal if higher_is_better else value < goal)
+    tests = {">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+    def add(name: str, value: float | None, goal: float, unit: str, op: str = ">=") -> None:
+        met = value is not None and tests[op](value, goal)
         rows.append({"target": name, "value": value, "goal": goal, "unit": unit,
-                     "op": ">=" if higher_is_better else "<", "met": met})
+                     "op": op, "met": met})
 
     for kind in ("cold", "warm"):
         for readers, by in out["epoch"][kind].items():
@@ -338,14 +349,20 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     add("metadata walk: dlfs / squashfuse_ll", _ratio(md["dlfs"]["entries_per_s"], md["squashfuse_ll"]["entries_per_s"]), 5.0, "x")
     add("metadata walk: dlfs / local disk", _ratio(md["dlfs"]["entries_per_s"], md["local"]["entries_per_s"]), 0.5, "x")
     add("ingest: dlfs / mksquashfs", out["ingest"]["ratio"], 1.0, "x")
+    d = out["direct"]
+    add("dlfs.direct read_many, warm: files/s / local disk (hot page cache)", d["warm"]["batched"]["vs_local"], 3.0, "x")
+    if "skipped" not in out["torch"]:
+        for w, by in out["torch"].items():
+            add(f"torch DirectDataset, {w} workers: dlfs.direct / open() on local disk", by["vs_local"], 1.5, "x")
+    add("two concurrent jobs: bytes fetched / dataset size", out["two_jobs"]["fetched_ratio"], 1.1, "x", op="<=")
     points = out["scale"]["points"]
     if points:
         big = max(points, key=lambda p: p["files"])
-        add(f"mount of a {big['files']:,}-file index (first mount)", big["mount_s"], 2.0, "s", higher_is_better=False)
+        add(f"mount of a {big['files']:,}-file index (first mount)", big["mount_s"], 2.0, "s", op="<")
     if out["scale"]["rss_bytes_per_file"] is not None:
         small = min(points, key=lambda p: p["files"])
         add(f"mount's RSS per file beyond a base ({small['files']:,} to {big['files']:,})",
-            out["scale"]["rss_bytes_per_file"], 100.0, "B", higher_is_better=False)
+            out["scale"]["rss_bytes_per_file"], 100.0, "B", op="<")
     return rows
 
 
@@ -395,6 +412,7 @@ def format_report(out: dict[str, Any]) -> str:
               f"  {'':<18}{'mksquashfs lz4':<19}{_num(ing['mksquashfs']['mb_per_s'], 1):>9}"
               f"{_num(ing['mksquashfs']['seconds'], 1):>9}",
               f"  {'':<18}{'dlfs / mksquashfs':<19}{_x(ing['ratio']):>9}"]
+    lines += format_direct(out)
     sc = out["scale"]
     lines += ["", f"NAMESPACE SCALE: synthetic index, {sc['per_dir']} files a folder; `dlfs mount` wall time, "
               "mount process VmRSS",
@@ -407,7 +425,7 @@ def format_report(out: dict[str, Any]) -> str:
         lines.append(f"  resident memory per file beyond a fixed base, after the stat: {sc['rss_bytes_per_file']:.0f} B "
                      f"(first mount), {sc['rss_bytes_per_file_remount']:.0f} B (remount)")
     lines.append("  mount: the first, which also fetches the index from the node; remount: the index is cached locally")
-    lines += ["", f"{'TARGETS (issue 4)':<58}{'measured':>10}{'goal':>9}  result"]
+    lines += ["", f"{'TARGETS (issues 4, 5)':<58}{'measured':>10}{'goal':>9}  result"]
     for t in out["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:.{0 if t['unit'] == 'B' else 2}f}{t['unit']}"
         lines.append(f"  {t['target']:<56}{value:>10}{t['op'] + ' ' + format(t['goal'], 'g') + t['unit']:>9}"
@@ -415,6 +433,33 @@ def format_report(out: dict[str, Any]) -> str:
     met = sum(t["met"] for t in out["targets"])
     lines += [f"  {met} of {len(out['targets'])} targets met", "", f"wall time: {out['wall_s']:.0f} s"]
     return "\n".join(lines)
+
+
+def format_direct(out: dict[str, Any]) -> list[str]:
+    """The zero-copy section: dlfs.direct, dlfs.torch and two jobs, each beside its baseline."""
+    d = out["direct"]
+    lines = ["", f"{'DIRECT: dlfs.direct, one process':<39}{'files/s':>9}{'MB/s':>9}{'vs local':>11}"]
+    names = {"local": "local disk open()", "single": "dlfs.direct read()", "batched": "dlfs.direct read_many"}
+    for kind, title in (("cold", "cold"), ("warm", "warm, views"), ("warm_hash", "warm, xxh3 of bytes")):
+        for i, (mode, r) in enumerate(d[kind].items()):
+            ratio = _x(r.get("vs_local")) if mode != "local" else ""
+            lines.append(f"  {title if i == 0 else '':<18}{names[mode]:<21}{_num(r['files_per_s']):>7}"
+                         f"{_num(r['mb_per_s'], 1):>9}{ratio:>11}")
+    t = out["torch"]
+    lines += ["", f"{'TORCH: DirectDataset + DataLoader':<39}{'files/s':>9}{'MB/s':>9}{'vs local':>11}"]
+    if "skipped" in t:
+        lines.append(f"  skipped: {t['skipped']}")
+    for w, by in t.items() if "skipped" not in t else ():
+        for i, (name, label) in enumerate((("local", "open() on local disk"), ("dlfs", "dlfs.direct"))):
+            r = by[name]
+            lines.append(f"  {(w + ' workers') if i == 0 else '':<18}{label:<21}{_num(r['files_per_s']):>7}"
+                         f"{_num(r['mb_per_s'], 1):>9}{_x(by['vs_local']) if name == 'dlfs' else '':>11}")
+    j = out["two_jobs"]
+    rates = ", ".join(f"{_num(r['files_per_s'])} files/s" for r in j["jobs"])
+    lines += ["", "TWO JOBS at once on a fresh mount (dlfs.direct read_many)",
+              f"  each job: {rates}; fetched {j['fetched_bytes'] / 1e9:.3f} GB for a {j['dataset_bytes'] / 1e9:.3f} GB "
+              f"dataset = {j['fetched_ratio']:.3f}x (one job alone needs 1x)"]
+    return lines
 
 
 def check_plotting() -> None:
