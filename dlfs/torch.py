@@ -14,31 +14,103 @@ chunk-aware sampler for it. The only part of dlfs that needs torch.
 
 DataLoader hands each batch's indices to `__getitems__`, so a batch costs one read_many: no
 request at all for files already in the mount's cache, one for the rest. `transform` gets each file
-as a read-only memoryview into the shared cache (valid for the call; what it returns may keep
-referring to it, and the bytes then stay pinned as long as that lives). Off a dlfs mount the same
-Dataset reads with open(), so it also serves as the baseline it is measured against.
+as a read-only memoryview into the shared cache (what it returns may keep referring to it; the bytes
+then stay pinned as long as that lives).
+
+With no transform, a batch is a ViewBatch of read-only memoryviews (use collate_fn=collate_views).
+From a worker process it reaches the training process as the files' paths and is mapped there from
+the same shared cache: the worker's read put the files in the cache, and no byte is copied between
+the processes. Off a dlfs mount the same Dataset reads with open() (a ViewBatch then carries the
+bytes), so it also serves as the baseline it is measured against.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.utils.data
 
 import dlfs.direct
 from dlfs.sampler import ChunkLocalSampler
 
-__all__ = ["ChunkLocalSampler", "DirectDataset"]
+__all__ = ["ChunkLocalSampler", "DirectDataset", "ViewBatch", "as_tensor", "collate_bytes", "collate_views"]
+
+_readers: dict[tuple[int, str], dlfs.direct.DirectReader | dlfs.direct.PlainReader] = {}
 
 
-def _copy(view: memoryview) -> bytes:
-    return bytes(view)
+def reader_for(mountpoint: str) -> dlfs.direct.DirectReader | dlfs.direct.PlainReader:
+    """This process's reader of a mount, made once."""
+    key = (os.getpid(), mountpoint)
+    reader = _readers.get(key)
+    if reader is None:
+        reader = _readers[key] = dlfs.direct.connect(mountpoint)
+    return reader
+
+
+class ViewBatch(Sequence[memoryview]):
+    """A batch of files' bytes as read-only memoryviews. Pickled (from a DataLoader worker), a
+    batch of a dlfs mount travels as its paths and is mapped again from the shared cache where it
+    lands; any other batch travels as its bytes."""
+
+    def __init__(self, views: list[memoryview], mountpoint: str | None = None,
+                 paths: list[str] | None = None) -> None:
+        self.views, self.mountpoint, self.paths = views, mountpoint, paths
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.views[i]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self.views)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.mountpoint is not None and self.paths is not None:
+            return _remap, (self.mountpoint, self.paths)
+        return _from_bytes, ([bytes(v) for v in self.views],)
+
+
+def _remap(mountpoint: str, paths: list[str]) -> ViewBatch:
+    return ViewBatch(reader_for(mountpoint).read_many(paths), mountpoint, paths)
+
+
+def _from_bytes(blobs: list[bytes]) -> ViewBatch:
+    return ViewBatch([memoryview(b) for b in blobs])
+
+
+def collate_views(batch: Any) -> ViewBatch:
+    """The collate_fn for a DirectDataset with no transform: its batches pass through as they are."""
+    return batch if isinstance(batch, ViewBatch) else ViewBatch(list(batch))
+
+
+def as_tensor(view: memoryview) -> torch.Tensor:
+    """A transform: the file's bytes as a uint8 tensor over the view itself (no copy; read-only
+    memory: never write to it). The bytes stay pinned while the tensor lives."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that it cannot mark the tensor read-only
+        return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+
+
+def collate_bytes(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A collate_fn for raw bytes (with as_tensor): the batch as one flat uint8 tensor and each
+    sample's length, the form a GPU decoder takes. In a DataLoader worker the flat tensor is made in
+    shared memory, so the bytes are copied once, from the cache into it."""
+    lengths = torch.tensor([t.numel() for t in batch], dtype=torch.int64)
+    flat = torch.empty(int(lengths.sum()), dtype=torch.uint8)
+    if torch.utils.data.get_worker_info() is not None:
+        flat.share_memory_()
+    torch.cat(batch, out=flat)
+    return flat, lengths
 
 
 class DirectDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Every regular file under `root`, sorted by path; item i is `transform(bytes of file i)`."""
+    """Every regular file under `root`, sorted by path; item i is `transform(view of file i)`, or
+    the view itself with no transform."""
 
     def __init__(self, root: str | os.PathLike[str], transform: Callable[[memoryview], Any] | None = None,
                  mountpoint: str | os.PathLike[str] | None = None) -> None:
@@ -46,9 +118,8 @@ class DirectDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.root = os.path.abspath(os.fspath(root))
         if not os.path.isdir(self.root):
             raise NotADirectoryError(f"{self.root} is not a directory")
-        self.transform = transform or _copy
-        self.mountpoint = os.fspath(mountpoint) if mountpoint is not None else _mount_of(self.root)
-        self._reader: dlfs.direct.DirectReader | dlfs.direct.PlainReader | None = None
+        self.transform = transform
+        self.mountpoint = os.path.abspath(os.fspath(mountpoint)) if mountpoint is not None else _mount_of(self.root)
         reader = self.reader
         if isinstance(reader, dlfs.direct.DirectReader):
             self.files, self.chunks = reader.files_under(self.root)
@@ -59,9 +130,7 @@ class DirectDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     @property
     def reader(self) -> dlfs.direct.DirectReader | dlfs.direct.PlainReader:
-        if self._reader is None:
-            self._reader = dlfs.direct.connect(self.mountpoint)
-        return self._reader
+        return reader_for(self.mountpoint)
 
     @property
     def direct(self) -> bool:
@@ -77,14 +146,14 @@ class DirectDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, i: int) -> Any:
         return self.__getitems__([i])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        paths = [self.paths[i] for i in indices]
+        views = self.reader.read_many(paths)
+        if self.transform is None:
+            return ViewBatch(views, self.mountpoint if self.reader.direct else None, paths)
         # No release(): a result may refer to its view without holding a buffer export (as
         # torch.frombuffer does), and then only the reference keeps the pin. The rest go here.
-        return [self.transform(v) for v in self.reader.read_many([self.paths[i] for i in indices])]
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A worker started by spawn attaches on its own; a connection cannot be pickled.
-        return {**self.__dict__, "_reader": None}
+        return [self.transform(v) for v in views]
 
 
 def _mount_of(path: str) -> str:

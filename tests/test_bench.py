@@ -117,8 +117,8 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
             for mode in modes:
                 r = out["direct"][kind][mode]
                 assert r["files"] == 300 and r["bytes"] == total and r["files_per_s"] > 0, (kind, mode)
-        for workers in ("0", "2"):
-            by = out["torch"][workers]
+        for kind, workers in ((k, w) for k in ("views", "tensor") for w in ("0", "2")):
+            by = out["torch"][kind][workers]
             assert by["dlfs"]["direct"] and not by["local"]["direct"]
             # The whole directory, the sample's marker file included.
             assert by["dlfs"]["files"] == by["local"]["files"] == 301

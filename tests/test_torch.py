@@ -4,6 +4,7 @@ ranks see every sample exactly once per epoch, and the same Dataset off dlfs rea
 from __future__ import annotations
 
 import os
+import pickle
 from collections import Counter
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from test_direct import make_churn_tree
 torch = pytest.importorskip("torch", reason="dlfs.torch needs torch (make install puts it in the venv)")
 from torch.utils.data import DataLoader  # noqa: E402
 
-from dlfs.torch import DirectDataset  # noqa: E402
+from dlfs.native import native  # noqa: E402
+from dlfs.torch import DirectDataset, ViewBatch, as_tensor, collate_bytes, collate_views  # noqa: E402
 
 # torch.frombuffer of a read-only view warns that writes are unsupported: dlfs views are read-only.
 pytestmark = [needs_fuse, pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
@@ -42,7 +44,7 @@ def test_samples_are_the_files(mounted_tree: tuple[Path, Path, dict[str, bytes]]
     assert ds.direct and len(ds) == len(want)
     assert ds.files == sorted(want) == DirectDataset(src).files
     assert [ds[i] for i in range(len(ds))] == [want[f] for f in ds.files]
-    assert ds.__getitems__([5, 0, 5]) == [want[ds.files[5]], want[ds.files[0]], want[ds.files[5]]]
+    assert list(ds.__getitems__([5, 0, 5])) == [want[ds.files[5]], want[ds.files[0]], want[ds.files[5]]]
     # Real chunks: many files share one, and a file's neighbours mostly share its chunk.
     assert len(set(ds.chunks)) < len(ds) / 4 and ds.chunks == sorted(ds.chunks)
     sub = DirectDataset(mnt / "d3")
@@ -64,6 +66,30 @@ def test_transform_gets_views(mounted_tree: tuple[Path, Path, dict[str, bytes]])
     assert keep.reader._shared.row_pins(keep.reader.row) == 0
 
 
+def test_a_batch_crosses_processes_as_paths(mounted_tree: tuple[Path, Path, dict[str, bytes]]) -> None:
+    """Pickled (as a worker sends it), a dlfs batch is its paths, mapped again from the shared cache;
+    off dlfs it carries the bytes."""
+    src, mnt, want = mounted_tree
+    batch = DirectDataset(mnt).__getitems__(list(range(50)))
+    assert isinstance(batch, ViewBatch) and batch.mountpoint == str(mnt)
+    blob = pickle.dumps(batch)
+    assert len(blob) < 100 * 50  # paths, not 50 files of up to 40 KB
+    again = pickle.loads(blob)
+    assert [bytes(v) for v in again] == [bytes(v) for v in batch] == [want[f] for f in sorted(want)[:50]]
+    assert all(v.readonly and isinstance(v.obj, native.Pin) for v in again)  # views of the shared cache
+    local = pickle.loads(pickle.dumps(DirectDataset(src).__getitems__([0, 1])))
+    assert [bytes(v) for v in local] == [want[f] for f in sorted(want)[:2]]
+
+
+def test_raw_bytes_collate(mounted_tree: tuple[Path, Path, dict[str, bytes]]) -> None:
+    _, mnt, want = mounted_tree
+    ds = DirectDataset(mnt, transform=as_tensor)
+    loader = DataLoader(ds, batch_size=10, num_workers=2, collate_fn=collate_bytes)
+    flat, lengths = next(iter(loader))
+    expect = [want[f] for f in ds.files[:10]]
+    assert lengths.tolist() == [len(e) for e in expect] and bytes(flat.tolist()) == b"".join(expect)
+
+
 def epoch_samples(loader: DataLoader, by_bytes: dict[bytes, str]) -> list[str]:
     return [by_bytes[bytes(b)] for batch in loader for b in batch]
 
@@ -75,7 +101,7 @@ def test_dataloader_sees_every_file_once_per_epoch(mounted_tree: tuple[Path, Pat
     by_bytes = {v: k for k, v in want.items()}
     ds = DirectDataset(mnt)
     sampler = ds.sampler(seed=4)
-    loader = DataLoader(ds, batch_size=16, sampler=sampler, num_workers=workers, collate_fn=list)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler, num_workers=workers, collate_fn=collate_views)
     orders = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
@@ -95,7 +121,7 @@ def test_ranks_share_an_epoch_exactly(mounted_tree: tuple[Path, Path, dict[str, 
         sampler = ds.sampler(rank=rank, world_size=world, seed=9)
         sampler.set_epoch(3)
         seen += epoch_samples(DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2 if rank == 0 else 0,
-                                         collate_fn=list), by_bytes)
+                                         collate_fn=collate_views), by_bytes)
     assert Counter(seen) == Counter(list(want))
 
 
@@ -103,7 +129,7 @@ def test_off_dlfs_it_reads_with_open(mounted_tree: tuple[Path, Path, dict[str, b
     src, _, want = mounted_tree
     ds = DirectDataset(src)
     assert not ds.direct and "not a dlfs mount" in ds.reader.reason
-    loader = DataLoader(ds, batch_size=32, sampler=ds.sampler(seed=1), num_workers=2, collate_fn=list)
+    loader = DataLoader(ds, batch_size=32, sampler=ds.sampler(seed=1), num_workers=2, collate_fn=collate_views)
     assert Counter(epoch_samples(loader, {v: k for k, v in want.items()})) == Counter(list(want))
     with pytest.raises(NotADirectoryError):
         DirectDataset(src / "d0" / sorted(os.listdir(src / "d0"))[0])

@@ -5,7 +5,8 @@ Each is measured beside its baseline in the same run:
     read_many() by batch, against open()+readinto() of the same files on local disk with a hot page
     cache; once taking the bytes as they come (a view, a reused buffer), once hashing every byte
     (xxh3), which is what any consumer pays for touching them;
-  - the torch Dataset (DirectDataset, raw bytes to a uint8 tensor, the chunk-local sampler) through
+  - the torch Dataset (DirectDataset, the chunk-local sampler; each batch delivered to the training
+    process as views, or copied into one tensor: TORCH_KINDS) through
     dlfs.direct against the same Dataset over the local directory (open()), with 0 and 2 workers;
   - two jobs reading whole epochs at once, in different orders, on a fresh mount with the page cache
     dropped: the bytes the mount fetched against the dataset's size (each chunk once, not twice).
@@ -17,7 +18,6 @@ import multiprocessing as mp
 import os
 import random
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,23 +104,20 @@ def measure_direct(mnt: str, src: str, relpaths: Sequence[str], seed: int = 5) -
     return out
 
 
-def _to_tensor(view: memoryview) -> Any:
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns that a read-only buffer cannot be written
-        return torch.frombuffer(view, dtype=torch.uint8).clone()
-
-
-def torch_epoch(root: str, workers: int, seed: int = 3) -> dict[str, Any]:
-    """The second epoch of DirectDataset under a DataLoader (the first warms workers and caches)."""
+def torch_epoch(root: str, workers: int, kind: str, seed: int = 3) -> dict[str, Any]:
+    """The second epoch of DirectDataset under a DataLoader (the first warms workers and caches).
+    kind "views": no transform, batches of views (collate_views); "tensor": as_tensor and
+    collate_bytes, each batch's bytes copied into one tensor (shared memory from a worker)."""
     from torch.utils.data import DataLoader
 
-    from dlfs.torch import DirectDataset
+    from dlfs.torch import DirectDataset, as_tensor, collate_bytes, collate_views
 
-    ds = DirectDataset(root, transform=_to_tensor)
+    if kind == "views":
+        ds, collate = DirectDataset(root), collate_views
+    else:
+        ds, collate = DirectDataset(root, transform=as_tensor), collate_bytes
     sampler = ds.sampler(seed=seed)
-    loader = DataLoader(ds, batch_size=TORCH_BATCH, sampler=sampler, num_workers=workers, collate_fn=list,
+    loader = DataLoader(ds, batch_size=TORCH_BATCH, sampler=sampler, num_workers=workers, collate_fn=collate,
                         persistent_workers=workers > 0)
     result: dict[str, Any] = {}
     for epoch in range(2):
@@ -128,12 +125,24 @@ def torch_epoch(root: str, workers: int, seed: int = 3) -> dict[str, Any]:
         files = nbytes = 0
         t0 = time.perf_counter()
         for batch in loader:
-            files += len(batch)
-            nbytes += sum(t.numel() for t in batch)
+            if kind == "views":
+                files += len(batch)
+                nbytes += sum(len(v) for v in batch)
+            else:
+                files += len(batch[1])
+                nbytes += batch[0].numel()
         result = _rate(files, nbytes, time.perf_counter() - t0)
     result["direct"] = ds.direct
     del loader
     return result
+
+
+TORCH_KINDS = {
+    "views": "no transform: each file's bytes as a view (from a worker, dlfs sends paths and maps them again "
+             "from the shared cache; local disk sends the bytes)",
+    "tensor": "as_tensor + collate_bytes: each batch's bytes copied into one uint8 tensor (in shared memory "
+              "from a worker, for both)",
+}
 
 
 def measure_torch(mnt: str, src: str, workers: Sequence[int] = (0, 2)) -> dict[str, Any]:
@@ -143,11 +152,13 @@ def measure_torch(mnt: str, src: str, workers: Sequence[int] = (0, 2)) -> dict[s
     except ImportError:
         return {"skipped": "torch is not installed (pip install 'dlfs[torch]')"}
     out: dict[str, Any] = {}
-    for w in workers:
-        local, dlfs = torch_epoch(src, w), torch_epoch(mnt, w)
-        if not dlfs["direct"] or local["direct"]:
-            raise DlfsError("the torch workload did not read dlfs through dlfs.direct and local disk with open()")
-        out[str(w)] = {"local": local, "dlfs": dlfs, "vs_local": dlfs["files_per_s"] / local["files_per_s"]}
+    for kind in TORCH_KINDS:
+        out[kind] = {}
+        for w in workers:
+            local, dlfs = torch_epoch(src, w, kind), torch_epoch(mnt, w, kind)
+            if not dlfs["direct"] or local["direct"]:
+                raise DlfsError("the torch workload did not read dlfs through dlfs.direct and local disk with open()")
+            out[kind][str(w)] = {"local": local, "dlfs": dlfs, "vs_local": dlfs["files_per_s"] / local["files_per_s"]}
     return out
 
 
