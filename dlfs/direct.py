@@ -125,14 +125,16 @@ class DirectReader:
         self._prefix = os.fsencode(root).rstrip(b"/") + b"/"
         self._lock = threading.Lock()
         self._pid = -1
+        self._sock: socket.socket = socket.socket(socket.AF_UNIX)  # replaced by _attach
+        self._shared: Any = None  # native.SharedCache
         self._attach()
 
     # --- the connection ---
 
     def _attach(self) -> None:
         """Connect and map the shared cache: at start, and again in a forked child."""
-        if self._pid != -1:
-            self._sock.close()  # the parent's connection: closing our copy leaves it open for the parent
+        self._sock.close()
+        if self._pid != -1:  # the parent's connection: closing our copy leaves it open for the parent
             self._shared = None
         self._pid = os.getpid()
         self._req = 0
@@ -315,7 +317,7 @@ class DirectReader:
         exts = [e for _, ref, n in wanted for e in range(ref, ref + n)]
         pieces = self._fetch(exts, {e: paths[i] for i, ref, n in wanted for e in range(ref, ref + n)})
         pos = 0
-        for i, ref, n in wanted:
+        for i, _, n in wanted:
             mine = pieces[pos : pos + n]
             pos += n
             if n == 1:
@@ -366,8 +368,8 @@ class DirectReader:
         failed = {int(i): (int(status), str(msg)) for i, status, msg in errors}
         if failed:
             i = min(failed)
-            exc = error_from_status(*failed[i])
-            raise _error(exc.errno, path_of[exts[i]], exc.message)
+            err = error_from_status(*failed[i])
+            raise _error(err.errno, path_of[exts[i]], err.message)
         views, inline, off = iter(out), memoryview(data).toreadonly(), 0
         result = []
         for i, where in enumerate(at):

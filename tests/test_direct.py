@@ -5,7 +5,6 @@ two jobs sharing one cache."""
 
 from __future__ import annotations
 
-import errno
 import multiprocessing as mp
 import os
 import random
@@ -329,26 +328,32 @@ def test_two_jobs_share_one_cache(tiny: tuple[Node, Path, dict[str, bytes]], tmp
         node.umount(mnt)
 
 
-def test_a_forked_child_attaches_anew(tiny: tuple[Node, Path, dict[str, bytes]]) -> None:
+def test_a_forked_child_attaches_anew(edge: tuple[Path, Path, Path]) -> None:
     """A reader made before fork() works in the child, on a row of its own (DataLoader workers)."""
-    _, mnt, want = tiny
-    names = sorted(want)[:20]
+    src, mnt, _ = edge
+    names = [f"{os.fsdecode(MANY_DIR)}/{n}" for n in sorted(os.listdir(src / os.fsdecode(MANY_DIR)))[:20]]
+    want = {n: (src / n).read_bytes() for n in names}
     with dlfs.direct.connect(mnt) as r:
         assert isinstance(r, DirectReader)
         parent_views = r.read_many([mnt / n for n in names])
+        parent_row = r.row
+        rfd, wfd = os.pipe()
         pid = os.fork()
-        if pid == 0:  # the child: exit status says what it saw
-            code = 1
+        if pid == 0:  # the child: says what it saw down the pipe
             try:
                 views = r.read_many([mnt / n for n in names])
-                ok = [bytes(v) for v in views] == [want[n] for n in names] and r.row != -1
+                ok = [bytes(v) for v in views] == [want[n] for n in names]
                 pinned = sum(isinstance(v.obj, native.Pin) for v in views)
-                code = 0 if ok and pinned and r._shared.row_pins(r.row) == pinned else 2
+                os.write(wfd, f"{ok} {r.row} {pinned} {r._shared.row_pins(r.row)}".encode())
                 del views
             finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+                os._exit(0)
+        os.close(wfd)
+        seen = os.read(rfd, 200).decode().split()
+        os.close(rfd)
+        os.waitpid(pid, 0)
+        ok, row, pinned, pins = seen[0] == "True", *map(int, seen[1:])
+        assert ok and row != parent_row and pinned > 0 and pins == pinned, seen
         # The child's exit released only its own pins: the parent's views are intact and still pinned.
         assert [bytes(v) for v in parent_views] == [want[n] for n in names]
         assert r._shared.row_pins(r.row) > 0

@@ -87,7 +87,7 @@ def measure_direct(mnt: str, src: str, relpaths: Sequence[str], seed: int = 5) -
     out: dict[str, Any] = {}
     with dlfs.direct.connect(mnt) as reader:
         if not reader.direct:
-            raise DlfsError(f"dlfs.direct did not attach to {mnt}: {reader.reason}")
+            raise DlfsError(f"dlfs.direct did not attach to {mnt}: {getattr(reader, 'reason', '')}")
         drop_caches()
         out["cold"] = {"local": local_pass(on_disk, False), "batched": direct_pass(reader, on_dlfs, BATCH, False)}
         local_pass(on_disk, False)  # both hot from here on
@@ -112,6 +112,7 @@ def torch_epoch(root: str, workers: int, kind: str, seed: int = 3) -> dict[str, 
 
     from dlfs.torch import DirectDataset, as_tensor, collate_bytes, collate_views
 
+    collate: Callable[..., Any]
     if kind == "views":
         ds, collate = DirectDataset(root), collate_views
     else:

@@ -9,9 +9,9 @@ grows. Whatever it mounted is unmounted and the node stopped on the way out, err
 from __future__ import annotations
 
 import datetime
-import operator
 import json
 import logging
+import operator
 import os
 import platform
 import shutil
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from dlfs.bench import scale
-from dlfs.bench.direct import TORCH_KINDS, run_direct
 from dlfs.bench.baselines import (
     DlfsMount,
     DlfsNode,
@@ -40,6 +39,7 @@ from dlfs.bench.baselines import (
     drop_caches,
     unmount_all_under,
 )
+from dlfs.bench.direct import TORCH_KINDS, run_direct
 from dlfs.bench.epoch import MARKER, list_files, read_epoch
 from dlfs.bench.sample import make_sample
 from dlfs.errors import CorruptData, DlfsError, StorageFull, UsageError

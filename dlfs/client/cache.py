@@ -35,6 +35,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any
 
 import trio
 
@@ -84,11 +85,14 @@ class ChunkCache:
         self.capacity = nslabs * self.slab_size
         # A memfd, lazily touched: a large cache costs address space, not memory, until used; the
         # same pages are mapped by dlfs.direct clients.
-        self.arena_fd = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
-        os.ftruncate(self.arena_fd, self.capacity)
-        self._arena = mmap.mmap(self.arena_fd, self.capacity)
+        arena_fd = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
+        os.ftruncate(arena_fd, self.capacity)
+        self._arena = mmap.mmap(arena_fd, self.capacity)
+        self.arena_fd: int | None = arena_fd
         self._mem = memoryview(self._arena)
-        self.shared = self.ctl_fd = self._ctl = None
+        self.shared: Any = None  # native.SharedCache: what dlfs.direct clients see
+        self.ctl_fd: int | None = None
+        self._ctl: mmap.mmap | None = None
         if native is not None:
             size = native.shared_size(self.slab_size, nslabs, index.totals.extents, DIRECT_CLIENTS)
             self.ctl_fd = os.memfd_create("dlfs-cache-control", os.MFD_CLOEXEC)
@@ -175,7 +179,7 @@ class ChunkCache:
 
     def _reclaim_retired(self) -> None:
         assert self.shared is not None
-        still = []
+        still: list[int] = []
         for slab in self._retired:
             (self._free if self.shared.pinned(slab) == 0 else still).append(slab)
         self._retired = still
@@ -307,10 +311,10 @@ class ChunkCache:
             corrupt = False
             if self.local is not None:
                 # This machine's own copy first, read in place into the slab.
-                data = await self.local.read_range(chunk.id, base, length, into)
-                if data is not None:
+                in_place = await self.local.read_range(chunk.id, base, length, into)
+                if in_place is not None:
                     try:
-                        raw = self._keep(run, extents, chunk.id, base, data, self.local.node, need, slab)
+                        raw = self._keep(run, extents, chunk.id, base, in_place, self.local.node, need, slab)
                     except CorruptData as exc:
                         self.local.fallbacks += 1
                         log.warning("%s; reading it from the replicas", exc)

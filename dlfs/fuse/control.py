@@ -137,6 +137,7 @@ class ControlServer:
             self.attaches += 1
             reply = Frame(RESPONSE, f.msg, f.req_id, 0, {"row": row, "label": self.label,
                                                           "mountpoint": str(self.mountpoint)})
+            assert self.cache.ctl_fd is not None and self.cache.arena_fd is not None
             fds = array.array("i", [self.cache.ctl_fd, self.cache.arena_fd, self._index_fd])
             await send_with_fds(stream, encode_frame(reply), fds)
             log.debug("dlfs.direct client pid %d attached as row %d", pid, row)
