@@ -149,7 +149,10 @@ class DirectReader:
                 raise ConnectionResetError(errno.ECONNRESET, "the mount closed its control socket")
             self._pending += data
             try:
-                meta, _ = self._receive(Msg.DIRECT_ATTACH)
+                try:
+                    meta, _ = self._receive(Msg.DIRECT_ATTACH)
+                except DlfsError as exc:  # refused (no room for another client): say it as open() would
+                    raise OSError(exc.errno, exc.message) from None
                 if len(fds) != 3:
                     raise OSError(errno.EPROTO, f"the mount sent {len(fds)} descriptors, not 3")
                 ctl = mmap.mmap(fds[0], 0)

@@ -132,6 +132,9 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     t.add_row("read errors", f"{r.errors:,}", f"{cur['read_errors']:,}")
     t.add_row("failovers", f"{r.failovers:,}", f"{cur['failovers']:,}")
     t.add_row("checksum failures", f"{r.checksum_failures:,}", f"{cur['checksum_failures']:,}")
+    if "direct_clients" in cur:  # files read in place by dlfs.direct cost no request: only misses show
+        t.add_row("dlfs.direct", f"{cur['direct_clients']} attached",
+                  f"{cur['direct_requests']:,} requests, {cur['direct_pinned'] + cur['direct_inline']:,} files fetched")
     parts: list[Any] = [head, t]
     if cur["failing_nodes"]:
         parts.append(Text(f"failing nodes (read last): {', '.join(cur['failing_nodes'])}", style="red"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -19,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import xxhash
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from dlfs.bench.epoch import format_row, list_files, read_epoch
+import dlfs.direct
+from dlfs.bench.epoch import EpochResult, format_row, list_files, read_epoch
 from dlfs.bench.sample import make_sample
 
 console = Console(stderr=True)
@@ -37,6 +40,27 @@ def dlfs(env: dict[str, str], *args: str, capture: bool = False) -> subprocess.C
             sys.stderr.write(proc.stderr)
         raise SystemExit(f"demo: `dlfs {' '.join(args)}` failed with exit code {proc.returncode}")
     return proc
+
+
+def direct_epoch(mnt: Path, sample: Path, relpaths: list[str], seed: int) -> EpochResult:
+    """Every file once in random order through dlfs.direct (one process, batches of 256), each hashed
+    as it is read; the hashes are checked against the source's afterwards (untimed)."""
+    order = list(relpaths)
+    random.Random(seed).shuffle(order)
+    reader = dlfs.direct.connect(mnt)
+    if not reader.direct:
+        raise SystemExit(f"demo: dlfs.direct did not attach to {mnt}: {getattr(reader, 'reason', '')}")
+    digests, nbytes = [], 0
+    t0 = time.perf_counter()
+    for i in range(0, len(order), 256):
+        for view in reader.read_many([str(mnt / r) for r in order[i : i + 256]]):
+            digests.append(xxhash.xxh3_128_digest(view))
+            nbytes += len(view)
+    seconds = time.perf_counter() - t0
+    reader.close()
+    errors = [f"{r}: content differs from source" for r, d in zip(order, digests)
+              if xxhash.xxh3_128_digest((sample / r).read_bytes()) != d]
+    return EpochResult(len(order), nbytes, seconds, errors[:20], len(errors))
 
 
 def step(text: str) -> None:
@@ -92,20 +116,26 @@ def main() -> int:
             source = read_epoch(str(sample), relpaths, readers=args.readers, seed=1, verify_root=str(sample))
             first = read_epoch(str(mnt), relpaths, readers=args.readers, seed=1, verify_root=str(sample))
             second = read_epoch(str(mnt), relpaths, readers=args.readers, seed=2, verify_root=str(sample))
+            step("and twice through dlfs.direct (one process, zero-copy views of the mount's shared cache)")
+            direct = [direct_epoch(mnt, sample, relpaths, seed) for seed in (3, 4)]
             print()
             print(format_row("source dir", source))
             print(format_row("dlfs 1st read", first, source))
             print(format_row("dlfs 2nd read", second, source))
+            print(format_row("direct 1st", direct[0], source))
+            print(format_row("direct 2nd", direct[1], source))
             print()
-            print("source dir: local disk, page cache warm from generation and ingest")
+            print(f"source dir: local disk, page cache warm from generation and ingest ({args.readers} readers)")
             print("dlfs 1st read: nothing cached in the mount (chunks read from the node's chunk files, short-circuit)")
             print("dlfs 2nd read: the same files again (kernel page cache of the mount warm)")
-            bad = first.n_errors + second.n_errors
-            for err in (first.errors + second.errors)[:10]:
+            print("direct 1st: dlfs.direct read_many, the mount's shared cache empty; 2nd: the same files again")
+            runs = [first, second, *direct]
+            bad = sum(r.n_errors for r in runs)
+            for err in [e for r in runs for e in r.errors][:10]:
                 print(f"ERROR {err}", file=sys.stderr)
-            if bad or first.files != len(relpaths) or second.files != len(relpaths):
+            if bad or any(r.files != len(relpaths) for r in runs):
                 raise SystemExit(f"demo: {bad} files read wrong through the mount")
-            print(f"all {len(relpaths)} files matched the source byte for byte, twice")
+            print(f"all {len(relpaths)} files matched the source byte for byte, through FUSE twice and dlfs.direct twice")
         finally:
             step("unmount")
             dlfs(env, "umount", str(mnt))

@@ -22,6 +22,7 @@ from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
 import dlfs.direct
 from dlfs.direct import DirectReader, PlainReader
 from dlfs.native import native
+from dlfs.stats import read_sample
 
 pytestmark = needs_fuse
 
@@ -324,6 +325,11 @@ def test_two_jobs_share_one_cache(tiny: tuple[Node, Path, dict[str, bytes]], tmp
         with dlfs.direct.connect(mnt) as r:
             fetched = r.stats()["fetched_bytes"]
         assert total <= fetched <= 1.1 * total, (fetched, total)
+        # The mount's statistics (`dlfs stats`) show the same.
+        deadline = time.monotonic() + 5
+        while (sample := read_sample(node.home, mnt))["fetched_bytes"] != fetched and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sample["fetched_bytes"] == fetched and sample["direct_pinned"] + sample["direct_inline"] > 0
     finally:
         node.umount(mnt)
 
@@ -359,3 +365,25 @@ def test_a_forked_child_attaches_anew(edge: tuple[Path, Path, Path]) -> None:
         assert r._shared.row_pins(r.row) > 0
         del parent_views
         assert r._shared.row_pins(r.row) == 0
+
+
+def test_a_full_pin_table_falls_back_to_the_mount(edge: tuple[Path, Path, Path]) -> None:
+    """256 processes' worth of readers attached: the next one reads through the kernel instead."""
+    src, plain, _ = edge
+    readers = []
+    try:
+        while True:
+            r = dlfs.direct.connect(plain)
+            if not r.direct:
+                break
+            readers.append(r)
+            assert len(readers) <= 256
+        assert len(readers) == 256 and "256 dlfs.direct processes" in r.reason
+        assert r.read(plain / os.fsdecode(TEXT)) == (src / os.fsdecode(TEXT)).read_bytes()
+    finally:
+        for r in readers:
+            r.close()
+    deadline = time.monotonic() + 10
+    while not (again := dlfs.direct.connect(plain)).direct and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert again.direct  # rows are given back as their connections end

@@ -15,9 +15,9 @@ every file it has read; once all of a record's bytes have gone to the kernel the
 *consumed* and dropped here, and a slab whose records are all consumed is free again. The cache
 therefore holds read-ahead that has not been used yet, not a second copy of the page cache.
 
-Fetching: a miss fetches its record together with the records after it in the chunk (one request,
-up to a slab), and queues the rest of the chunk for background prefetch workers, so the daemon
-streams a dataset in large pieces while the mount serves what has arrived.
+Fetching: each chunk is cut into fixed windows of up to a slab; a miss fetches what of its window
+is not here yet (one request, one slab), and queues the rest of the chunk for background prefetch
+workers, so the daemon streams a dataset in large pieces while the mount serves what has arrived.
 
 Scan resistant (CoorDL's no-thrash idea): blocks stay resident until used; once the resident part
 is full, misses fetch just their own record (no read-ahead, no prefetch) into a small LRU scratch
@@ -28,6 +28,7 @@ down, or whose bytes fail their checksum, is passed over for the next one.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import mmap
@@ -117,6 +118,7 @@ class ChunkCache:
         self._prefetch = prefetch
         self.local: LocalChunks | None = None  # this machine's chunk files, read in place when set
         self._queued: set[int] = set()
+        self._windows: dict[int, list[int]] = {}  # chunk -> first extent of each of its windows, then its end
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.prefetched_bytes = self.consumed = self.corrupt = 0
@@ -274,21 +276,34 @@ class ChunkCache:
         if not b.live:
             self._drop(hit[1])
 
+    def _here(self, i: int) -> bool:
+        """Whether extent i needs no fetch: cached, being fetched, or already with the kernel."""
+        return bool(self._done[i]) or i in self._records or i in self._inflight
+
+    def _window(self, ext: int) -> tuple[int, int]:
+        """[first, end) extents of the window of ext's chunk that holds it. A chunk's windows are
+        fixed, packed from its start to at most a slab each: whatever order the misses come in,
+        each window is fetched once into one slab (runs from each miss would overlap and fill
+        many slabs a little each)."""
+        ci = self.index.extent(ext).chunk
+        starts = self._windows.get(ci)
+        if starts is None:
+            chunk = self.index.chunk(ci)
+            starts, base = [], -1
+            for i in range(chunk.first_extent, chunk.first_extent + chunk.n_extents):
+                rec = self.index.extent(i).record
+                if base < 0 or rec.offset + rec.stored_len - base > self.slab_size:
+                    starts.append(i)
+                    base = rec.offset
+            starts.append(chunk.first_extent + chunk.n_extents)
+            self._windows[ci] = starts
+        k = bisect.bisect_right(starts, ext) - 1
+        return starts[k], starts[k + 1]
+
     def _run(self, ext: int) -> list[int]:
-        """`ext` and the extents right after it in its chunk that are not here, within one slab."""
-        first = self.index.extent(ext)
-        chunk = self.index.chunk(first.chunk)
-        end_ext = chunk.first_extent + chunk.n_extents
-        start = first.record.offset
-        run = [ext]
-        i = ext + 1
-        while i < end_ext and not self._done[i] and i not in self._records and i not in self._inflight:
-            e = self.index.extent(i)
-            if e.record.offset + e.record.stored_len - start > self.slab_size:
-                break
-            run.append(i)
-            i += 1
-        return run
+        """`ext` and the other extents of its window that are not here (one range covers them)."""
+        lo, hi = self._window(ext)
+        return [i for i in range(lo, hi) if i == ext or not self._here(i)]
 
     async def _fetch(self, run: list[int], need: int | None) -> bytes | memoryview | None:
         """Fetch the records of `run` (consecutive in one chunk) as one range into one slab; returns
@@ -404,7 +419,7 @@ class ChunkCache:
             chunk = self.index.chunk(ci)
             ext, end = chunk.first_extent, chunk.first_extent + chunk.n_extents
             while ext < end and self._room(self.slab_size):
-                if self._done[ext] or ext in self._records or ext in self._inflight:
+                if self._here(ext):
                     ext += 1
                     continue
                 run = self._run(ext)
@@ -413,7 +428,7 @@ class ChunkCache:
                 except DlfsError as exc:
                     log.debug("prefetch of chunk %s stopped: %s", chunk.id.hex(), exc)
                     break
-                ext = run[-1] + 1
+                ext = self._window(ext)[1]
 
     def stats(self) -> dict[str, int]:
         if self._retired:

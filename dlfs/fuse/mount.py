@@ -150,13 +150,14 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
+        control = None
         if cache.shared is not None:
             control = ControlServer(cache, index, label, opts.mountpoint,
                                     control_socket_path(opts.home, opts.mountpoint))
             last.append(control.close)
             await nursery.start(control.serve, name="dlfs-direct-control")
             ops.control_path = os.fsencode(control.path)
-        await MountStats(label, opts.mountpoint, ops, cache, client).publish(nursery, opts.home, opts.metrics)
+        await MountStats(label, opts.mountpoint, ops, cache, client, control).publish(nursery, opts.home, opts.metrics)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
         if opts.allow_other:
             options.add("allow_other")

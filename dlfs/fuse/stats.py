@@ -38,8 +38,9 @@ def _write_atomic(path: Path, text: str) -> None:
 class MountStats:
     """Reads the counters of one mount's operations, cache and cluster client when asked."""
 
-    def __init__(self, label: str, mountpoint: Path, ops: Any, cache: Any, client: Any) -> None:
+    def __init__(self, label: str, mountpoint: Path, ops: Any, cache: Any, client: Any, control: Any = None) -> None:
         self.label, self.mountpoint, self.ops, self.cache, self.client = label, mountpoint, ops, cache, client
+        self.control = control  # the dlfs.direct control socket, if served
         self.started = time.time()
         self.metrics: Address | None = None
 
@@ -59,6 +60,7 @@ class MountStats:
                         for n in nodes},
             "failovers": c.failovers, "checksum_failures": c.corrupt,
             "failing_nodes": sorted(self.client.health),
+            **(self.control.stats() if self.control is not None else {}),
         }
 
     async def publish(self, nursery: trio.Nursery, home: Path, metrics: Address | None) -> None:
