@@ -125,7 +125,7 @@ class DirectReader:
         self._prefix = os.fsencode(root).rstrip(b"/") + b"/"
         self._lock = threading.Lock()
         self._pid = -1
-        self._sock: socket.socket = socket.socket(socket.AF_UNIX)  # replaced by _attach
+        self._sock: socket.socket  # set by _attach
         self._shared: Any = None  # native.SharedCache
         self._attach()
 
@@ -133,8 +133,8 @@ class DirectReader:
 
     def _attach(self) -> None:
         """Connect and map the shared cache: at start, and again in a forked child."""
-        self._sock.close()
-        if self._pid != -1:  # the parent's connection: closing our copy leaves it open for the parent
+        if self._pid != -1:
+            self._sock.close()  # the parent's connection: closing our copy leaves it open for the parent
             self._shared = None
         self._pid = os.getpid()
         self._req = 0

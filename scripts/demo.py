@@ -2,8 +2,9 @@
 """`make demo`: the main job end to end on the embedded one-node cluster.
 
 Generates an ImageNet-like sample, starts a local node, ingests the sample, mounts it, reads every
-file once in random order from 2 reader processes while checking every byte against the source,
-prints files/s and MB/s beside the same read of the source directory, then unmounts and stops.
+file in random order from 2 reader processes twice, then twice through dlfs.direct, checking every
+byte against the source, prints files/s and MB/s beside the same read of the source directory, then
+unmounts and stops.
 Everything lives under .demo/ in the repository (DEMO_DIR overrides it); the sample is kept between
 runs, the node's state is not.
 """
@@ -24,9 +25,9 @@ import xxhash
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-import dlfs.direct
 from dlfs.bench.epoch import EpochResult, format_row, list_files, read_epoch
 from dlfs.bench.sample import make_sample
+from dlfs.direct import connect
 
 console = Console(stderr=True)
 DATASET = "imagenet-sample"
@@ -47,7 +48,7 @@ def direct_epoch(mnt: Path, sample: Path, relpaths: list[str], seed: int) -> Epo
     as it is read; the hashes are checked against the source's afterwards (untimed)."""
     order = list(relpaths)
     random.Random(seed).shuffle(order)
-    reader = dlfs.direct.connect(mnt)
+    reader = connect(mnt)
     if not reader.direct:
         raise SystemExit(f"demo: dlfs.direct did not attach to {mnt}: {getattr(reader, 'reason', '')}")
     digests, nbytes = [], 0
