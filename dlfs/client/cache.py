@@ -306,7 +306,7 @@ class ChunkCache:
         return [i for i in range(lo, hi) if i == ext or not self._here(i)]
 
     async def _fetch(self, run: list[int], need: int | None) -> bytes | memoryview | None:
-        """Fetch the records of `run` (consecutive in one chunk) as one range into one slab; returns
+        """Fetch the records of `run` (ascending, in one window of a chunk) as one range into one slab; returns
         `need`'s bytes (CorruptData/Unreachable if no replica has them), None for a prefetch."""
         extents = [self.index.extent(i) for i in run]
         chunk = self.index.chunk(extents[0].chunk)
