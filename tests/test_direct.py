@@ -5,6 +5,7 @@ two jobs sharing one cache."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import random
@@ -387,3 +388,58 @@ def test_a_full_pin_table_falls_back_to_the_mount(edge: tuple[Path, Path, Path])
     while not (again := dlfs.direct.connect(plain)).direct and time.monotonic() < deadline:
         time.sleep(0.05)
     assert again.direct  # rows are given back as their connections end
+
+
+def test_corrupt_and_truncated_chunks_raise_eio(node: Node, tmp_path: Path) -> None:
+    """A flipped byte and a truncated chunk file (one replica: nowhere else to read them): those files
+    raise OSError(EIO) naming the path, every other file reads right, and the mount stays up."""
+    from dlfs.format.index import Index
+
+    src = tmp_path / "src"
+    (src / "c").mkdir(parents=True)
+    rng = random.Random(5)
+    for i in range(60):
+        (src / f"c/f{i:02d}").write_bytes(rng.randbytes(10_000))
+    node.ingest(src, "bad", "--chunk-size", "64K")
+    idx = Index(node.home / "meta/index/bad/1.idx")
+    try:
+        where = {}  # file -> (chunk id, record start, record end)
+        folder = idx.lookup(1, b"c")
+        assert folder is not None
+        for i in range(60):
+            ino = idx.lookup(folder, f"f{i:02d}".encode())
+            assert ino is not None
+            ext = idx.extent(idx.inode(ino).ref)
+            where[f"c/f{i:02d}"] = (idx.chunk(ext.chunk).id, ext.record.offset, ext.record.offset + ext.record.stored_len)
+    finally:
+        idx.close()
+
+    def chunk_file(cid: bytes) -> Path:
+        return node.home / "data/chunks" / cid.hex()[:2] / cid.hex()
+
+    chunks = sorted({w[0] for w in where.values()}, key=lambda c: min(w[1] for w in where.values() if w[0] == c))
+    flipped = min(r for r, w in where.items() if w[0] == chunks[1])
+    with open(chunk_file(chunks[1]), "r+b") as f:
+        f.seek(where[flipped][1] + 100)
+        b = f.read(1)
+        f.seek(where[flipped][1] + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    half = chunk_file(chunks[2]).stat().st_size // 2
+    os.truncate(chunk_file(chunks[2]), half)
+    cut = {r for r, w in where.items() if w[0] == chunks[2] and w[2] > half}
+    broken = {flipped, *cut}
+
+    mnt = node.mount("bad", tmp_path / "mnt")
+    with dlfs.direct.connect(mnt) as r:
+        for rel in sorted(broken):
+            with pytest.raises(OSError) as info:
+                r.read(mnt / rel)
+            assert info.value.errno == errno.EIO and info.value.filename == str(mnt / rel)
+        good = sorted(set(where) - broken)
+        with pytest.raises(OSError) as info:
+            r.read_many([mnt / good[0], mnt / flipped, mnt / good[1]])
+        assert info.value.errno == errno.EIO and info.value.filename == str(mnt / flipped)
+        assert [bytes(v) for v in r.read_many([mnt / g for g in good])] == [(src / g).read_bytes() for g in good]
+        assert r.stats()["corrupt"] >= 1
+    assert len(os.listdir(mnt / "c")) == 60  # the mount still answers
+    node.umount(mnt)
