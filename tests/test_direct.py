@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Node, needs_fuse
+from damage import damaged_dataset
 from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
 
 import dlfs.direct
@@ -393,41 +394,9 @@ def test_a_full_pin_table_falls_back_to_the_mount(edge: tuple[Path, Path, Path])
 def test_corrupt_and_truncated_chunks_raise_eio(node: Node, tmp_path: Path) -> None:
     """A flipped byte and a truncated chunk file (one replica: nowhere else to read them): those files
     raise OSError(EIO) naming the path, every other file reads right, and the mount stays up."""
-    from dlfs.format.index import Index
-
-    src = tmp_path / "src"
-    (src / "c").mkdir(parents=True)
-    rng = random.Random(5)
-    for i in range(60):
-        (src / f"c/f{i:02d}").write_bytes(rng.randbytes(10_000))
-    node.ingest(src, "bad", "--chunk-size", "64K")
-    idx = Index(node.home / "meta/index/bad/1.idx")
-    try:
-        where = {}  # file -> (chunk id, record start, record end)
-        folder = idx.lookup(1, b"c")
-        assert folder is not None
-        for i in range(60):
-            ino = idx.lookup(folder, f"f{i:02d}".encode())
-            assert ino is not None
-            ext = idx.extent(idx.inode(ino).ref)
-            where[f"c/f{i:02d}"] = (idx.chunk(ext.chunk).id, ext.record.offset, ext.record.offset + ext.record.stored_len)
-    finally:
-        idx.close()
-
-    def chunk_file(cid: bytes) -> Path:
-        return node.home / "data/chunks" / cid.hex()[:2] / cid.hex()
-
-    chunks = sorted({w[0] for w in where.values()}, key=lambda c: min(w[1] for w in where.values() if w[0] == c))
-    flipped = min(r for r, w in where.items() if w[0] == chunks[1])
-    with open(chunk_file(chunks[1]), "r+b") as f:
-        f.seek(where[flipped][1] + 100)
-        b = f.read(1)
-        f.seek(where[flipped][1] + 100)
-        f.write(bytes([b[0] ^ 0xFF]))
-    half = chunk_file(chunks[2]).stat().st_size // 2
-    os.truncate(chunk_file(chunks[2]), half)
-    cut = {r for r, w in where.items() if w[0] == chunks[2] and w[2] > half}
-    broken = {flipped, *cut}
+    d = damaged_dataset(node, tmp_path, "bad")
+    src, broken, flipped = d.src, d.broken, d.flipped
+    where = d.files
 
     mnt = node.mount("bad", tmp_path / "mnt")
     with dlfs.direct.connect(mnt) as r:

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 from conftest import Node, needs_fuse, running_cluster, running_node
+from damage import damaged_dataset
 from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
-
-from dlfs.format.index import ROOT_INO, Index
 
 pytestmark = needs_fuse
 NAME = "edge"
@@ -423,55 +422,11 @@ def test_concurrent_readers(edge: Edge, cache_size: str) -> None:
 
 
 # --- corruption -------------------------------------------------------------------------------
-def _inode_of(idx: Index, rel: str) -> int:
-    ino = ROOT_INO
-    for part in rel.split("/"):
-        found = idx.lookup(ino, part.encode())
-        assert found is not None, rel
-        ino = found
-    return ino
-
-
 @pytest.mark.timeout(90)
 def test_corrupt_and_truncated_chunks_give_eio(node: Node, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    (src / "c").mkdir(parents=True)
-    rng = random.Random(3)
-    for i in range(60):
-        (src / f"c/f{i:02d}").write_bytes(rng.randbytes(10_000))
-    node.ingest(src, "corrupt", "--chunk-size", "64K")
-    idx = Index(node.home / "meta/index/corrupt/1.idx")
-    try:
-        where: dict[str, tuple[bytes, int, int, int]] = {}  # file -> (chunk id, chunk size, offset, end)
-        for i in range(60):
-            rel = f"c/f{i:02d}"
-            inode = idx.inode(_inode_of(idx, rel))
-            assert inode.count == 1  # 10 kB files never split at 64K chunks
-            ext = idx.extent(inode.ref)
-            ch = idx.chunk(ext.chunk)
-            where[rel] = (ch.id, ch.size, ext.record.offset, ext.record.offset + ext.record.stored_len)
-    finally:
-        idx.close()
-
-    def chunk_file(cid: bytes) -> Path:
-        return node.home / "data/chunks" / cid.hex()[:2] / cid.hex()
-
-    chunk_ids = sorted({w[0] for w in where.values()}, key=lambda c: min(w[2] for w in where.values() if w[0] == c))
-    assert len(chunk_ids) >= 4
-    # One flipped byte inside f-something's record in one chunk...
-    flipped = next(r for r, w in sorted(where.items()) if w[0] == chunk_ids[1])
-    cid_a, _, off_a, _ = where[flipped]
-    with open(chunk_file(cid_a), "r+b") as f:
-        f.seek(off_a + 100)
-        byte = f.read(1)
-        f.seek(off_a + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    # ...and another chunk cut to half its length.
-    cid_b = chunk_ids[2]
-    size_b = chunk_file(cid_b).stat().st_size
-    os.truncate(chunk_file(cid_b), size_b // 2)
-    cut = sorted(r for r, w in where.items() if w[0] == cid_b and w[3] > size_b // 2)
-    assert cut
+    d = damaged_dataset(node, tmp_path, "corrupt")
+    src, flipped, cut, cid_a, cid_b = d.src, d.flipped, d.cut, d.flipped_chunk, d.cut_chunk
+    where = d.files
 
     mnt = node.mount("corrupt", tmp_path / "mnt")  # fresh: nothing cached
     broken = {flipped, *cut}
