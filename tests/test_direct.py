@@ -412,3 +412,24 @@ def test_corrupt_and_truncated_chunks_raise_eio(node: Node, tmp_path: Path) -> N
         assert r.stats()["corrupt"] >= 1
     assert len(os.listdir(mnt / "c")) == 60  # the mount still answers
     node.umount(mnt)
+
+
+def test_populate_faults_in_a_range_and_checks_it() -> None:
+    import mmap
+
+    fd = os.memfd_create("t")
+    try:
+        os.ftruncate(fd, 1 << 20)
+        m = mmap.mmap(fd, 1 << 20)
+        native.populate(m, 4096, 8192)
+        assert os.fstat(fd).st_blocks * 512 >= 8192  # the memfd now holds those pages
+        m[4096:4100] = b"abcd"  # still ordinary, writable memory
+        with pytest.raises(ValueError):
+            native.populate(m, 100, 4096)  # not page-aligned
+        with pytest.raises(ValueError):
+            native.populate(m, 0, 2 << 20)  # past the end
+        with pytest.raises(TypeError):
+            native.populate(b"read-only", 0, 1)
+        m.close()
+    finally:
+        os.close(fd)

@@ -41,7 +41,7 @@ from typing import Any
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.local import LocalChunks
+from dlfs.client.local import THREAD_BYTES, LocalChunks
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import decode_record
@@ -53,6 +53,7 @@ FETCH_TIMEOUT = 10.0
 PREFETCH_WORKERS = 2
 NO_SLAB = -1
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
+PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
 
 
 def auto_cache_size() -> int:
@@ -103,6 +104,10 @@ class ChunkCache:
                                              nslabs=nslabs, n_extents=index.totals.extents, n_rows=DIRECT_CLIENTS)
         self._free = list(range(nslabs - 1, -1, -1))  # a stack: the most recently freed slab is reused first
         self._retired: list[int] = []  # slabs whose records are gone but that a client still pins
+        # Fresh slabs are taken in ascending order (the free stack's bottom); those below _fresh
+        # have been faulted in, by prefault_worker or by use.
+        self._nslabs, self._fresh, self._taken_high = nslabs, 0, -1
+        self._want_fresh = trio.Event()
         self._records: dict[int, tuple[bytes | memoryview, int]] = {}  # extent -> (raw bytes, block)
         self._served: dict[int, int] = {}  # extent -> bytes of it sent to the kernel so far
         # 1 once an extent was consumed: read-ahead and prefetch pass it over (the kernel has it).
@@ -152,7 +157,12 @@ class ChunkCache:
             if victim is None:
                 return NO_SLAB
             self._drop(victim, evicted=True)
-        return self._free.pop()
+        slab = self._free.pop()
+        if slab > self._taken_high:
+            self._taken_high = slab
+            if self._fresh - slab <= PREFAULT_AHEAD // 2:
+                self._want_fresh.set()
+        return slab
 
     def _drop(self, bid: int, evicted: bool = False) -> None:
         b = self._blocks.pop(bid)
@@ -329,7 +339,7 @@ class ChunkCache:
                 in_place = await self.local.read_range(chunk.id, base, length, into)
                 if in_place is not None:
                     try:
-                        raw = self._keep(run, extents, chunk.id, base, in_place, self.local.node, need, slab)
+                        raw = await self._keep(run, extents, chunk.id, base, in_place, self.local.node, need, slab)
                     except CorruptData as exc:
                         self.local.fallbacks += 1
                         log.warning("%s; reading it from the replicas", exc)
@@ -358,7 +368,7 @@ class ChunkCache:
                 if need is None:
                     self.prefetched_bytes += len(data)
                 try:
-                    raw = self._keep(run, extents, chunk.id, base, data, spec.name, need, slab)
+                    raw = await self._keep(run, extents, chunk.id, base, data, spec.name, need, slab)
                 except CorruptData as exc:
                     self.corrupt += 1
                     corrupt = True
@@ -377,10 +387,24 @@ class ChunkCache:
             if not kept and slab != NO_SLAB:
                 self._free.append(slab)
 
-    def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
-              data: bytes | bytearray | memoryview, node: str, need: int | None, slab: int) -> bytes | memoryview | None:
+    async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
+                    data: bytes | bytearray | memoryview, node: str, need: int | None,
+                    slab: int) -> bytes | memoryview | None:
         """Verify the fetched records and keep them as one block; returns `need`'s, or raises
         CorruptData if it is bad (keeping nothing: the next replica's copy replaces them all)."""
+        if len(data) >= THREAD_BYTES:  # checksums (and lz4) of a big range: off the event loop
+            kept, in_slab, nbytes = await trio.to_thread.run_sync(
+                self._verify, run, extents, cid, base, data, node, need, slab)
+        else:
+            kept, in_slab, nbytes = self._verify(run, extents, cid, base, data, node, need, slab)
+        self._add_block(slab, nbytes, kept, in_slab)
+        return kept[need] if need is not None else None
+
+    def _verify(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
+                data: bytes | bytearray | memoryview, node: str, need: int | None,
+                slab: int) -> tuple[dict[int, bytes | memoryview], dict[int, int], int]:
+        """(good records, those lying whole in the slab by offset, bytes the block holds); CorruptData
+        if `need`'s is bad or none is good. Touches nothing shared: it may run in a thread."""
         view = memoryview(data)
         kept: dict[int, bytes | memoryview] = {}
         in_slab: dict[int, int] = {}
@@ -401,8 +425,24 @@ class ChunkCache:
             kept[i] = raw
         if not kept:
             raise CorruptData(f"chunk {cid.hex()} (from {node}): no record of the range is good")
-        self._add_block(slab, nbytes, kept, in_slab)
-        return kept[need] if need is not None else None
+        return kept, in_slab, nbytes
+
+    async def prefault_worker(self) -> None:
+        """Run for the mount's life: keep PREFAULT_AHEAD fresh slabs faulted in ahead of use, in a
+        thread (first touch of fresh memory is slow on VMs, and would stall the event loop mid-read)."""
+        if native is None:
+            return
+        while True:
+            target = min(self._nslabs, self._taken_high + 1 + PREFAULT_AHEAD)
+            start = max(self._fresh, self._taken_high + 1)
+            if start >= target:
+                self._fresh = max(self._fresh, target)
+                self._want_fresh = trio.Event()
+                await self._want_fresh.wait()
+                continue
+            await trio.to_thread.run_sync(native.populate, self._arena, start * self.slab_size,
+                                          (target - start) * self.slab_size)
+            self._fresh = target
 
     # --- prefetch ---
 

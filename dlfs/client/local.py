@@ -25,6 +25,7 @@ from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 OPEN_FILES = 256
+THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker thread: not on the event loop
 
 
 def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
@@ -73,7 +74,8 @@ class LocalChunks:
             return None
         buf = into[:length] if into is not None else memoryview(bytearray(length))
         try:
-            got = _read_cached(fd, buf, offset)
+            # A big range goes to a thread even from the page cache: its copy would stall the loop.
+            got = _read_cached(fd, buf, offset) if length < THREAD_BYTES else 0
             if got < length:
                 # Not all in the page cache: the disk read goes to a thread (on its own descriptor,
                 # which no eviction here can close), so the other readers' requests go on.

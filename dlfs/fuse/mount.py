@@ -147,6 +147,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             stack.callback(cache.local.close)
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
+        nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
