@@ -435,7 +435,7 @@ class ChunkCache:
         while True:
             target = min(self._nslabs, self._taken_high + 1 + PREFAULT_AHEAD)
             start = max(self._fresh, self._taken_high + 1)
-            if start >= target:
+            if start >= target or self._taken_high < 0:  # nothing read yet: an idle mount costs no memory
                 self._fresh = max(self._fresh, target)
                 self._want_fresh = trio.Event()
                 await self._want_fresh.wait()
