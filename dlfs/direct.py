@@ -239,10 +239,10 @@ class DirectReader:
         """Every regular file below `directory` (paths relative to it, sorted) and the chunk holding
         each one's first bytes (-1 for an empty file), from the index: no request, no kernel."""
         self._check_open()
-        full = os.path.abspath(os.fsdecode(directory))
-        rel = os.fsencode(full)[len(self._prefix):] if os.fsencode(full).startswith(self._prefix) else b""
-        if full != self.root and not os.fsencode(full).startswith(self._prefix):
-            raise ValueError(f"{full} is not under the dlfs mount at {self.root}")
+        full = os.fsencode(os.path.abspath(os.fsdecode(directory)))
+        if full != self._prefix[:-1] and not full.startswith(self._prefix):
+            raise ValueError(f"{os.fsdecode(full)} is not under the dlfs mount at {self.root}")
+        rel = full[len(self._prefix):]
         ino = 1
         for part in (p for p in rel.split(b"/") if p):
             found = self.index.lookup(ino, part) if stat.S_ISDIR(self.index.inode(ino).mode) else None

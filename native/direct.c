@@ -256,31 +256,23 @@ static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
     return 0;
 }
 
-static int check_ext(SharedCache *s, unsigned long long ext)
+/* 0 if `v` is below `limit`; else -1 with an IndexError naming `what`. */
+static int in_range(unsigned long long v, uint64_t limit, const char *what)
 {
-    if (ext >= s->h.n_extents) {
-        PyErr_Format(PyExc_IndexError, "extent %llu outside the index", ext);
+    if (v >= limit) {
+        PyErr_Format(PyExc_IndexError, "%s %llu out of range (0..%llu)", what, v, (unsigned long long)limit - 1);
         return -1;
     }
     return 0;
 }
 
-static int check_slab(SharedCache *s, unsigned long long slab)
+/* A method's single argument as an index below `limit`: 0 with *out set, or -1 with an exception. */
+static int index_arg(PyObject *arg, uint64_t limit, const char *what, unsigned long long *out)
 {
-    if (slab >= s->h.nslabs) {
-        PyErr_Format(PyExc_IndexError, "slab %llu outside the cache", slab);
+    *out = PyLong_AsUnsignedLongLong(arg);
+    if (*out == (unsigned long long)-1 && PyErr_Occurred())
         return -1;
-    }
-    return 0;
-}
-
-static int check_row(SharedCache *s, unsigned long row)
-{
-    if (row >= s->h.n_rows) {
-        PyErr_Format(PyExc_IndexError, "row %lu outside the table", row);
-        return -1;
-    }
-    return 0;
+    return in_range(*out, limit, what);
 }
 
 static uint64_t gen_of(SharedCache *s, uint64_t slab)
@@ -293,7 +285,7 @@ static uint64_t gen_of(SharedCache *s, uint64_t slab)
 static PyObject *shared_publish(SharedCache *s, PyObject *args)
 {
     unsigned long long ext, slab, off;
-    if (!PyArg_ParseTuple(args, "KKK", &ext, &slab, &off) || check_ext(s, ext) < 0 || check_slab(s, slab) < 0)
+    if (!PyArg_ParseTuple(args, "KKK", &ext, &slab, &off) || in_range(ext, s->h.n_extents, "extent") < 0 || in_range(slab, s->h.nslabs, "slab") < 0)
         return NULL;
     if (off >= s->h.slab_size) {
         PyErr_Format(PyExc_ValueError, "offset %llu outside a slab", off);
@@ -307,8 +299,8 @@ static PyObject *shared_publish(SharedCache *s, PyObject *args)
 
 static PyObject *shared_unpublish(SharedCache *s, PyObject *arg)
 {
-    unsigned long long ext = PyLong_AsUnsignedLongLong(arg);
-    if ((ext == (unsigned long long)-1 && PyErr_Occurred()) || check_ext(s, ext) < 0)
+    unsigned long long ext;
+    if (index_arg(arg, s->h.n_extents, "extent", &ext) < 0)
         return NULL;
     __atomic_store_n(&s->entries[ext], 0, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
@@ -324,8 +316,8 @@ static uint64_t pins_on(SharedCache *s, uint64_t slab)
 
 static PyObject *shared_retire(SharedCache *s, PyObject *arg)
 {
-    unsigned long long slab = PyLong_AsUnsignedLongLong(arg);
-    if ((slab == (unsigned long long)-1 && PyErr_Occurred()) || check_slab(s, slab) < 0)
+    unsigned long long slab;
+    if (index_arg(arg, s->h.nslabs, "slab", &slab) < 0)
         return NULL;
     __atomic_fetch_add(&s->gens[slab], 1, __ATOMIC_SEQ_CST);
     return PyBool_FromLong(pins_on(s, slab) == 0);
@@ -333,8 +325,8 @@ static PyObject *shared_retire(SharedCache *s, PyObject *arg)
 
 static PyObject *shared_pinned(SharedCache *s, PyObject *arg)
 {
-    unsigned long long slab = PyLong_AsUnsignedLongLong(arg);
-    if ((slab == (unsigned long long)-1 && PyErr_Occurred()) || check_slab(s, slab) < 0)
+    unsigned long long slab;
+    if (index_arg(arg, s->h.nslabs, "slab", &slab) < 0)
         return NULL;
     return PyLong_FromUnsignedLongLong(pins_on(s, slab));
 }
@@ -343,7 +335,7 @@ static PyObject *shared_pin_for(SharedCache *s, PyObject *args)
 {
     unsigned long row;
     unsigned long long slab;
-    if (!PyArg_ParseTuple(args, "kK", &row, &slab) || check_row(s, row) < 0 || check_slab(s, slab) < 0)
+    if (!PyArg_ParseTuple(args, "kK", &row, &slab) || in_range(row, s->h.n_rows, "row") < 0 || in_range(slab, s->h.nslabs, "slab") < 0)
         return NULL;
     if (row >= s->max_row)
         s->max_row = (uint32_t)row + 1;
@@ -353,8 +345,8 @@ static PyObject *shared_pin_for(SharedCache *s, PyObject *args)
 
 static PyObject *shared_clear_row(SharedCache *s, PyObject *arg)
 {
-    unsigned long row = PyLong_AsUnsignedLong(arg);
-    if ((row == (unsigned long)-1 && PyErr_Occurred()) || check_row(s, row) < 0)
+    unsigned long long row;
+    if (index_arg(arg, s->h.n_rows, "row", &row) < 0)
         return NULL;
     if (row >= s->max_row)
         s->max_row = (uint32_t)row + 1;
@@ -367,8 +359,8 @@ static PyObject *shared_clear_row(SharedCache *s, PyObject *arg)
 
 static PyObject *shared_where(SharedCache *s, PyObject *arg)
 {
-    unsigned long long ext = PyLong_AsUnsignedLongLong(arg);
-    if ((ext == (unsigned long long)-1 && PyErr_Occurred()) || check_ext(s, ext) < 0)
+    unsigned long long ext;
+    if (index_arg(arg, s->h.n_extents, "extent", &ext) < 0)
         return NULL;
     uint64_t e = __atomic_load_n(&s->entries[ext], __ATOMIC_SEQ_CST);
     if (!e)
@@ -510,7 +502,7 @@ static PyObject *shared_read_many(SharedCache *s, PyObject *paths)
 static PyObject *shared_take(SharedCache *s, PyObject *args)
 {
     unsigned long long slab, off, len;
-    if (!client_ok(s) || !PyArg_ParseTuple(args, "KKK", &slab, &off, &len) || check_slab(s, slab) < 0)
+    if (!client_ok(s) || !PyArg_ParseTuple(args, "KKK", &slab, &off, &len) || in_range(slab, s->h.nslabs, "slab") < 0)
         return NULL;
     if (off > s->h.slab_size || len > s->h.slab_size - off) {
         /* The mount pinned it for us: a bad answer must still let go of the pin. */
@@ -523,8 +515,8 @@ static PyObject *shared_take(SharedCache *s, PyObject *args)
 
 static PyObject *shared_row_pins(SharedCache *s, PyObject *arg)
 {
-    unsigned long row = PyLong_AsUnsignedLong(arg);
-    if ((row == (unsigned long)-1 && PyErr_Occurred()) || check_row(s, row) < 0)
+    unsigned long long row;
+    if (index_arg(arg, s->h.n_rows, "row", &row) < 0)
         return NULL;
     uint64_t n = 0;
     uint32_t *r = row_of(s, row);
