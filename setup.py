@@ -17,8 +17,10 @@ setup(
     ext_modules=[
         Extension(
             "dlfs._native",
-            sources=["native/module.c", "native/fusehook.c", "native/metaserve.c", "native/indexview.c", "native/direct.c"],
-            depends=["native/fusehook.h", "native/metaserve.h", "native/indexview.h", "native/module.h"],
+            sources=["native/module.c", "native/fusehook.c", "native/engine.c", "native/uring.c", "native/answer.c",
+                     "native/shm.c", "native/indexview.c", "native/direct.c"],
+            depends=["native/fusehook.h", "native/engine.h", "native/answer.h", "native/shm.h", "native/indexview.h",
+                     "native/module.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],
             libraries=["dl", "fuse3", "pthread"],
         )

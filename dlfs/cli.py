@@ -31,6 +31,17 @@ def _setup_logging(args: argparse.Namespace, default: str = "WARNING") -> None:
     setup_logging(args.log_level or default, args.log_file)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (threads and the like)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return n
+
+
 def _metrics_address(args: argparse.Namespace) -> Any:
     """--metrics as an address, checked before anything starts; None without it."""
     if not args.metrics:
@@ -429,7 +440,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _mount_background(args, home, name, mountpoint)
     _setup_logging(args, "INFO")
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
-                        args.short_circuit)
+                        args.short_circuit, threads=args.threads, io_uring=args.io_uring)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -457,7 +468,7 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "dlfs", "--home", str(home), "mount", "--foreground", "--ready-fd", str(wfd),
            "--cache-size", args.cache_size, "--readahead", args.readahead, "--log-file", str(log_path),
-           args.dataset, str(mountpoint)]
+           "--threads", str(args.threads), "--io-uring", args.io_uring, args.dataset, str(mountpoint)]
     if args.cluster:
         cmd[3:3] = ["--cluster", args.cluster]
     if args.transport:
@@ -639,6 +650,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-short-circuit", dest="short_circuit", action="store_false",
                     help="read chunks this machine's node holds through its data daemon too, not from its "
                          "chunk files")
+    sp.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
+                    help="native threads serving the mount (default: one per CPU, here %(default)s)")
+    sp.add_argument("--io-uring", choices=("auto", "on", "off"), default="auto",
+                    help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where "
+                         "/sys/module/fuse/parameters/enable_uring is Y; on also sets it (root) or fails "
+                         "(default auto)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")

@@ -1,8 +1,8 @@
 """Loads dlfs's C helper (native/, built by pip as dlfs._native).
 
-It must be loaded with RTLD_GLOBAL before pyfuse3, so that pyfuse3's fuse_session_new binds to the
-helper's hook (see native/fusehook.c). Without the helper the mount still works, one request dearer
-per open and per close.
+It must be loaded with RTLD_GLOBAL before pyfuse3, so that pyfuse3's libfuse session calls bind to the
+helper's hooks (native/fusehook.c) and its serving engine can take the device over (native/engine.c).
+Without the helper (or with DLFS_NO_NATIVE=1) pyfuse3 serves every request from Python.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 from dlfs.format.index import Index
 
@@ -44,18 +45,21 @@ def fuse_hooked() -> bool:
     return native is not None and native.fuse_hooked()
 
 
-def serve_index(index: Index, timeout: float) -> bool:
-    """Answer LOOKUP, GETATTR, OPENDIR and READDIRPLUS from `index` in C; False if the helper cannot."""
+def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: int, io_uring: bool,
+                 control_path: bytes | None, xattr_name: bytes) -> bool:
+    """Native threads take the mounted session's /dev/fuse over and answer from `index` and the shared
+    cache `shared` (pinning through `row`); False where they cannot (no helper, or pyfuse3's session
+    was not made through the hook): pyfuse3 then serves every request itself."""
     if not fuse_hooked():
         return False
     assert native is not None
-    native.serve_index(index.sections(), timeout)
-    return True
+    t = index.totals
+    return bool(native.engine_start(index.sections(), shared, row=row, timeout=timeout, threads=threads,
+                                    io_uring=io_uring, statfs_blocks=(t.bytes + 4095) // 4096, statfs_files=t.inodes,
+                                    xattr_name=xattr_name if control_path is not None else None,
+                                    xattr_value=control_path))
 
 
-def stop_index() -> dict[str, int]:
-    """Stop answering from the index (before it is closed); how many requests C answered."""
-    if native is None:
-        return {}
-    native.stop_index()
-    return dict(native.meta_stats())
+def engine_stats() -> dict[str, Any]:
+    """Counters of the serving engine: requests answered natively, forwarded to Python, READs served."""
+    return dict(native.engine_stats()) if native is not None else {}

@@ -1,23 +1,10 @@
-/* The shared chunk cache of a mount, as dlfs.direct and the mount see it.
+/* dlfs.direct's Python types over a mount's shared chunk cache (layout and pin protocol: shm.h).
  *
- * The mount's cache arena (slabs of read-ahead) is a memfd that client processes map read-only; a
- * second memfd, the control region, says where each cached record is and who holds what:
- *
- *   header   128 B                   magic "DLFSSHM1", version, rows, slab size, slabs, extents,
- *                                    section offsets, total size
- *   gens     u64 per slab            bumped when the mount retires a slab (its records dropped)
- *   entries  u64 per extent          0: not in a slab; else (gen << 24) | (slab + 1)
- *   offsets  u32 per extent          where the record's bytes start in its slab
- *   rows     u32 per client per slab pins held by that client (process) on that slab
- *
- * A client pins a slab by adding to its own row, then re-reading the slab's gen; the mount retires a
- * slab by clearing its entries, bumping its gen, then summing the rows (all sequentially consistent):
- * either the client sees the new gen and lets go, or the mount sees the pin and keeps the slab's bytes
- * until the pin is released. A client's pins live only in its row, so when its connection ends (the
- * process died, say) the mount zeroes the row and every pin it held is reclaimed at once.
- *
- * A pin is a Python object exporting the record's bytes as a read-only buffer: read() hands out a
- * memoryview of it, and releasing the view (or dropping it) releases the pin. */
+ * A client's pins live only in its row, so when its connection ends (the process died, say) the mount
+ * zeroes the row and every pin it held is reclaimed at once. A pin is a Python object exporting the
+ * record's bytes as a read-only buffer: read() hands out a memoryview of it, and releasing the view (or
+ * dropping it) releases the pin. The mount's own SharedCache also counts what the kernel was sent of
+ * each record (shm.h's dlfs_consume), for the serving threads and the Python handlers alike. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -29,46 +16,10 @@
 
 #include "indexview.h"
 #include "module.h"
+#include "shm.h"
 
-#define MAGIC "DLFSSHM1"
-#define LAYOUT_VERSION 1
-#define HEADER_BYTES 128
-#define SLAB_BITS 24
-#define SLAB_LIMIT ((1u << SLAB_BITS) - 1)
-#define PATH_DEPTH 4096
-
-struct header {
-    char magic[8];
-    uint32_t version, n_rows;
-    uint64_t slab_size, nslabs, n_extents;
-    uint64_t gens, entries, offsets, rows, total;
-};
-
-static uint64_t align8(uint64_t n)
-{
-    return (n + 7) & ~(uint64_t)7;
-}
-
-/* The layout for these sizes; 0 if they cannot be laid out. */
-static uint64_t layout(struct header *h, uint64_t slab_size, uint64_t nslabs, uint64_t n_extents, uint64_t n_rows)
-{
-    if (!slab_size || slab_size > UINT32_MAX || !nslabs || nslabs > SLAB_LIMIT || n_rows < 1 || n_rows > 65536 ||
-        n_extents > ((uint64_t)1 << 40))
-        return 0;
-    memset(h, 0, sizeof *h);
-    memcpy(h->magic, MAGIC, 8);
-    h->version = LAYOUT_VERSION;
-    h->n_rows = (uint32_t)n_rows;
-    h->slab_size = slab_size;
-    h->nslabs = nslabs;
-    h->n_extents = n_extents;
-    h->gens = HEADER_BYTES;
-    h->entries = h->gens + 8 * nslabs;
-    h->offsets = h->entries + 8 * n_extents;
-    h->rows = align8(h->offsets + 4 * n_extents);
-    h->total = h->rows + 4 * n_rows * nslabs;
-    return h->total;
-}
+#define CONSUMED_RING 65536 /* extents consumed and not yet dropped by the cache */
+#define TAKE_BATCH 4096
 
 /* Bumped in every forked child: a pin inherited across fork() belongs to the parent's row. */
 static unsigned long fork_gen;
@@ -81,15 +32,13 @@ static void after_fork_child(void)
 typedef struct {
     PyObject_HEAD
     Py_buffer ctl, arena, index;
-    int held_ctl, held_arena, held_index;
-    struct header h;
-    uint64_t *gens, *entries;
-    uint32_t *offsets, *rows;
-    const char *mem;
+    int held_ctl, held_arena, held_index, has_consume;
+    struct dlfs_shm shm;
+    struct dlfs_consume consume; /* the mount's only */
     struct dlfs_ix ix;
     long row; /* this client's row; -1 for the mount */
     PyObject *keep; /* what must live as long as any pin (the client's connection: its end frees the row) */
-    uint32_t max_row; /* the mount: rows ever attached, the ones a retire must sum */
+    uint32_t max_row; /* the mount: rows ever pinned through, the ones a retire must sum */
     unsigned long fork_gen;
 } SharedCache;
 
@@ -104,11 +53,6 @@ typedef struct {
 static PyTypeObject SharedCacheType, PinType;
 static PyObject *empty_bytes;
 
-static uint32_t *row_of(SharedCache *s, uint64_t row)
-{
-    return s->rows + row * s->h.nslabs;
-}
-
 /* --- pins ----------------------------------------------------------------------------------- */
 
 static int pin_getbuffer(Pin *p, Py_buffer *view, int flags)
@@ -120,7 +64,7 @@ static void pin_dealloc(Pin *p)
 {
     SharedCache *s = p->owner;
     if (s->fork_gen == fork_gen)
-        __atomic_fetch_sub(&row_of(s, (uint64_t)s->row)[p->slab], 1, __ATOMIC_SEQ_CST);
+        dlfs_shm_unpin(&s->shm, (uint64_t)s->row, p->slab);
     Py_DECREF(s);
     PyObject_Free(p);
 }
@@ -141,7 +85,7 @@ static PyObject *view_of(SharedCache *s, uint32_t slab, const char *buf, Py_ssiz
 {
     Pin *p = PyObject_New(Pin, &PinType);
     if (!p) {
-        __atomic_fetch_sub(&row_of(s, (uint64_t)s->row)[slab], 1, __ATOMIC_SEQ_CST);
+        dlfs_shm_unpin(&s->shm, (uint64_t)s->row, slab);
         return NULL;
     }
     Py_INCREF(s);
@@ -164,6 +108,8 @@ static void shared_dealloc(SharedCache *s)
         PyBuffer_Release(&s->arena);
     if (s->held_index)
         PyBuffer_Release(&s->index);
+    if (s->has_consume)
+        dlfs_consume_free(&s->consume);
     Py_CLEAR(s->keep);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
@@ -193,49 +139,49 @@ static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
     if (PyObject_GetBuffer(arena, &s->arena, PyBUF_SIMPLE) < 0)
         return -1;
     s->held_arena = 1;
-    struct header *shared = s->ctl.buf;
-    if ((uint64_t)s->ctl.len < HEADER_BYTES) {
+    struct dlfs_shm_header *shared = s->ctl.buf;
+    if ((uint64_t)s->ctl.len < DLFS_SHM_HEADER_BYTES) {
         PyErr_SetString(PyExc_ValueError, "control region shorter than its header");
         return -1;
     }
     if (create) {
-        if (!layout(&s->h, slab_size, nslabs, n_extents, n_rows)) {
+        if (!dlfs_shm_layout(&s->shm.h, slab_size, nslabs, n_extents, n_rows)) {
             PyErr_SetString(PyExc_ValueError, "shared cache sizes out of range");
             return -1;
         }
-        if (s->h.total > (uint64_t)s->ctl.len) {
+        if (s->shm.h.total > (uint64_t)s->ctl.len) {
             PyErr_Format(PyExc_ValueError, "control region of %zd bytes; the layout needs %llu", s->ctl.len,
-                         (unsigned long long)s->h.total);
+                         (unsigned long long)s->shm.h.total);
             return -1;
         }
-        memcpy(shared, &s->h, sizeof s->h);
+        memcpy(shared, &s->shm.h, sizeof s->shm.h);
+        if (dlfs_consume_init(&s->consume, n_extents, CONSUMED_RING) < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        s->has_consume = 1;
     } else {
-        struct header h = *shared;
-        if (memcmp(h.magic, MAGIC, 8) || h.version != LAYOUT_VERSION) {
+        struct dlfs_shm_header h = *shared;
+        if (memcmp(h.magic, DLFS_SHM_MAGIC, 8) || h.version != DLFS_SHM_VERSION) {
             PyErr_SetString(PyExc_ValueError, "not a dlfs shared cache (bad magic or layout version)");
             return -1;
         }
         /* Recomputed, not trusted: every section must be where these sizes put it. */
-        if (!layout(&s->h, h.slab_size, h.nslabs, h.n_extents, h.n_rows) || memcmp(&s->h, &h, sizeof h) ||
-            s->h.total > (uint64_t)s->ctl.len) {
+        if (!dlfs_shm_layout(&s->shm.h, h.slab_size, h.nslabs, h.n_extents, h.n_rows) ||
+            memcmp(&s->shm.h, &h, sizeof h) || s->shm.h.total > (uint64_t)s->ctl.len) {
             PyErr_SetString(PyExc_ValueError, "shared cache header is inconsistent with its region");
             return -1;
         }
     }
-    if (s->h.nslabs * s->h.slab_size > (uint64_t)s->arena.len) {
+    if (s->shm.h.nslabs * s->shm.h.slab_size > (uint64_t)s->arena.len) {
         PyErr_SetString(PyExc_ValueError, "cache arena smaller than its slabs");
         return -1;
     }
-    if (row >= (long)s->h.n_rows) {
-        PyErr_Format(PyExc_ValueError, "row %ld outside 0..%u", row, s->h.n_rows - 1);
+    if (row >= (long)s->shm.h.n_rows) {
+        PyErr_Format(PyExc_ValueError, "row %ld outside 0..%u", row, s->shm.h.n_rows - 1);
         return -1;
     }
-    char *base = s->ctl.buf;
-    s->gens = (uint64_t *)(base + s->h.gens);
-    s->entries = (uint64_t *)(base + s->h.entries);
-    s->offsets = (uint32_t *)(base + s->h.offsets);
-    s->rows = (uint32_t *)(base + s->h.rows);
-    s->mem = s->arena.buf;
+    dlfs_shm_map(&s->shm, s->ctl.buf, s->arena.buf);
     s->row = row < 0 ? -1 : row;
     s->fork_gen = fork_gen;
     Py_XINCREF(keep);
@@ -248,7 +194,7 @@ static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
         if (dlfs_index_from_sections(sections, &s->index, &s->ix) < 0)
             return -1;
         s->held_index = 1;
-        if (s->ix.n_extents != s->h.n_extents) {
+        if (s->ix.n_extents != s->shm.h.n_extents) {
             PyErr_SetString(PyExc_ValueError, "the index is not the one the shared cache was made for");
             return -1;
         }
@@ -275,84 +221,87 @@ static int index_arg(PyObject *arg, uint64_t limit, const char *what, unsigned l
     return in_range(*out, limit, what);
 }
 
-static uint64_t gen_of(SharedCache *s, uint64_t slab)
-{
-    return __atomic_load_n(&s->gens[slab], __ATOMIC_SEQ_CST) & (((uint64_t)1 << (64 - SLAB_BITS)) - 1);
-}
-
 /* The mount's side. */
+
+static int mount_ok(SharedCache *s)
+{
+    if (!s->has_consume) {
+        PyErr_SetString(PyExc_RuntimeError, "this SharedCache is a client's, not the mount's");
+        return 0;
+    }
+    return 1;
+}
 
 static PyObject *shared_publish(SharedCache *s, PyObject *args)
 {
     unsigned long long ext, slab, off;
-    if (!PyArg_ParseTuple(args, "KKK", &ext, &slab, &off) || in_range(ext, s->h.n_extents, "extent") < 0 || in_range(slab, s->h.nslabs, "slab") < 0)
+    if (!mount_ok(s) || !PyArg_ParseTuple(args, "KKK", &ext, &slab, &off) ||
+        in_range(ext, s->shm.h.n_extents, "extent") < 0 || in_range(slab, s->shm.h.nslabs, "slab") < 0)
         return NULL;
-    if (off >= s->h.slab_size) {
+    if (off >= s->shm.h.slab_size) {
         PyErr_Format(PyExc_ValueError, "offset %llu outside a slab", off);
         return NULL;
     }
-    /* The offset first: a client that sees the entry sees where it points. */
-    __atomic_store_n(&s->offsets[ext], (uint32_t)off, __ATOMIC_RELEASE);
-    __atomic_store_n(&s->entries[ext], (gen_of(s, slab) << SLAB_BITS) | (slab + 1), __ATOMIC_SEQ_CST);
+    /* A record published anew has sent the kernel nothing yet. */
+    __atomic_store_n(&s->consume.served[ext], 0, __ATOMIC_RELAXED);
+    dlfs_shm_publish(&s->shm, ext, slab, (uint32_t)off);
     Py_RETURN_NONE;
 }
 
 static PyObject *shared_unpublish(SharedCache *s, PyObject *arg)
 {
     unsigned long long ext;
-    if (index_arg(arg, s->h.n_extents, "extent", &ext) < 0)
+    if (index_arg(arg, s->shm.h.n_extents, "extent", &ext) < 0)
         return NULL;
-    __atomic_store_n(&s->entries[ext], 0, __ATOMIC_SEQ_CST);
+    dlfs_shm_unpublish(&s->shm, ext);
     Py_RETURN_NONE;
-}
-
-static uint64_t pins_on(SharedCache *s, uint64_t slab)
-{
-    uint64_t n = 0;
-    for (uint64_t r = 0; r < s->max_row; r++)
-        n += __atomic_load_n(&row_of(s, r)[slab], __ATOMIC_SEQ_CST);
-    return n;
 }
 
 static PyObject *shared_retire(SharedCache *s, PyObject *arg)
 {
     unsigned long long slab;
-    if (index_arg(arg, s->h.nslabs, "slab", &slab) < 0)
+    if (index_arg(arg, s->shm.h.nslabs, "slab", &slab) < 0)
         return NULL;
-    __atomic_fetch_add(&s->gens[slab], 1, __ATOMIC_SEQ_CST);
-    return PyBool_FromLong(pins_on(s, slab) == 0);
+    __atomic_fetch_add(&s->shm.gens[slab], 1, __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(dlfs_shm_pins_on(&s->shm, slab, s->max_row) == 0);
 }
 
 static PyObject *shared_pinned(SharedCache *s, PyObject *arg)
 {
     unsigned long long slab;
-    if (index_arg(arg, s->h.nslabs, "slab", &slab) < 0)
+    if (index_arg(arg, s->shm.h.nslabs, "slab", &slab) < 0)
         return NULL;
-    return PyLong_FromUnsignedLongLong(pins_on(s, slab));
+    return PyLong_FromUnsignedLongLong(dlfs_shm_pins_on(&s->shm, slab, s->max_row));
+}
+
+/* Rows up to `row` may hold pins from now on: retires must sum them. */
+static void row_in_use(SharedCache *s, uint64_t row)
+{
+    if (row >= s->max_row)
+        s->max_row = (uint32_t)row + 1;
 }
 
 static PyObject *shared_pin_for(SharedCache *s, PyObject *args)
 {
     unsigned long row;
     unsigned long long slab;
-    if (!PyArg_ParseTuple(args, "kK", &row, &slab) || in_range(row, s->h.n_rows, "row") < 0 || in_range(slab, s->h.nslabs, "slab") < 0)
+    if (!PyArg_ParseTuple(args, "kK", &row, &slab) || in_range(row, s->shm.h.n_rows, "row") < 0 ||
+        in_range(slab, s->shm.h.nslabs, "slab") < 0)
         return NULL;
-    if (row >= s->max_row)
-        s->max_row = (uint32_t)row + 1;
-    __atomic_fetch_add(&row_of(s, row)[slab], 1, __ATOMIC_SEQ_CST);
+    row_in_use(s, row);
+    __atomic_fetch_add(&dlfs_shm_row(&s->shm, row)[slab], 1, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
 }
 
 static PyObject *shared_clear_row(SharedCache *s, PyObject *arg)
 {
     unsigned long long row;
-    if (index_arg(arg, s->h.n_rows, "row", &row) < 0)
+    if (index_arg(arg, s->shm.h.n_rows, "row", &row) < 0)
         return NULL;
-    if (row >= s->max_row)
-        s->max_row = (uint32_t)row + 1;
-    uint32_t *r = row_of(s, row);
+    row_in_use(s, row);
+    uint32_t *r = dlfs_shm_row(&s->shm, row);
     uint64_t freed = 0;
-    for (uint64_t i = 0; i < s->h.nslabs; i++)
+    for (uint64_t i = 0; i < s->shm.h.nslabs; i++)
         freed += __atomic_exchange_n(&r[i], 0, __ATOMIC_SEQ_CST);
     return PyLong_FromUnsignedLongLong(freed);
 }
@@ -360,12 +309,49 @@ static PyObject *shared_clear_row(SharedCache *s, PyObject *arg)
 static PyObject *shared_where(SharedCache *s, PyObject *arg)
 {
     unsigned long long ext;
-    if (index_arg(arg, s->h.n_extents, "extent", &ext) < 0)
+    if (index_arg(arg, s->shm.h.n_extents, "extent", &ext) < 0)
         return NULL;
-    uint64_t e = __atomic_load_n(&s->entries[ext], __ATOMIC_SEQ_CST);
+    uint64_t e = __atomic_load_n(&s->shm.entries[ext], __ATOMIC_SEQ_CST);
     if (!e)
         Py_RETURN_NONE;
-    return Py_BuildValue("KI", (unsigned long long)((e & SLAB_LIMIT) - 1), s->offsets[ext]);
+    return Py_BuildValue("KI", (unsigned long long)((e & DLFS_SHM_SLAB_LIMIT) - 1), s->shm.offsets[ext]);
+}
+
+static PyObject *shared_served(SharedCache *s, PyObject *args)
+{
+    unsigned long long ext;
+    unsigned int n, len;
+    if (!mount_ok(s) || !PyArg_ParseTuple(args, "KII", &ext, &n, &len) ||
+        in_range(ext, s->shm.h.n_extents, "extent") < 0)
+        return NULL;
+    return PyBool_FromLong(dlfs_consume_add(&s->consume, ext, n, len));
+}
+
+static PyObject *shared_reset_served(SharedCache *s, PyObject *arg)
+{
+    unsigned long long ext;
+    if (!mount_ok(s) || index_arg(arg, s->shm.h.n_extents, "extent", &ext) < 0)
+        return NULL;
+    __atomic_store_n(&s->consume.served[ext], 0, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *shared_take_consumed(SharedCache *s, PyObject *unused)
+{
+    uint32_t got[TAKE_BATCH];
+    if (!mount_ok(s))
+        return NULL;
+    uint32_t n = dlfs_consume_take(&s->consume, got, TAKE_BATCH);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(got[i]);
+        if (!v) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
 }
 
 /* The client's side. */
@@ -381,31 +367,6 @@ static int client_ok(SharedCache *s)
         return 0;
     }
     return 1;
-}
-
-/* Pin extent `ext` (raw bytes `len`) where it is now; 1 with *buf and *slab_out set, 0 if it is not in a slab. */
-static int try_pin(SharedCache *s, uint64_t ext, uint32_t len, const char **buf, uint32_t *slab_out)
-{
-    uint64_t e = __atomic_load_n(&s->entries[ext], __ATOMIC_ACQUIRE);
-    if (!e)
-        return 0;
-    uint64_t slab = (e & SLAB_LIMIT) - 1;
-    if (slab >= s->h.nslabs)
-        return 0;
-    uint32_t *count = &row_of(s, (uint64_t)s->row)[slab];
-    __atomic_fetch_add(count, 1, __ATOMIC_SEQ_CST);
-    if (gen_of(s, slab) == e >> SLAB_BITS) {
-        uint32_t off = __atomic_load_n(&s->offsets[ext], __ATOMIC_ACQUIRE);
-        /* The entry again: the offset read belongs to it only if it did not change meanwhile. */
-        if (__atomic_load_n(&s->entries[ext], __ATOMIC_SEQ_CST) == e && off <= s->h.slab_size &&
-            len <= s->h.slab_size - off) {
-            *buf = s->mem + slab * s->h.slab_size + off;
-            *slab_out = (uint32_t)slab;
-            return 1;
-        }
-    }
-    __atomic_fetch_sub(count, 1, __ATOMIC_SEQ_CST);
-    return 0;
 }
 
 /* Resolve `path` (relative to the root, '/'-separated) to an inode: >0, or -errno. A symlink on the
@@ -473,7 +434,7 @@ static PyObject *read_one(SharedCache *s, PyObject *path)
         return PyLong_FromLong(ino);
     const char *buf;
     uint32_t slab;
-    if (!try_pin(s, node.ref, ext.raw_len, &buf, &slab))
+    if (!dlfs_shm_pin(&s->shm, (uint64_t)s->row, node.ref, ext.raw_len, &buf, &slab))
         return PyLong_FromLong(ino);
     return view_of(s, slab, buf, ext.raw_len);
 }
@@ -502,25 +463,26 @@ static PyObject *shared_read_many(SharedCache *s, PyObject *paths)
 static PyObject *shared_take(SharedCache *s, PyObject *args)
 {
     unsigned long long slab, off, len;
-    if (!client_ok(s) || !PyArg_ParseTuple(args, "KKK", &slab, &off, &len) || in_range(slab, s->h.nslabs, "slab") < 0)
+    if (!client_ok(s) || !PyArg_ParseTuple(args, "KKK", &slab, &off, &len) ||
+        in_range(slab, s->shm.h.nslabs, "slab") < 0)
         return NULL;
-    if (off > s->h.slab_size || len > s->h.slab_size - off) {
+    if (off > s->shm.h.slab_size || len > s->shm.h.slab_size - off) {
         /* The mount pinned it for us: a bad answer must still let go of the pin. */
-        __atomic_fetch_sub(&row_of(s, (uint64_t)s->row)[slab], 1, __ATOMIC_SEQ_CST);
+        dlfs_shm_unpin(&s->shm, (uint64_t)s->row, (uint32_t)slab);
         PyErr_Format(PyExc_ValueError, "record of %llu bytes at %llu lies outside its slab", len, off);
         return NULL;
     }
-    return view_of(s, (uint32_t)slab, s->mem + slab * s->h.slab_size + off, (Py_ssize_t)len);
+    return view_of(s, (uint32_t)slab, s->shm.mem + slab * s->shm.h.slab_size + off, (Py_ssize_t)len);
 }
 
 static PyObject *shared_row_pins(SharedCache *s, PyObject *arg)
 {
     unsigned long long row;
-    if (index_arg(arg, s->h.n_rows, "row", &row) < 0)
+    if (index_arg(arg, s->shm.h.n_rows, "row", &row) < 0)
         return NULL;
     uint64_t n = 0;
-    uint32_t *r = row_of(s, row);
-    for (uint64_t i = 0; i < s->h.nslabs; i++)
+    uint32_t *r = dlfs_shm_row(&s->shm, row);
+    for (uint64_t i = 0; i < s->shm.h.nslabs; i++)
         n += __atomic_load_n(&r[i], __ATOMIC_SEQ_CST);
     return PyLong_FromUnsignedLongLong(n);
 }
@@ -529,13 +491,17 @@ static PyObject *shared_get(SharedCache *s, void *which)
 {
     switch ((intptr_t)which) {
     case 0:
-        return PyLong_FromUnsignedLongLong(s->h.slab_size);
+        return PyLong_FromUnsignedLongLong(s->shm.h.slab_size);
     case 1:
-        return PyLong_FromUnsignedLongLong(s->h.nslabs);
+        return PyLong_FromUnsignedLongLong(s->shm.h.nslabs);
     case 2:
-        return PyLong_FromUnsignedLongLong(s->h.n_extents);
+        return PyLong_FromUnsignedLongLong(s->shm.h.n_extents);
     case 3:
-        return PyLong_FromUnsignedLong(s->h.n_rows);
+        return PyLong_FromUnsignedLong(s->shm.h.n_rows);
+    case 4:
+        return PyLong_FromLong(s->has_consume ? s->consume.wake_fd : -1);
+    case 5:
+        return PyLong_FromUnsignedLongLong(s->has_consume ? s->consume.dropped : 0);
     default:
         return PyLong_FromLong(s->row);
     }
@@ -546,7 +512,10 @@ static PyGetSetDef shared_getset[] = {
     {"nslabs", (getter)shared_get, NULL, "slabs in the arena", (void *)1},
     {"n_extents", (getter)shared_get, NULL, "extents of the index", (void *)2},
     {"n_rows", (getter)shared_get, NULL, "client rows of the pin table", (void *)3},
-    {"row", (getter)shared_get, NULL, "this client's row (-1: the mount)", (void *)4},
+    {"consumed_fd", (getter)shared_get, NULL, "the mount's: an eventfd readable while consumed extents wait",
+     (void *)4},
+    {"consumed_dropped", (getter)shared_get, NULL, "consumed extents the full queue could not hold", (void *)5},
+    {"row", (getter)shared_get, NULL, "this client's row (-1: the mount)", (void *)6},
     {NULL},
 };
 
@@ -560,6 +529,12 @@ static PyMethodDef shared_methods[] = {
     {"clear_row", (PyCFunction)shared_clear_row, METH_O,
      "clear_row(row) -> pins reclaimed: the client is gone (or new)."},
     {"where", (PyCFunction)shared_where, METH_O, "where(ext) -> (slab, offset) or None."},
+    {"served", (PyCFunction)shared_served, METH_VARARGS,
+     "served(ext, n, raw_len) -> bool: n more bytes of the record went to the kernel; True if that completed it."},
+    {"reset_served", (PyCFunction)shared_reset_served, METH_O,
+     "reset_served(ext): the record is kept anew (outside a slab): nothing of it has been sent."},
+    {"take_consumed", (PyCFunction)shared_take_consumed, METH_NOARGS,
+     "take_consumed() -> [ext]: records the serving threads completed, for the cache to drop."},
     {"read_many", (PyCFunction)shared_read_many, METH_O,
      "read_many(paths) -> [memoryview | -errno | inode]: pinned views of the files in slabs; the rest "
      "as the inode to ask the mount for, or an errno."},
@@ -574,20 +549,36 @@ static PyTypeObject SharedCacheType = {
     .tp_basicsize = sizeof(SharedCache),
     .tp_dealloc = (destructor)shared_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A mount's shared chunk cache: its control region and arena (native/direct.c).",
+    .tp_doc = "A mount's shared chunk cache: its control region and arena (native/shm.h).",
     .tp_methods = shared_methods,
     .tp_getset = shared_getset,
     .tp_init = (initproc)shared_init,
     .tp_new = PyType_GenericNew,
 };
 
+/* For the serving engine: the mount's cache, with a row of its own counted in every retire. */
+int dlfs_shared_cache_of(PyObject *obj, uint64_t row, struct dlfs_shm **shm, struct dlfs_consume **consume)
+{
+    if (!PyObject_TypeCheck(obj, &SharedCacheType)) {
+        PyErr_SetString(PyExc_TypeError, "expected a dlfs._native.SharedCache");
+        return -1;
+    }
+    SharedCache *s = (SharedCache *)obj;
+    if (!mount_ok(s) || in_range(row, s->shm.h.n_rows, "row") < 0)
+        return -1;
+    row_in_use(s, row);
+    *shm = &s->shm;
+    *consume = &s->consume;
+    return 0;
+}
+
 static PyObject *shared_size(PyObject *self, PyObject *args)
 {
     unsigned long long slab_size, nslabs, n_extents, n_rows;
-    struct header h;
+    struct dlfs_shm_header h;
     if (!PyArg_ParseTuple(args, "KKKK", &slab_size, &nslabs, &n_extents, &n_rows))
         return NULL;
-    if (!layout(&h, slab_size, nslabs, n_extents, n_rows)) {
+    if (!dlfs_shm_layout(&h, slab_size, nslabs, n_extents, n_rows)) {
         PyErr_SetString(PyExc_ValueError, "shared cache sizes out of range");
         return NULL;
     }
@@ -658,7 +649,7 @@ int dlfs_direct_add_types(PyObject *module)
     Py_INCREF(&PinType);
     if (PyModule_AddObject(module, "Pin", (PyObject *)&PinType) < 0)
         return -1;
-    if (PyModule_AddIntConstant(module, "SLAB_LIMIT", SLAB_LIMIT) < 0)
+    if (PyModule_AddIntConstant(module, "SLAB_LIMIT", DLFS_SHM_SLAB_LIMIT) < 0)
         return -1;
     return PyModule_AddFunctions(module, functions);
 }

@@ -1,9 +1,10 @@
 /* dlfs._native: the C helper of dlfs. Loaded with RTLD_GLOBAL before pyfuse3 (see dlfs/native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
+#include "engine.h"
 #include "fusehook.h"
-#include "metaserve.h"
 #include "module.h"
 
 static PyObject *fuse_hooked(PyObject *self, PyObject *unused)
@@ -30,49 +31,123 @@ int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix
     return 0;
 }
 
-static Py_buffer index_view; /* held while registered: the mmap cannot be closed under C */
-static int index_held;
+/* What the engine serves from, kept alive (the index mapping cannot be closed under C) until the
+ * session is destroyed. */
+static struct {
+    Py_buffer index;
+    int held;
+    PyObject *shared;
+    PyObject *xattr_name, *xattr_value; /* bytes; the engine points into them */
+} kept;
 
-static PyObject *serve_index(PyObject *self, PyObject *args)
+static void release_kept(void)
 {
-    PyObject *sections;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "O!d", &PyTuple_Type, &sections, &timeout))
-        return NULL;
-    Py_buffer view;
-    struct dlfs_ix ix;
-    if (dlfs_index_from_sections(sections, &view, &ix) < 0)
-        return NULL;
-    dlfs_meta_unregister();
-    if (index_held)
-        PyBuffer_Release(&index_view);
-    index_view = view;
-    index_held = 1;
-    dlfs_meta_register(&ix, timeout);
-    Py_RETURN_NONE;
+    if (kept.held)
+        PyBuffer_Release(&kept.index);
+    kept.held = 0;
+    Py_CLEAR(kept.shared);
+    Py_CLEAR(kept.xattr_name);
+    Py_CLEAR(kept.xattr_value);
 }
 
-static PyObject *stop_index(PyObject *self, PyObject *unused)
+static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 {
-    dlfs_meta_unregister();
-    if (index_held) {
-        PyBuffer_Release(&index_view);
-        index_held = 0;
+    static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "statfs_blocks",
+                            "statfs_files", "xattr_name", "xattr_value", NULL};
+    PyObject *sections, *shared = Py_None, *xname = Py_None, *xvalue = Py_None;
+    unsigned long long row = 0, blocks = 0, files = 0;
+    double timeout = 0;
+    int threads = 1, uring = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipKKOO", names, &PyTuple_Type, &sections, &shared, &row,
+                                     &timeout, &threads, &uring, &blocks, &files, &xname, &xvalue))
+        return NULL;
+    if (xname != Py_None && (!PyBytes_Check(xname) || !PyBytes_Check(xvalue) || memchr(PyBytes_AS_STRING(xname), 0,
+                                                                                        PyBytes_GET_SIZE(xname)))) {
+        PyErr_SetString(PyExc_TypeError, "xattr_name and xattr_value must be bytes (the name without NUL)");
+        return NULL;
     }
-    Py_RETURN_NONE;
+    if (timeout < 0 || timeout > 1e9 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "timeout must be 0..1e9 s and threads at least 1");
+        return NULL;
+    }
+    if (kept.held || kept.shared) {
+        PyErr_SetString(PyExc_RuntimeError, "the serving engine is already running");
+        return NULL;
+    }
+    struct dlfs_serve sv;
+    memset(&sv, 0, sizeof sv);
+    if (dlfs_index_from_sections(sections, &kept.index, &sv.ix) < 0)
+        return NULL;
+    kept.held = 1;
+    if (shared != Py_None) {
+        struct dlfs_shm *shm;
+        struct dlfs_consume *consume;
+        if (dlfs_shared_cache_of(shared, row, &shm, &consume) < 0) {
+            release_kept();
+            return NULL;
+        }
+        if (shm->h.n_extents != sv.ix.n_extents) {
+            release_kept();
+            PyErr_SetString(PyExc_ValueError, "the shared cache was made for another index");
+            return NULL;
+        }
+        sv.shm = shm;
+        sv.consume = consume;
+        sv.row = row;
+        Py_INCREF(shared);
+        kept.shared = shared;
+    }
+    if (xname != Py_None) {
+        Py_INCREF(xname);
+        Py_INCREF(xvalue);
+        kept.xattr_name = xname;
+        kept.xattr_value = xvalue;
+        sv.xattr_name = PyBytes_AS_STRING(xname);
+        sv.xattr_value = PyBytes_AS_STRING(xvalue);
+        sv.xattr_len = (uint32_t)PyBytes_GET_SIZE(xvalue);
+    }
+    sv.timeout_s = (uint64_t)timeout;
+    sv.timeout_ns = (uint32_t)((timeout - (double)sv.timeout_s) * 1e9);
+    sv.statfs_blocks = blocks;
+    sv.statfs_files = files;
+    if (dlfs_engine_start(&sv, threads, uring) < 0) {
+        int err = errno;
+        release_kept();
+        if (err == ENOTCONN)
+            Py_RETURN_FALSE; /* pyfuse3 kept the device: it serves everything */
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_TRUE;
 }
 
-static PyObject *meta_stats(PyObject *self, PyObject *unused)
+static PyObject *engine_stats(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:K,s:K}", "answered", dlfs_meta_answered(), "corrupt", dlfs_meta_corrupt());
+    struct dlfs_engine_stats s;
+    dlfs_engine_stats(&s);
+    static const char *uring[] = {"off", "registering", "serving"};
+    const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}", "requests", s.c.requests,
+        "answered", s.c.answered, "forwarded", s.c.forwarded, "lookups", s.c.lookups, "getattrs", s.c.getattrs,
+        "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
+        s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
+        s.uring_queues, "queued_max", s.queued_max, "write_errors", s.write_errors, "python_replies",
+        s.python_replies, "io_uring", state, "ended", s.ended ? Py_True : Py_False);
+}
+
+static PyObject *engine_running(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(dlfs_engine_running());
 }
 
 static PyMethodDef methods[] = {
-    {"serve_index", serve_index, METH_VARARGS,
-     "serve_index(sections, timeout): "
-     "answer LOOKUP, GETATTR, OPENDIR and READDIRPLUS from this index in C."},
-    {"stop_index", stop_index, METH_NOARGS, "Stop answering from the index and release the mapping."},
-    {"meta_stats", meta_stats, METH_NOARGS, "Metadata requests answered in C, and those answered EIO as corrupt."},
+    {"engine_start", (PyCFunction)(void (*)(void))engine_start, METH_VARARGS | METH_KEYWORDS,
+     "engine_start(sections, shared=None, *, row, timeout, threads, io_uring, statfs_blocks, statfs_files, "
+     "xattr_name, xattr_value) -> bool: native threads take the mounted session's device over and answer "
+     "from this index and shared cache; False if pyfuse3's session was not made through the hook."},
+    {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
+    {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
     {"fuse_hooked", fuse_hooked, METH_NOARGS,
      "True once pyfuse3's session was created through the hook, so READ carries the inode as fh."},
     {NULL, NULL, 0, NULL},
@@ -87,5 +162,6 @@ PyMODINIT_FUNC PyInit__native(void)
     PyObject *m = PyModule_Create(&module);
     if (m && dlfs_direct_add_types(m) < 0)
         Py_CLEAR(m);
+    dlfs_fuse_on_release(release_kept);
     return m;
 }

@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include "indexview.h"
+#include "shm.h"
 
 /* An index view from a dlfs.format.index.Sections tuple: holds a buffer of its mapping in `view`
  * (release it when done); -1 with a Python exception set if the tuple is bad or lies outside it. */
@@ -11,4 +12,8 @@ int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix
 
 /* The types of dlfs.direct's shared cache (direct.c), added to the module; -1 on failure. */
 int dlfs_direct_add_types(PyObject *module);
+
+/* The mount's SharedCache `obj` for the serving engine, which pins through `row`: its layout and its
+ * consumption counters; -1 with a Python exception if `obj` is not the mount's. */
+int dlfs_shared_cache_of(PyObject *obj, uint64_t row, struct dlfs_shm **shm, struct dlfs_consume **consume);
 #endif

@@ -327,6 +327,37 @@ def test_arena_blocks_are_reused_once_nothing_refers_to_them() -> None:
     assert made[0].closed
 
 
+def test_cache_slabs_are_registered_one_at_a_time_as_reads_land_in_them() -> None:
+    # RDMA READs land in the mount's shared arena (dlfs.direct maps it): each slab is registered the
+    # first time a read lands there, once, and a range that is not inside one slab is not taken.
+    import mmap
+
+    from dlfs.transport import rdma
+
+    made: list[_Registration] = []
+
+    def register(addr: int, length: int) -> _Registration:
+        made.append(_Registration(addr, length))
+        return made[-1]
+
+    slab = 1 << 20
+    arena = mmap.mmap(-1, 4 * slab)
+    slabs = rdma.SlabRegistry(register, arena, slab)
+    view = memoryview(arena)
+    base = rdma.buffer_address(view)
+    assert slabs.slab_of(base + slab + 100, 1000) == 1
+    assert slabs.slab_of(base + slab - 10, 20) is None  # straddles two slabs
+    assert slabs.slab_of(base + 4 * slab, 1) is None and slabs.slab_of(base - 1, 1) is None
+    assert slabs.lkey(2) is None
+    assert slabs.add(2) == 0x51 and slabs.add(2) == 0x51
+    assert [(r.addr, r.length) for r in made] == [(base + 2 * slab, slab)]
+    assert rdma.buffer_address(view[2 * slab :]) == base + 2 * slab  # a slab's view is where it was registered
+    slabs.close()
+    assert made[0].closed and slabs.lkey(2) is None
+    del view
+    arena.close()
+
+
 def test_block_sizes_come_from_a_small_set() -> None:
     from dlfs.transport.rdma import block_size
 
@@ -459,7 +490,7 @@ class ErrorStateRdma:
         self.calls: list[tuple[str, bytes, int, int]] = []
 
     async def read_range(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
-                         timeout: float) -> memoryview:
+                         timeout: float, into: memoryview | None = None) -> memoryview:
         self.calls.append((spec.name, cid, offset, length))
         await trio.lowlevel.checkpoint()
         raise RdmaFailure(f"RDMA READ from {spec.name} failed: work request completed with status "
@@ -508,7 +539,8 @@ async def test_rdma_path_unreachable_marks_the_node_suspect(tmp_path: Path) -> N
     class Unreachable:
         name = "rdma"
 
-        async def read_range(self, spec: NodeSpec, cid: bytes, offset: int, length: int, timeout: float) -> bytes:
+        async def read_range(self, spec: NodeSpec, cid: bytes, offset: int, length: int, timeout: float,
+                             into: memoryview | None = None) -> bytes:
             from dlfs.errors import Unreachable as Gone
 
             raise Gone(f"cannot reach the data daemon of {spec.name}")
@@ -610,8 +642,11 @@ async def test_read_path_over_rdma_every_byte_and_a_queue_pair_error(tmp_path: P
             async with chunk_transport(client, choose_for(cluster, arena, "test"), arena) as choice:
                 assert choice.name == "rdma" and client.rdma is not None
                 cache = ChunkCache(index, client, capacity=32 << 20, readahead=256 << 10)
+                client.rdma.attach_arena(cache.arena, cache.slab_size)
                 for ext in random.Random(1).sample(range(len(payloads)), len(payloads)):
                     assert bytes(await cache.record(ext)) == payloads[ext]
+                # The READs landed in the shared arena's slabs, where dlfs.direct clients map them.
+                assert all(cache.where(ext) is not None for ext in range(len(payloads)))
                 rng = random.Random(2)
                 for _ in range(50):
                     off = rng.randrange(len(big))

@@ -53,6 +53,7 @@ FETCH_TIMEOUT = 10.0
 PREFETCH_WORKERS = 2
 NO_SLAB = -1
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
+ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
 
 
@@ -89,19 +90,20 @@ class ChunkCache:
         # same pages are mapped by dlfs.direct clients.
         arena_fd = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
         os.ftruncate(arena_fd, self.capacity)
-        self._arena = mmap.mmap(arena_fd, self.capacity)
+        self.arena = mmap.mmap(arena_fd, self.capacity)
         self.arena_fd: int | None = arena_fd
-        self._mem = memoryview(self._arena)
+        self._mem = memoryview(self.arena)
         self.shared: Any = None  # native.SharedCache: what dlfs.direct clients see
         self.ctl_fd: int | None = None
         self._ctl: mmap.mmap | None = None
         if native is not None:
-            size = native.shared_size(self.slab_size, nslabs, index.totals.extents, DIRECT_CLIENTS)
+            size = native.shared_size(self.slab_size, nslabs, index.totals.extents, DIRECT_CLIENTS + 1)
             self.ctl_fd = os.memfd_create("dlfs-cache-control", os.MFD_CLOEXEC)
             os.ftruncate(self.ctl_fd, size)
             self._ctl = mmap.mmap(self.ctl_fd, size)
-            self.shared = native.SharedCache(self._ctl, self._arena, create=True, slab_size=self.slab_size,
-                                             nslabs=nslabs, n_extents=index.totals.extents, n_rows=DIRECT_CLIENTS)
+            self.shared = native.SharedCache(self._ctl, self.arena, create=True, slab_size=self.slab_size,
+                                             nslabs=nslabs, n_extents=index.totals.extents,
+                                             n_rows=DIRECT_CLIENTS + 1)
         self._free = list(range(nslabs - 1, -1, -1))  # a stack: the most recently freed slab is reused first
         self._retired: list[int] = []  # slabs whose records are gone but that a client still pins
         # Fresh slabs are taken in ascending order (the free stack's bottom); those below _fresh
@@ -210,8 +212,11 @@ class ChunkCache:
         for ext, raw in records.items():
             self._records[ext] = (raw, bid)
         if self.shared is not None:
-            for ext, off in offsets.items():
-                self.shared.publish(ext, slab, off)
+            for ext in records:  # publishing counts the record afresh too
+                if ext in offsets:
+                    self.shared.publish(ext, slab, offsets[ext])
+                else:
+                    self.shared.reset_served(ext)
         if resident:
             self._resident[bid] = None
             self._resident_size += nbytes
@@ -231,9 +236,10 @@ class ChunkCache:
         """(slab, offset) of extent `ext` if it lies whole in a slab of the shared arena now."""
         return self.shared.where(ext) if self.shared is not None else None
 
-    async def record(self, ext: int, shared: bool = False) -> bytes | bytearray | memoryview:
-        """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes.
-        `shared`: for a dlfs.direct client, so land it in the shared arena, local copy or not."""
+    async def record(self, ext: int) -> bytes | bytearray | memoryview:
+        """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes. Whatever
+        the source (this machine's chunk files, a data daemon), the record lands in the cache and stays
+        until the kernel (or a dlfs.direct client) has it."""
         while True:
             hit = self._records.get(ext)
             if hit is not None:
@@ -246,14 +252,6 @@ class ChunkCache:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
-        if self.local is not None and not shared:
-            e = self.index.extent(ext)
-            raw = await self.local.record(self.index.chunk(e.chunk).id, e.record)
-            if raw is not None:
-                # Counted as fetched from the local node (its disk), and kept nowhere: the
-                # kernel's page cache holds what it is sent.
-                self._count_fetch(self.local.node, e.record.stored_len)
-                return raw
         readahead = self._room(self.slab_size)
         if readahead:
             self._queue_chunk(self.index.extent(ext).chunk)
@@ -272,12 +270,23 @@ class ChunkCache:
         hit = self._records.get(ext)
         if hit is None:
             return
+        if self.shared is not None:
+            # One count per record, shared with the serving threads' (native/shm.h).
+            if self.shared.served(ext, nbytes, len(hit[0])):
+                self._consumed(ext)
+            return
         served = self._served.get(ext, 0) + nbytes
         if served < len(hit[0]):
             self._served[ext] = served
             return
         self._served.pop(ext, None)
-        del self._records[ext]
+        self._consumed(ext)
+
+    def _consumed(self, ext: int) -> None:
+        """The kernel has every byte of extent `ext`: drop it, and its block once that holds no other."""
+        hit = self._records.pop(ext, None)
+        if hit is None:
+            return
         self._unpublish(ext)
         self._done[ext] = 1
         self.consumed += 1
@@ -285,6 +294,15 @@ class ChunkCache:
         b.live.discard(ext)
         if not b.live:
             self._drop(hit[1])
+
+    async def drain_consumed(self) -> None:
+        """Run for the mount's life: drop the records the serving threads sent whole to the kernel."""
+        if self.shared is None:
+            return
+        while True:
+            await trio.lowlevel.wait_readable(self.shared.consumed_fd)
+            for ext in self.shared.take_consumed():
+                self._consumed(ext)
 
     def _here(self, i: int) -> bool:
         """Whether extent i needs no fetch: cached, being fetched, or already with the kernel."""
@@ -361,7 +379,7 @@ class ChunkCache:
                     continue
                 self.fetch_seconds.observe(perf_counter() - t0)
                 self._count_fetch(spec.name, len(data))
-                if slab != NO_SLAB and not (isinstance(data, memoryview) and data.obj is self._arena):
+                if slab != NO_SLAB and not (isinstance(data, memoryview) and data.obj is self.arena):
                     # Landed elsewhere (RDMA's registered memory): the slab is not needed.
                     self._free.append(slab)
                     slab, into = NO_SLAB, None
@@ -440,7 +458,7 @@ class ChunkCache:
                 self._want_fresh = trio.Event()
                 await self._want_fresh.wait()
                 continue
-            await trio.to_thread.run_sync(native.populate, self._arena, start * self.slab_size,
+            await trio.to_thread.run_sync(native.populate, self.arena, start * self.slab_size,
                                           (target - start) * self.slab_size)
             self._fresh = target
 

@@ -106,12 +106,12 @@ class ClusterClient:
 
     async def read_from(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
                         timeout: float = CALL_TIMEOUT, into: memoryview | None = None) -> bytes | bytearray | memoryview:
-        """Bytes [offset, offset+length) of a chunk on one node: over RDMA when this client uses it
-        and it works (into its registered memory), else over TCP (into `into` if given).
+        """Bytes [offset, offset+length) of a chunk on one node, into `into` if given (RDMA where the
+        client uses it and it works, else TCP; RDMA lands elsewhere if `into` is not registrable).
         NotFound, Unreachable and CorruptData as READ_RANGE raises them."""
         if self.rdma is not None:
             try:
-                data = await self.rdma.read_range(spec, cid, offset, length, timeout)
+                data = await self.rdma.read_range(spec, cid, offset, length, timeout, into)
             except RdmaFailure as exc:
                 # The RDMA path logged its failure; the reader gets its bytes over TCP all the same.
                 self.tcp_fallbacks += 1

@@ -1,10 +1,10 @@
-"""Short-circuit reads: records of chunks that this machine's own data daemon holds, read straight
+"""Short-circuit reads: ranges of chunks that this machine's own data daemon holds, read straight
 from its chunk files (as HDFS reads local blocks) instead of through the daemon and a socket.
 
-The bytes then go disk -> page cache -> the kernel's reply to the reader, like a packed image
-read in place, with no round trip, no copy through a socket and no cache memory of the mount's.
-Every record is still checked against its checksum; a chunk that is not here, is short or fails
-the check is read from the replicas as usual (the caller's fallback).
+They are one source of the cache's fetch pipeline (dlfs/client/cache.py), beside the daemons over TCP
+and RDMA: a window is read in place into a slab, checked record by record there, and served from it
+until the kernel has it, like any other fetch. A chunk that is not here, is short or fails a check is
+read from the replicas as usual (the caller's fallback).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import trio
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.data.store import boot_id, chunk_path
-from dlfs.errors import CorruptData, DlfsError
-from dlfs.format.chunk import Record, decode_record
+from dlfs.errors import DlfsError
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
@@ -97,19 +96,6 @@ class LocalChunks:
         self.reads += 1
         self.bytes += got
         return buf
-
-    async def record(self, cid: bytes, rec: Record) -> bytes | bytearray | memoryview | None:
-        """The record's raw bytes, verified, if this machine holds its chunk intact; else None."""
-        stored = await self.read_range(cid, rec.offset, rec.stored_len)
-        if stored is None:
-            return None
-        where = f"chunk {cid.hex()} (local copy of {self.node}) record at offset {rec.offset}"
-        try:
-            return decode_record(stored, rec, where)
-        except CorruptData as exc:
-            self.fallbacks += 1
-            log.warning("%s; reading it from the replicas", exc)
-            return None
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,7 +35,9 @@ from dlfs.transport.rdma import (
     Block,
     CompletionQueue,
     RdmaDevice,
+    SlabRegistry,
     break_qp,
+    buffer_address,
     connect_qp,
     local_write_registrar,
     new_psn,
@@ -246,6 +249,7 @@ class RdmaReader:
         self.port = port
         self.device = RdmaDevice(port)
         self.arena = Arena(local_write_registrar(self.device.pd), arena_limit)
+        self.slabs: SlabRegistry | None = None  # the mount's cache arena, once attached
         self.links: dict[str, Link] = {}
         self.wr_ids = itertools.count(1)
         self._connecting: dict[str, trio.Lock] = {}
@@ -343,22 +347,47 @@ class RdmaReader:
         with link.poller:
             await link.cq.run(link.completed)
 
+    def attach_arena(self, arena: mmap.mmap, slab_size: int) -> None:
+        """Let reads land straight in the slabs of the mount's cache `arena` (see SlabRegistry)."""
+        self.slabs = SlabRegistry(local_write_registrar(self.device.pd), arena, slab_size)
+
     async def read_range(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
-                         timeout: float) -> memoryview:
+                         timeout: float, into: memoryview | None = None) -> memoryview:
         """Bytes [offset, offset+length) of a chunk on `spec`, shorter at the chunk's end (as TCP's
-        READ_RANGE). NotFound if the node lacks the chunk; RdmaFailure if RDMA cannot read it."""
+        READ_RANGE): into `into` when it lies in a slab of the attached cache arena, else into the
+        reader's own registered memory. NotFound if the node lacks the chunk; RdmaFailure if RDMA
+        cannot read it."""
         link = await self._link(spec)
         region = await link.region(cid, timeout)
         end = min(offset + length, region.length)
         if offset >= end:
             return memoryview(b"")
         n = end - offset
-        block = await self._block(n)
+        block = await self._slab_block(into, n) if into is not None else None
+        if block is None:
+            block = await self._block(n)
         await link.read(block, region, offset, n, timeout)
         self.reads += 1
         self.bytes_read += n
         self._backoff.pop(spec.name, None)
         return block.view()
+
+    async def _slab_block(self, into: memoryview, n: int) -> Block | None:
+        """`into` as a block of the cache arena's registered memory, the slab registered (in a thread)
+        the first time; None if it is not in the arena."""
+        if self.slabs is None or len(into) < n:
+            return None
+        addr = buffer_address(into)
+        slab = self.slabs.slab_of(addr, n)
+        if slab is None:
+            return None
+        lkey = self.slabs.lkey(slab)
+        if lkey is None:
+            try:
+                lkey = await trio.to_thread.run_sync(self.slabs.add, slab)
+            except (PyverbsError, OSError) as exc:
+                raise RdmaFailure(f"cannot register a cache slab for RDMA: {exc}") from None
+        return Block(addr, lkey, into, n)
 
     async def _block(self, n: int) -> Block:
         """Registered memory for `n` bytes, the arena grown (in a thread) if need be."""
@@ -380,11 +409,15 @@ class RdmaReader:
 
     def stats(self) -> dict[str, int]:
         return {"rdma_reads": self.reads, "rdma_bytes": self.bytes_read, "rdma_failures": self.failures,
-                "rdma_links": len(self.links), "rdma_registered": self.arena.registered}
+                "rdma_links": len(self.links),
+                "rdma_registered": self.arena.registered + (len(self.slabs.mrs) * self.slabs.slab_size
+                                                            if self.slabs is not None else 0)}
 
     def close(self) -> None:
         for link in list(self.links.values()):
             link.close("the reader closed")
         self.links.clear()
+        if self.slabs is not None:
+            self.slabs.close()
         self.arena.close()
         self.device.close()

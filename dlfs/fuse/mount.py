@@ -11,13 +11,13 @@ import subprocess
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyfuse3
 import trio
 
-from dlfs.client.cache import PREFETCH_WORKERS, ChunkCache
+from dlfs.client.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
 from dlfs.client.local import open_local_chunks
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
@@ -25,11 +25,11 @@ from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.control import ControlServer, control_socket_path
-from dlfs.fuse.ops import TIMEOUT, DlfsOperations
+from dlfs.fuse.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
 from dlfs.fuse.stats import MountStats
 from dlfs.logs import set_context
 from dlfs.meta.store import VersionInfo
-from dlfs.native import serve_index, stop_index
+from dlfs.native import engine_stats, start_engine
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
@@ -39,6 +39,7 @@ from dlfs.wire.protocol import Msg
 log = logging.getLogger(__name__)
 INDEX_PIECE = 16 << 20
 READ_AHEAD_KB = 4096
+URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
 
 
 @dataclass
@@ -53,6 +54,8 @@ class MountOptions:
     allow_other: bool = False
     metrics: Address | None = None  # serve Prometheus metrics here
     short_circuit: bool = True  # read the local node's chunk files in place
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # native threads serving /dev/fuse
+    io_uring: str = "auto"  # auto | on | off: FUSE over io_uring (see want_io_uring)
 
 
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
@@ -81,6 +84,26 @@ def check_mountpoint(path: Path) -> None:
         raise MountError(f"{path} is already a mount point (unmount it first)")
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse is missing: this machine cannot mount FUSE file systems")
+
+
+def want_io_uring(mode: str) -> bool:
+    """Whether the engine should serve through FUSE over io_uring: `auto` where the kernel allows it,
+    `on` also enables it (the fuse module's enable_uring, root only) or fails with one line."""
+    if mode == "off":
+        return False
+    try:
+        enabled = URING_PARAM.read_text().strip() in ("Y", "1")
+    except OSError:
+        enabled = False
+    if enabled or mode == "auto":
+        return enabled
+    try:
+        URING_PARAM.write_text("Y")
+    except OSError as exc:
+        raise MountError(f"--io-uring on: cannot enable FUSE over io_uring ({URING_PARAM}: {exc.strerror}); it needs "
+                         "Linux 6.14 or newer built with CONFIG_FUSE_IO_URING, and root") from None
+    log.info("enabled FUSE over io_uring (%s = Y)", URING_PARAM)
+    return True
 
 
 async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> Path:
@@ -142,6 +165,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         stack.callback(index.close)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
         last.append(cache.close)
+        if client.rdma is not None:  # RDMA READs land in the shared slabs: dlfs.direct stays zero-copy
+            client.rdma.attach_arena(cache.arena, cache.slab_size)
         cache.local = await open_local_chunks(client) if opts.short_circuit else None
         if cache.local is not None:
             stack.callback(cache.local.close)
@@ -174,10 +199,16 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
 
         ended_by_kernel = False
 
-        stack.callback(unmount)
-        if serve_index(index, TIMEOUT):
-            # Runs before index.close (callbacks unwind in reverse): C lets go of the mapping first.
-            stack.callback(lambda: log.info("%s: metadata answered in C: %s", label, stop_index()))
+        stack.callback(unmount)  # pyfuse3.close stops the engine and lets go of the index before index.close
+        uring = want_io_uring(opts.io_uring)
+        if start_engine(index, cache.shared, ENGINE_ROW, TIMEOUT, opts.threads, uring, ops.control_path,
+                        CONTROL_XATTR):
+            log.info("%s: %d native threads serve the mount%s; misses go to Python", label, opts.threads,
+                     ", with FUSE over io_uring" if uring else "")
+            stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
+        else:
+            log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)
+        nursery.start_soon(cache.drain_consumed, name="dlfs-drain-consumed")
         record = mount_record(opts.home, opts.mountpoint)
 
         async def announce() -> None:

@@ -103,7 +103,11 @@ class DlfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         ino = self.index.lookup(parent_inode, name)
         if ino is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            # A negative entry, as the native engine answers: the namespace never changes, so the
+            # kernel may remember the miss (the caller still gets ENOENT).
+            miss = _new_attrs()
+            miss.st_ino = 0
+            return miss
         return self.attrs(self.index.inode(ino))
 
     async def forget(self, inode_list: Any) -> None:

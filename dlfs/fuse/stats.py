@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from dlfs.native import engine_stats
 from dlfs.transport.base import Address
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,18 @@ class MountStats:
     def snapshot(self) -> dict[str, Any]:
         ops, c = self.ops, self.cache
         nodes = sorted(set(c.fetched_by_node) | set(c.fetches_by_node))
+        # READs answered by the native engine come from the cache's slabs: each is a hit; the Python
+        # handlers' own (misses and what is not in a slab) are counted and timed by them.
+        eng = engine_stats()
+        native_reads = eng.get("reads", 0)
         return {
             "format": STATS_FORMAT, "time": time.time(), "pid": os.getpid(), "started": self.started,
             "dataset": self.label, "mountpoint": str(self.mountpoint),
             "metrics": str(self.metrics) if self.metrics else None,
-            "reads": ops.reads, "read_bytes": ops.bytes_read, "read_errors": ops.errors,
-            "read_seconds": ops.read_seconds.to_dict(),
-            "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
+            "reads": ops.reads + native_reads, "read_bytes": ops.bytes_read + eng.get("read_bytes", 0),
+            "read_errors": ops.errors, "read_seconds": ops.read_seconds.to_dict(),
+            "python_reads": ops.reads, "engine": eng,
+            "cache_hits": c.hits + native_reads, "cache_misses": c.misses, "cache_evictions": c.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
             "fetches": c.fetches, "fetched_bytes": c.fetched_bytes, "fetch_seconds": c.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": c.fetches_by_node.get(n, 0), "bytes": c.fetched_by_node.get(n, 0)}

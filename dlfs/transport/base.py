@@ -3,6 +3,7 @@ of chunk ranges into memory the transport provides (RDMA)."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -51,7 +52,8 @@ class Transport(Protocol):
 class RangeReader(Protocol):
     """Reads byte ranges of chunks from one data node by a path other than the byte stream (RDMA).
 
-    `read_range` returns the bytes (shorter at the chunk's end), raises NotFound when the node
+    `read_range` returns the bytes (shorter at the chunk's end), in `into` where it can (the caller's
+    memory, e.g. a cache slab), raises NotFound when the node
     lacks the chunk, Unreachable when its daemon cannot be reached, and RdmaFailure when this path
     cannot serve the read: the caller then reads it over the byte stream.
     """
@@ -59,6 +61,9 @@ class RangeReader(Protocol):
     name: str
 
     async def read_range(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
-                         timeout: float) -> bytes | bytearray | memoryview: ...
+                         timeout: float, into: memoryview | None = None) -> bytes | bytearray | memoryview: ...
+
+    def attach_arena(self, arena: mmap.mmap, slab_size: int) -> None:
+        """Reads with `into` in this arena (the mount's cache, cut in slabs) may land there directly."""
 
     def stats(self) -> dict[str, int]: ...

@@ -370,6 +370,54 @@ class Block:
         return memoryview(self.data).cast("B")[: self.length]
 
 
+def buffer_address(buf: mmap.mmap | memoryview) -> int:
+    """The address of a writable buffer's first byte (for a work request's scatter list)."""
+    anchor = ctypes.c_ubyte.from_buffer(buf)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # its buffer export would pin the mapping
+
+
+class SlabRegistry:
+    """Someone else's memory made RDMA-writable a slab at a time, as reads first land in each slab:
+    the mount's shared cache arena, so READs land where dlfs.direct clients map them (no copy), and
+    an idle mount pins nothing. Registrations last as long as the registry."""
+
+    def __init__(self, register: Register, arena: mmap.mmap, slab_size: int) -> None:
+        self.register, self.arena, self.slab_size = register, arena, slab_size
+        self.base, self.size = buffer_address(arena), len(arena)
+        self.mrs: dict[int, MR] = {}
+        self._lock = threading.Lock()
+
+    def slab_of(self, addr: int, n: int) -> int | None:
+        """The slab holding [addr, addr+n), or None if the range is not inside one slab of the arena."""
+        if not self.base <= addr or addr + n > self.base + self.size:
+            return None
+        slab = (addr - self.base) // self.slab_size
+        return slab if (addr + n - 1 - self.base) // self.slab_size == slab else None
+
+    def lkey(self, slab: int) -> int | None:
+        mr = self.mrs.get(slab)
+        return mr.lkey if mr is not None else None
+
+    def add(self, slab: int) -> int:
+        """Register slab `slab` (slow: its pages are faulted in and pinned; run it in a thread); its lkey."""
+        with self._lock:
+            mr = self.mrs.get(slab)
+            if mr is None:
+                addr = self.base + slab * self.slab_size
+                _libc.madvise(addr, self.slab_size, MADV_POPULATE_WRITE)
+                mr = self.mrs[slab] = self.register(addr, self.slab_size)
+            return mr.lkey
+
+    def close(self) -> None:
+        with self._lock:
+            for mr in self.mrs.values():
+                mr.close()
+            self.mrs.clear()
+
+
 class Arena:
     """Registered memory for RDMA READs, grown a segment at a time up to `limit` bytes (what
     memlock was checked against). Thread-safe: blocks may die in worker threads."""

@@ -1,0 +1,65 @@
+#ifndef DLFS_ANSWER_H
+#define DLFS_ANSWER_H
+/* Answering FUSE requests from memory, whatever transport brought them (engine.c: /dev/fuse or
+ * io_uring): metadata from the mmap'd index, trivial requests at once, and READ from records that sit
+ * in the shared cache's slabs. What cannot be answered here goes to Python (pyfuse3), unchanged. */
+#include <linux/fuse.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "indexview.h"
+#include "shm.h"
+
+#define DLFS_REPLY_IOV 32 /* header + pieces of a READ spanning several records */
+
+/* One request: its header, the opcode's fixed argument struct, and what follows it (a name). */
+struct dlfs_req {
+    const struct fuse_in_header *in;
+    const void *op;
+    uint32_t op_len;
+    const char *payload;
+    uint32_t payload_len;
+};
+
+/* Counters of one serving thread (summed on demand: no cache line shared between threads). */
+struct dlfs_counters {
+    uint64_t requests, answered, forwarded, lookups, getattrs, readdirs, ioctls, opens;
+    uint64_t reads, read_bytes, read_misses, corrupt;
+};
+
+/* A reply being built: iov[0] is the header; the pins are released once it has been sent. */
+struct dlfs_reply {
+    struct fuse_out_header out;
+    struct iovec iov[DLFS_REPLY_IOV];
+    int n;
+    uint32_t pin_slab[DLFS_REPLY_IOV];
+    uint32_t piece_ext[DLFS_REPLY_IOV], piece_len[DLFS_REPLY_IOV], piece_raw[DLFS_REPLY_IOV];
+    int npins;
+    char *scratch; /* the thread's buffer for encoded replies */
+    uint32_t scratch_size;
+};
+
+/* What the mount serves from: set once before the serving threads start, read-only after. */
+struct dlfs_serve {
+    struct dlfs_ix ix;
+    uint64_t timeout_s;
+    uint32_t timeout_ns;
+    uint64_t statfs_blocks, statfs_files;
+    const char *xattr_name, *xattr_value; /* on the root; NULL if none */
+    uint32_t xattr_len;
+    const struct dlfs_shm *shm; /* NULL: no shared cache (every READ goes to Python) */
+    struct dlfs_consume *consume;
+    uint64_t row; /* the serving threads' row of the pin table */
+};
+
+enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2 };
+
+/* The size of `opcode`'s fixed argument struct, or -1 if it is not one answered here. */
+int dlfs_op_len(uint32_t opcode);
+/* Answer `rq` into `rp` (DLFS_ANSWERED: send rp->iov[0..n), then call dlfs_reply_done), or say it
+ * goes to Python (DLFS_FORWARD) or needs no reply (DLFS_NO_REPLY: FORGET). */
+int dlfs_answer(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
+                struct dlfs_counters *c);
+/* After the reply was sent (or failed to be): let go of its pins and count what the kernel got. */
+void dlfs_reply_done(const struct dlfs_serve *sv, struct dlfs_reply *rp, int sent);
+#endif

@@ -1,0 +1,408 @@
+/* The mount's serving engine (see engine.h).
+ *
+ * pyfuse3 serves /dev/fuse from one trio loop: every request of every reader waits for one Python
+ * thread. Here native threads read the device instead (several readers of one /dev/fuse fd is what
+ * libfuse's own multi-threaded loop does), answer in C what memory can answer, and queue the rest for
+ * pyfuse3. libfuse's custom I/O hooks (fuse_session_custom_io) make that invisible to pyfuse3: its
+ * session fd becomes an eventfd that is readable while requests wait, libfuse "reads" a request from
+ * the queue, and its replies are written to the device by the engine. A reply may come from any
+ * thread; without cloned fds every request is answered on the one device fd it came from. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+
+#define DEV_BUF ((1 << 20) + 4096) /* max_write (1 MiB) + headers: the kernel refuses smaller reads */
+#define SCRATCH (128 << 10)        /* encoded replies: READDIRPLUS asks for a page or a few */
+#define MAX_THREADS 256
+
+struct worker {
+    pthread_t thread;
+    int started;
+    struct dlfs_reply reply;
+    struct dlfs_counters counters;
+};
+
+/* A request waiting for Python, as the device gave it. */
+struct fwd {
+    struct fwd *next;
+    uint32_t len;
+    char data[];
+};
+
+static struct {
+    struct fuse_session *se;
+    int devfd, wake_fd; /* the device; our copy of the eventfd libfuse waits on */
+    int attached, serving, native_ok;
+    volatile int stopping;
+    int ended; /* the kernel ended the session (ENODEV) */
+    pthread_mutex_t lock; /* the queue, `closed` and the counters below */
+    struct fwd *head, *tail;
+    uint64_t queued, queued_max, write_errors, python_replies;
+    int closed;
+    struct dlfs_serve serve;
+    struct worker *workers;
+    int nworkers;
+} E = {.devfd = -1, .wake_fd = -1, .native_ok = 1, .lock = PTHREAD_MUTEX_INITIALIZER};
+
+static int stop_signal(void)
+{
+    return SIGRTMIN + 3; /* interrupts a blocked read of the device; Python uses no real-time signal */
+}
+
+static void on_stop_signal(int sig)
+{
+    (void)sig;
+}
+
+/* --- replies --------------------------------------------------------------------------------- */
+
+static void send_error(uint64_t unique, int err)
+{
+    struct fuse_out_header out = {.len = sizeof out, .error = -err, .unique = unique};
+    if (write(E.devfd, &out, sizeof out) < 0)
+        __atomic_fetch_add(&E.write_errors, 1, __ATOMIC_RELAXED);
+}
+
+static void send_reply(struct dlfs_reply *rp)
+{
+    ssize_t n = writev(E.devfd, rp->iov, rp->n);
+    /* ENOENT: the request was interrupted or its caller is gone; nothing to do. */
+    if (n < 0 && errno != ENOENT)
+        __atomic_fetch_add(&E.write_errors, 1, __ATOMIC_RELAXED);
+    dlfs_reply_done(&E.serve, rp, n >= 0);
+}
+
+/* --- the queue to Python --------------------------------------------------------------------- */
+
+void dlfs_engine_forward(const void *buf, uint32_t len)
+{
+    const struct fuse_in_header *in = buf;
+    struct fwd *f = malloc(sizeof *f + len);
+    if (!f) {
+        send_error(in->unique, ENOMEM);
+        return;
+    }
+    f->next = NULL;
+    f->len = len;
+    memcpy(f->data, buf, len);
+    pthread_mutex_lock(&E.lock);
+    if (E.closed) {
+        pthread_mutex_unlock(&E.lock);
+        free(f);
+        send_error(in->unique, ENOTCONN);
+        return;
+    }
+    if (E.tail)
+        E.tail->next = f;
+    else
+        E.head = f;
+    E.tail = f;
+    if (++E.queued > E.queued_max)
+        E.queued_max = E.queued;
+    uint64_t one = 1;
+    if (write(E.wake_fd, &one, sizeof one) < 0) {
+        /* EAGAIN: the counter is full, which means readable */
+    }
+    pthread_mutex_unlock(&E.lock);
+}
+
+const struct dlfs_serve *dlfs_engine_serve(void)
+{
+    return __atomic_load_n(&E.serving, __ATOMIC_ACQUIRE) ? &E.serve : NULL;
+}
+
+/* libfuse's read, in pyfuse3's thread: one queued request, without blocking. */
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
+{
+    uint64_t v;
+    (void)userdata;
+    if (read(fd, &v, sizeof v) < 0) {
+        /* EAGAIN: woken for the end of the session, or spuriously */
+    }
+    pthread_mutex_lock(&E.lock);
+    struct fwd *f = E.head;
+    if (f) {
+        E.head = f->next;
+        if (!E.head)
+            E.tail = NULL;
+        E.queued--;
+    }
+    int ended = E.ended;
+    pthread_mutex_unlock(&E.lock);
+    if (!f) {
+        errno = ended ? ENODEV : EINTR; /* ENODEV ends pyfuse3's loop; EINTR makes it wait again */
+        return -1;
+    }
+    if (f->len > len) {
+        send_error(((struct fuse_in_header *)f->data)->unique, EIO);
+        free(f);
+        errno = EINTR;
+        return -1;
+    }
+    memcpy(buf, f->data, f->len);
+    ssize_t n = f->len;
+    free(f);
+    return n;
+}
+
+/* libfuse's replies (and notifications), from pyfuse3's thread. */
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    (void)fd;
+    (void)userdata;
+    __atomic_fetch_add(&E.python_replies, 1, __ATOMIC_RELAXED);
+    if (dlfs_uring_reply(iov, count)) {
+        size_t n = 0;
+        for (int i = 0; i < count; i++)
+            n += iov[i].iov_len;
+        return (ssize_t)n;
+    }
+    return writev(E.devfd, iov, count);
+}
+
+/* --- the /dev/fuse readers ------------------------------------------------------------------- */
+
+static void end_session(void)
+{
+    pthread_mutex_lock(&E.lock);
+    int first = !E.ended;
+    E.ended = 1;
+    if (first && !E.closed) {
+        uint64_t one = 1;
+        if (write(E.wake_fd, &one, sizeof one) < 0) {
+            /* readable already */
+        }
+    }
+    pthread_mutex_unlock(&E.lock);
+}
+
+/* Answer or forward one request of `n` bytes. */
+static void handle(struct worker *w, const char *buf, size_t n)
+{
+    const struct fuse_in_header *in = (const void *)buf;
+    w->counters.requests++;
+    if (n < sizeof *in || in->len != n) {
+        dlfs_engine_forward(buf, (uint32_t)n); /* libfuse reports it */
+        w->counters.forwarded++;
+        return;
+    }
+    int r = DLFS_FORWARD, op_len = dlfs_op_len(in->opcode);
+    if (__atomic_load_n(&E.serving, __ATOMIC_ACQUIRE) && op_len >= 0 && n - sizeof *in >= (size_t)op_len) {
+        struct dlfs_req rq = {in, buf + sizeof *in, (uint32_t)op_len, buf + sizeof *in + op_len,
+                              (uint32_t)(n - sizeof *in - op_len)};
+        r = dlfs_answer(&E.serve, &rq, &w->reply, &w->counters);
+    }
+    if (r == DLFS_ANSWERED) {
+        send_reply(&w->reply);
+    } else if (r == DLFS_FORWARD) {
+        w->counters.forwarded++;
+        dlfs_engine_forward(buf, (uint32_t)n);
+    }
+}
+
+static void *reader_main(void *arg)
+{
+    struct worker *w = arg;
+    sigset_t only_stop;
+    sigfillset(&only_stop);
+    sigdelset(&only_stop, stop_signal());
+    pthread_sigmask(SIG_SETMASK, &only_stop, NULL); /* Python's signals go to Python's thread */
+    char *buf = malloc(DEV_BUF);
+    w->reply.scratch = malloc(SCRATCH);
+    w->reply.scratch_size = SCRATCH;
+    if (!buf || !w->reply.scratch) {
+        free(buf);
+        return NULL;
+    }
+    while (!E.stopping) {
+        ssize_t n = read(E.devfd, buf, DEV_BUF);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
+                continue;
+            /* ENODEV: unmounted, or aborted through /sys/fs/fuse/connections; anything else is fatal too. */
+            end_session();
+            break;
+        }
+        handle(w, buf, (size_t)n);
+    }
+    free(buf);
+    return NULL;
+}
+
+/* --- lifecycle ------------------------------------------------------------------------------- */
+
+int dlfs_engine_attach(struct fuse_session *se)
+{
+    int devfd = fuse_session_fd(se);
+    int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK | EFD_SEMAPHORE);
+    if (devfd < 0 || efd < 0) {
+        if (efd >= 0)
+            close(efd);
+        return -1;
+    }
+    /* Our own copy: libfuse closes its fd at unmount, and a late wake-up must never reach a reused fd. */
+    int wake = fcntl(efd, F_DUPFD_CLOEXEC, 0);
+    const struct fuse_custom_io io = {.read = io_read, .writev = io_writev};
+    if (wake < 0 || fuse_session_custom_io(se, &io, efd) != 0) {
+        int err = errno;
+        close(efd);
+        if (wake >= 0)
+            close(wake);
+        errno = err ? err : EINVAL;
+        return -1;
+    }
+    E.se = se;
+    E.devfd = devfd;
+    E.wake_fd = wake;
+    E.attached = 1;
+    E.closed = E.ended = 0;
+    E.stopping = 0;
+    return 0;
+}
+
+int dlfs_engine_owns(struct fuse_session *se)
+{
+    return E.attached && E.se == se;
+}
+
+void dlfs_engine_protocol(unsigned major, unsigned minor)
+{
+    E.native_ok = major == 7 && minor >= 12;
+}
+
+int dlfs_engine_running(void)
+{
+    return E.attached && E.nworkers > 0 && !E.stopping;
+}
+
+int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
+{
+    if (!E.attached || E.nworkers) {
+        errno = E.attached ? EALREADY : ENOTCONN;
+        return -1;
+    }
+    if (threads < 1 || threads > MAX_THREADS) {
+        errno = EINVAL;
+        return -1;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal; /* no SA_RESTART: a blocked read returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(stop_signal(), &sa, NULL) < 0)
+        return -1;
+    E.serve = *sv;
+    E.workers = calloc((size_t)threads, sizeof *E.workers);
+    if (!E.workers)
+        return -1;
+    __atomic_store_n(&E.serving, E.native_ok, __ATOMIC_RELEASE);
+    for (int i = 0; i < threads; i++) {
+        if (pthread_create(&E.workers[i].thread, NULL, reader_main, &E.workers[i]) != 0)
+            break;
+        E.workers[i].started = 1;
+        E.nworkers = i + 1;
+    }
+    if (!E.nworkers) {
+        free(E.workers);
+        E.workers = NULL;
+        errno = EAGAIN;
+        return -1;
+    }
+    if (uring)
+        dlfs_uring_start(E.devfd); /* best effort: its state says why not */
+    return 0;
+}
+
+void dlfs_engine_close_python(void)
+{
+    pthread_mutex_lock(&E.lock);
+    E.closed = 1;
+    struct fwd *f = E.head;
+    E.head = E.tail = NULL;
+    E.queued = 0;
+    pthread_mutex_unlock(&E.lock);
+    while (f) { /* Python's loop is over: nobody will answer these */
+        struct fwd *next = f->next;
+        send_error(((struct fuse_in_header *)f->data)->unique, ENOTCONN);
+        free(f);
+        f = next;
+    }
+}
+
+void dlfs_engine_stop(void)
+{
+    if (!E.attached)
+        return;
+    dlfs_engine_close_python();
+    E.stopping = 1;
+    dlfs_uring_stop();
+    for (int i = 0; i < E.nworkers; i++) {
+        if (!E.workers[i].started)
+            continue;
+        /* A signal can land just before the read blocks: send it until the thread is gone. */
+        for (;;) {
+            pthread_kill(E.workers[i].thread, stop_signal());
+            struct timespec t;
+            clock_gettime(CLOCK_REALTIME, &t);
+            t.tv_nsec += 20 * 1000 * 1000;
+            if (t.tv_nsec >= 1000000000) {
+                t.tv_sec++;
+                t.tv_nsec -= 1000000000;
+            }
+            if (pthread_timedjoin_np(E.workers[i].thread, NULL, &t) == 0)
+                break;
+        }
+        E.workers[i].started = 0;
+    }
+}
+
+void dlfs_engine_stats(struct dlfs_engine_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < E.nworkers; i++) {
+        const struct dlfs_counters *c = &E.workers[i].counters;
+        const uint64_t *src = (const uint64_t *)c;
+        uint64_t *dst = (uint64_t *)&out->c;
+        for (size_t k = 0; k < sizeof *c / sizeof(uint64_t); k++)
+            dst[k] += __atomic_load_n(&src[k], __ATOMIC_RELAXED);
+    }
+    dlfs_uring_add_counters(&out->c);
+    out->threads = (uint64_t)E.nworkers;
+    out->uring_queues = dlfs_uring_queues();
+    out->uring_state = dlfs_uring_state();
+    pthread_mutex_lock(&E.lock);
+    out->queued_max = E.queued_max;
+    out->write_errors = E.write_errors;
+    out->python_replies = E.python_replies;
+    out->ended = E.ended;
+    pthread_mutex_unlock(&E.lock);
+}
+
+void dlfs_engine_release(void)
+{
+    if (!E.attached)
+        return;
+    dlfs_engine_stop();
+    for (int i = 0; i < E.nworkers; i++)
+        free(E.workers[i].reply.scratch);
+    free(E.workers);
+    E.workers = NULL;
+    E.nworkers = 0;
+    close(E.devfd);
+    close(E.wake_fd);
+    E.devfd = E.wake_fd = -1;
+    E.attached = 0;
+    E.serving = 0;
+    E.se = NULL;
+    memset(&E.serve, 0, sizeof E.serve);
+}

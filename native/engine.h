@@ -1,0 +1,52 @@
+#ifndef DLFS_ENGINE_H
+#define DLFS_ENGINE_H
+/* The mount's serving engine: native threads own /dev/fuse (and, where the kernel allows it, one
+ * io_uring queue per CPU), answer what memory can answer (answer.c), and pass the rest to pyfuse3's
+ * loop through libfuse's custom I/O hooks, so Python handles misses exactly as before. */
+#define FUSE_USE_VERSION 31
+#include <fuse_lowlevel.h>
+#include <stdint.h>
+
+#include "answer.h"
+
+struct dlfs_engine_stats {
+    struct dlfs_counters c;
+    uint64_t threads, uring_queues, queued_max, write_errors, python_replies;
+    int uring_state; /* 0 off, 1 registering, 2 serving, -errno: could not */
+    int ended;
+};
+
+/* Called by the session hook once pyfuse3's session is mounted: take /dev/fuse over (libfuse then
+ * reads and writes through the engine). 0, or -1 with errno set (the session is then left as it was). */
+int dlfs_engine_attach(struct fuse_session *se);
+/* 1 if the engine owns `se`'s device. */
+int dlfs_engine_owns(struct fuse_session *se);
+/* The protocol version the kernel and libfuse agreed on (from INIT): older than 7.12, nothing is
+ * answered natively. */
+void dlfs_engine_protocol(unsigned major, unsigned minor);
+/* Start `threads` readers of /dev/fuse (and io_uring queues if `uring`), answering from `sv`
+ * (copied; what it points to must stay valid until dlfs_engine_release). 0, or -1 with errno set. */
+int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring);
+/* Before the real unmount: stop handing requests to Python (its loop has ended). */
+void dlfs_engine_close_python(void);
+/* Stop and join every thread (they may still be answering a lazily unmounted mount). */
+void dlfs_engine_stop(void);
+/* After stop: close the device and forget the session; `release` is called for what start kept. */
+void dlfs_engine_release(void);
+void dlfs_engine_stats(struct dlfs_engine_stats *out);
+int dlfs_engine_running(void);
+
+/* For the io_uring transport: what requests are answered from (NULL until serving), and the queue to Python. */
+const struct dlfs_serve *dlfs_engine_serve(void);
+void dlfs_engine_forward(const void *request, uint32_t len);
+
+/* io_uring transport (uring.c): per-CPU queues beside the /dev/fuse readers. */
+int dlfs_uring_start(int devfd);
+void dlfs_uring_stop(void);
+int dlfs_uring_state(void);
+uint64_t dlfs_uring_queues(void);
+void dlfs_uring_add_counters(struct dlfs_counters *sum);
+/* A reply from Python for a request that came through a ring: 1 if taken (sent or dropped), 0 if the
+ * unique is not a ring request. */
+int dlfs_uring_reply(const struct iovec *iov, int count);
+#endif

@@ -1,0 +1,181 @@
+/* The shared chunk cache's layout and pin protocol (see shm.h). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "shm.h"
+
+static uint64_t align8(uint64_t n)
+{
+    return (n + 7) & ~(uint64_t)7;
+}
+
+uint64_t dlfs_shm_layout(struct dlfs_shm_header *h, uint64_t slab_size, uint64_t nslabs, uint64_t n_extents,
+                         uint64_t n_rows)
+{
+    if (!slab_size || slab_size > UINT32_MAX || !nslabs || nslabs > DLFS_SHM_SLAB_LIMIT || n_rows < 1 ||
+        n_rows > 65536 || n_extents > ((uint64_t)1 << 40))
+        return 0;
+    memset(h, 0, sizeof *h);
+    memcpy(h->magic, DLFS_SHM_MAGIC, 8);
+    h->version = DLFS_SHM_VERSION;
+    h->n_rows = (uint32_t)n_rows;
+    h->slab_size = slab_size;
+    h->nslabs = nslabs;
+    h->n_extents = n_extents;
+    h->gens = DLFS_SHM_HEADER_BYTES;
+    h->entries = h->gens + 8 * nslabs;
+    h->offsets = h->entries + 8 * n_extents;
+    h->rows = align8(h->offsets + 4 * n_extents);
+    h->total = h->rows + 4 * n_rows * nslabs;
+    return h->total;
+}
+
+void dlfs_shm_map(struct dlfs_shm *s, char *ctl, const char *arena)
+{
+    s->gens = (uint64_t *)(ctl + s->h.gens);
+    s->entries = (uint64_t *)(ctl + s->h.entries);
+    s->offsets = (uint32_t *)(ctl + s->h.offsets);
+    s->rows = (uint32_t *)(ctl + s->h.rows);
+    s->mem = arena;
+}
+
+int dlfs_shm_pin(const struct dlfs_shm *s, uint64_t row, uint64_t ext, uint32_t len, const char **buf,
+                 uint32_t *slab_out)
+{
+    uint64_t e = __atomic_load_n(&s->entries[ext], __ATOMIC_ACQUIRE);
+    if (!e)
+        return 0;
+    uint64_t slab = (e & DLFS_SHM_SLAB_LIMIT) - 1;
+    if (slab >= s->h.nslabs) /* the entry is shared memory: never trust it */
+        return 0;
+    uint32_t *count = &dlfs_shm_row(s, row)[slab];
+    __atomic_fetch_add(count, 1, __ATOMIC_SEQ_CST);
+    if (dlfs_shm_gen(s, slab) == e >> DLFS_SHM_SLAB_BITS) {
+        uint32_t off = __atomic_load_n(&s->offsets[ext], __ATOMIC_ACQUIRE);
+        /* The entry again: the offset read belongs to it only if it did not change meanwhile. */
+        if (__atomic_load_n(&s->entries[ext], __ATOMIC_SEQ_CST) == e && off <= s->h.slab_size &&
+            len <= s->h.slab_size - off) {
+            *buf = s->mem + slab * s->h.slab_size + off;
+            *slab_out = (uint32_t)slab;
+            return 1;
+        }
+    }
+    __atomic_fetch_sub(count, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+void dlfs_shm_publish(const struct dlfs_shm *s, uint64_t ext, uint64_t slab, uint32_t off)
+{
+    /* The offset first: a reader that sees the entry sees where it points. */
+    __atomic_store_n(&s->offsets[ext], off, __ATOMIC_RELEASE);
+    __atomic_store_n(&s->entries[ext], (dlfs_shm_gen(s, slab) << DLFS_SHM_SLAB_BITS) | (slab + 1), __ATOMIC_SEQ_CST);
+}
+
+void dlfs_shm_unpublish(const struct dlfs_shm *s, uint64_t ext)
+{
+    __atomic_store_n(&s->entries[ext], 0, __ATOMIC_SEQ_CST);
+}
+
+uint64_t dlfs_shm_pins_on(const struct dlfs_shm *s, uint64_t slab, uint64_t rows)
+{
+    uint64_t n = 0;
+    for (uint64_t r = 0; r < rows; r++)
+        n += __atomic_load_n(&dlfs_shm_row(s, r)[slab], __ATOMIC_SEQ_CST);
+    return n;
+}
+
+/* --- consumption ----------------------------------------------------------------------------- */
+
+int dlfs_consume_init(struct dlfs_consume *c, uint64_t n_extents, uint32_t ring_cap)
+{
+    memset(c, 0, sizeof *c);
+    c->wake_fd = -1;
+    /* Anonymous and untouched until used: a 10M-extent index costs address space, not memory. */
+    size_t bytes = (size_t)(n_extents ? n_extents : 1) * sizeof(uint32_t);
+    void *served = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (served == MAP_FAILED)
+        return -1;
+    c->ring = calloc(ring_cap, sizeof *c->ring);
+    c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (!c->ring || c->wake_fd < 0) {
+        int err = errno ? errno : ENOMEM;
+        munmap(served, bytes);
+        free(c->ring);
+        if (c->wake_fd >= 0)
+            close(c->wake_fd);
+        errno = err;
+        return -1;
+    }
+    c->served = served;
+    c->n_extents = n_extents;
+    c->cap = ring_cap;
+    pthread_mutex_init(&c->lock, NULL);
+    return 0;
+}
+
+void dlfs_consume_free(struct dlfs_consume *c)
+{
+    if (c->served)
+        munmap(c->served, (size_t)(c->n_extents ? c->n_extents : 1) * sizeof(uint32_t));
+    free(c->ring);
+    if (c->wake_fd >= 0)
+        close(c->wake_fd);
+    if (c->served)
+        pthread_mutex_destroy(&c->lock);
+    memset(c, 0, sizeof *c);
+    c->wake_fd = -1;
+}
+
+int dlfs_consume_add(struct dlfs_consume *c, uint64_t ext, uint32_t n, uint32_t len)
+{
+    if (ext >= c->n_extents || !n)
+        return 0;
+    uint32_t before = __atomic_fetch_add(&c->served[ext], n, __ATOMIC_RELAXED);
+    return before < len && before + (uint64_t)n >= len;
+}
+
+void dlfs_consume_push(struct dlfs_consume *c, uint32_t ext)
+{
+    int wake = 0;
+    pthread_mutex_lock(&c->lock);
+    if (c->len < c->cap) {
+        wake = c->len == 0;
+        c->ring[c->len++] = ext;
+    } else {
+        c->dropped++;
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (wake) {
+        uint64_t one = 1;
+        if (write(c->wake_fd, &one, sizeof one) < 0) {
+            /* EAGAIN: the counter is saturated, so it is readable already */
+        }
+    }
+}
+
+uint32_t dlfs_consume_take(struct dlfs_consume *c, uint32_t *out, uint32_t max)
+{
+    uint64_t drained;
+    if (read(c->wake_fd, &drained, sizeof drained) < 0) {
+        /* EAGAIN: nothing signalled since the last take; the ring may still hold a few */
+    }
+    pthread_mutex_lock(&c->lock);
+    uint32_t n = c->len < max ? c->len : max;
+    memcpy(out, c->ring, n * sizeof *out);
+    memmove(c->ring, c->ring + n, (c->len - n) * sizeof *out);
+    c->len -= n;
+    int more = c->len > 0;
+    pthread_mutex_unlock(&c->lock);
+    if (more) {
+        uint64_t one = 1;
+        if (write(c->wake_fd, &one, sizeof one) < 0) {
+            /* saturated: readable already */
+        }
+    }
+    return n;
+}
