@@ -50,6 +50,34 @@ static void release_kept(void)
     Py_CLEAR(kept.xattr_value);
 }
 
+/* The serve struct for `sections` and these settings (no shared cache); -1 with an exception. */
+static int serve_from(PyObject *sections, double timeout, unsigned long long blocks, unsigned long long files,
+                      PyObject *xname, PyObject *xvalue, Py_buffer *view, struct dlfs_serve *sv)
+{
+    memset(sv, 0, sizeof *sv);
+    if (xname != Py_None && (!PyBytes_Check(xname) || !PyBytes_Check(xvalue) ||
+                             memchr(PyBytes_AS_STRING(xname), 0, PyBytes_GET_SIZE(xname)))) {
+        PyErr_SetString(PyExc_TypeError, "xattr_name and xattr_value must be bytes (the name without NUL)");
+        return -1;
+    }
+    if (timeout < 0 || timeout > 1e9) {
+        PyErr_SetString(PyExc_ValueError, "timeout must be 0..1e9 s");
+        return -1;
+    }
+    if (dlfs_index_from_sections(sections, view, &sv->ix) < 0)
+        return -1;
+    if (xname != Py_None) {
+        sv->xattr_name = PyBytes_AS_STRING(xname);
+        sv->xattr_value = PyBytes_AS_STRING(xvalue);
+        sv->xattr_len = (uint32_t)PyBytes_GET_SIZE(xvalue);
+    }
+    sv->timeout_s = (uint64_t)timeout;
+    sv->timeout_ns = (uint32_t)((timeout - (double)sv->timeout_s) * 1e9);
+    sv->statfs_blocks = blocks;
+    sv->statfs_files = files;
+    return 0;
+}
+
 static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "statfs_blocks",
@@ -61,13 +89,8 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipKKOO", names, &PyTuple_Type, &sections, &shared, &row,
                                      &timeout, &threads, &uring, &blocks, &files, &xname, &xvalue))
         return NULL;
-    if (xname != Py_None && (!PyBytes_Check(xname) || !PyBytes_Check(xvalue) || memchr(PyBytes_AS_STRING(xname), 0,
-                                                                                        PyBytes_GET_SIZE(xname)))) {
-        PyErr_SetString(PyExc_TypeError, "xattr_name and xattr_value must be bytes (the name without NUL)");
-        return NULL;
-    }
-    if (timeout < 0 || timeout > 1e9 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "timeout must be 0..1e9 s and threads at least 1");
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads must be at least 1");
         return NULL;
     }
     if (kept.held || kept.shared) {
@@ -75,8 +98,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         return NULL;
     }
     struct dlfs_serve sv;
-    memset(&sv, 0, sizeof sv);
-    if (dlfs_index_from_sections(sections, &kept.index, &sv.ix) < 0)
+    if (serve_from(sections, timeout, blocks, files, xname, xvalue, &kept.index, &sv) < 0)
         return NULL;
     kept.held = 1;
     if (shared != Py_None) {
@@ -97,19 +119,12 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         Py_INCREF(shared);
         kept.shared = shared;
     }
-    if (xname != Py_None) {
+    if (xname != Py_None) { /* the engine points into them */
         Py_INCREF(xname);
         Py_INCREF(xvalue);
         kept.xattr_name = xname;
         kept.xattr_value = xvalue;
-        sv.xattr_name = PyBytes_AS_STRING(xname);
-        sv.xattr_value = PyBytes_AS_STRING(xvalue);
-        sv.xattr_len = (uint32_t)PyBytes_GET_SIZE(xvalue);
     }
-    sv.timeout_s = (uint64_t)timeout;
-    sv.timeout_ns = (uint32_t)((timeout - (double)sv.timeout_s) * 1e9);
-    sv.statfs_blocks = blocks;
-    sv.statfs_files = files;
     if (dlfs_engine_start(&sv, threads, uring) < 0) {
         int err = errno;
         release_kept();
@@ -119,6 +134,59 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_TRUE;
+}
+
+/* One request through answer.c, as a serving thread would take it (for tests of the C side). */
+static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"sections", "request", "timeout", "statfs_blocks", "statfs_files", "xattr_name",
+                            "xattr_value", NULL};
+    PyObject *sections, *xname = Py_None, *xvalue = Py_None;
+    Py_buffer req;
+    double timeout = 1.0;
+    unsigned long long blocks = 0, files = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dKKOO", names, &PyTuple_Type, &sections, &req, &timeout,
+                                     &blocks, &files, &xname, &xvalue))
+        return NULL;
+    Py_buffer view;
+    struct dlfs_serve sv;
+    if (serve_from(sections, timeout, blocks, files, xname, xvalue, &view, &sv) < 0) {
+        PyBuffer_Release(&req);
+        return NULL;
+    }
+    static char scratch[128 << 10];
+    struct dlfs_reply rp;
+    struct dlfs_counters c;
+    memset(&rp, 0, sizeof rp);
+    memset(&c, 0, sizeof c);
+    rp.scratch = scratch;
+    rp.scratch_size = sizeof scratch;
+    const struct fuse_in_header *in = req.buf;
+    int r = DLFS_FORWARD, op_len;
+    size_t n = (size_t)req.len;
+    if (n >= sizeof *in && in->len == n && (op_len = dlfs_op_len(in->opcode)) >= 0 && n - sizeof *in >= (size_t)op_len) {
+        const char *body = (const char *)req.buf + sizeof *in;
+        struct dlfs_req rq = {in, body, (uint32_t)op_len, body + op_len, (uint32_t)(n - sizeof *in - op_len)};
+        r = dlfs_answer(&sv, &rq, &rp, &c);
+    }
+    PyObject *out;
+    if (r == DLFS_ANSWERED) {
+        PyObject *reply = PyBytes_FromStringAndSize(NULL, rp.out.len);
+        if (reply) {
+            char *p = PyBytes_AS_STRING(reply);
+            for (int i = 0; i < rp.n; i++) {
+                memcpy(p, rp.iov[i].iov_base, rp.iov[i].iov_len);
+                p += rp.iov[i].iov_len;
+            }
+        }
+        dlfs_reply_done(&sv, &rp, 1);
+        out = reply ? Py_BuildValue("(sN)", "answered", reply) : NULL;
+    } else {
+        out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : "no_reply", "");
+    }
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&req);
+    return out;
 }
 
 static PyObject *engine_stats(PyObject *self, PyObject *unused)
@@ -146,6 +214,9 @@ static PyMethodDef methods[] = {
      "engine_start(sections, shared=None, *, row, timeout, threads, io_uring, statfs_blocks, statfs_files, "
      "xattr_name, xattr_value) -> bool: native threads take the mounted session's device over and answer "
      "from this index and shared cache; False if pyfuse3's session was not made through the hook."},
+    {"answer", (PyCFunction)(void (*)(void))answer, METH_VARARGS | METH_KEYWORDS,
+     "answer(sections, request, *, timeout, statfs_blocks, statfs_files, xattr_name, xattr_value) -> "
+     "(kind, reply): one FUSE request as the serving threads answer it (kind: answered, forward, no_reply)."},
     {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
     {"fuse_hooked", fuse_hooked, METH_NOARGS,

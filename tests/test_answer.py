@@ -1,0 +1,189 @@
+"""The native engine's answers (native/answer.c), request by request, without a mount: crafted FUSE
+requests against real index files, decoded with an independent reading of the kernel ABI (fusewire.py),
+and compared with what the Python handlers (dlfs/fuse/ops.py) would say. Crafted indexes whose offsets
+point outside their sections get EIO for the request that touched them, and nothing else."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import fusewire as fw
+
+from dlfs.format.chunk import ChunkWriter
+from dlfs.format.index import DIRENT, INODE, Index, IndexWriter
+from dlfs.native import native
+
+pytestmark = pytest.mark.skipif(native is None, reason="dlfs's C helper is not built (or DLFS_NO_NATIVE is set)")
+DIR, REG, LNK = stat.S_IFDIR | 0o755, stat.S_IFREG | 0o640, stat.S_IFLNK | 0o777
+MTIME = 1_700_000_000_123_456_789
+TIMEOUT = 86400.0
+LONG = b"n" * 255
+
+
+def write_index(path: Path, w: IndexWriter) -> Index:
+    buf = io.BytesIO()
+    w.write(buf)
+    path.write_bytes(buf.getvalue())
+    return Index(path)
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Index:
+    """1 / : a, d, l, LONG   2 /a (300 bytes, two extents)   3 /d : x   4 /d/x (empty)   5 /l -> a   6 /LONG"""
+    c = ChunkWriter(1 << 16)
+    r1, r2 = c.add(b"A" * 100, compress=False), c.add(b"B" * 200, compress=False)
+    cid, data = c.finish()
+    w = IndexWriter(6, 1 << 16, created_ns=MTIME)
+    w.add_extent(0, r1)
+    w.add_extent(0, r2)
+    w.add_chunk(cid, len(data), 0, 2)
+    ref, n = w.add_dirents([(b"x", 4)])
+    w.set_inode(3, DIR, 0, 0, 2, 0, MTIME, ref, n, 1)
+    ref, n = w.add_dirents([(b"a", 2), (b"d", 3), (b"l", 5), (LONG, 6)])
+    w.set_inode(1, DIR, 0, 0, 3, 0, MTIME, ref, n, 1)
+    w.set_inode(2, REG, 1000, 100, 1, 300, MTIME, 0, 2, 1)
+    w.set_inode(4, REG, 0, 0, 1, 0, -1_500_000_000, 0, 0, 3)  # before 1970: negative nanoseconds
+    off, length = w.add_name(b"a")
+    w.set_inode(5, LNK, 0, 0, 1, 1, MTIME, off, length, 1)
+    w.set_inode(6, REG, 0, 0, 1, 0, MTIME, 0, 0, 1)
+    return write_index(tmp_path / "t.idx", w)
+
+
+def ask(index: Index, req: bytes, **kw: object) -> fw.Reply | str:
+    kind, raw = native.answer(index.sections(), req, timeout=TIMEOUT, **kw)
+    return fw.reply(raw) if kind == "answered" else kind
+
+
+def test_lookup_hits_misses_and_not_a_directory(index: Index) -> None:
+    r = ask(index, fw.request(fw.LOOKUP, 1, b"a\0", unique=42))
+    assert isinstance(r, fw.Reply) and r.error == 0 and r.unique == 42
+    nodeid, timeout, a = fw.entry(r.body)
+    assert (nodeid, a.ino, a.size, a.mode, a.uid, a.gid, a.nlink) == (2, 2, 300, REG, 1000, 100, 1)
+    assert (a.mtime, a.mtime_ns, a.blksize) == (MTIME // 10**9, MTIME % 10**9, 128 << 10) and timeout == TIMEOUT
+    assert fw.entry(ask(index, fw.request(fw.LOOKUP, 1, LONG + b"\0")).body)[0] == 6  # type: ignore[union-attr]
+    # A miss is a negative entry the kernel may keep (the namespace never changes): ENOENT to the caller.
+    r = ask(index, fw.request(fw.LOOKUP, 1, b"nope\0"))
+    assert isinstance(r, fw.Reply) and r.error == 0 and fw.entry(r.body)[:2] == (0, TIMEOUT)
+    long_miss = ask(index, fw.request(fw.LOOKUP, 1, b"z" * 5000 + b"\0"))  # never truncated to another name
+    assert isinstance(long_miss, fw.Reply) and fw.entry(long_miss.body)[0] == 0
+    assert ask(index, fw.request(fw.LOOKUP, 2, b"x\0")).error == errno.ENOTDIR  # type: ignore[union-attr]
+    # "." and ".." (NFS export only) and a name without its NUL go to Python.
+    assert ask(index, fw.request(fw.LOOKUP, 3, b"..\0")) == "forward"
+    assert ask(index, fw.request(fw.LOOKUP, 1, b"a")) == "forward"
+
+
+def test_getattr_readlink_opendir_and_times_before_1970(index: Index) -> None:
+    r = ask(index, fw.request(fw.GETATTR, 4, fw.GETATTR_IN.pack(0, 0, 0)))
+    assert isinstance(r, fw.Reply) and r.error == 0
+    valid, _nsec, _ = fw.ATTR_OUT.unpack_from(r.body)
+    a = fw.attr(r.body, fw.ATTR_OUT.size)
+    assert valid == TIMEOUT and (a.mtime - 2**64, a.mtime_ns) == (-2, 500_000_000)  # -1.5 s
+    assert ask(index, fw.request(fw.READLINK, 5)).body == b"a"  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.READLINK, 2)).error == errno.EINVAL  # type: ignore[union-attr]
+    r = ask(index, fw.request(fw.OPENDIR, 3, fw.OPEN_IN.pack(os.O_RDONLY, 0)))
+    fh, flags, _ = fw.OPEN_OUT.unpack(r.body)  # type: ignore[union-attr]
+    assert fh == 3 and flags == fw.FOPEN_KEEP_CACHE | fw.FOPEN_CACHE_DIR
+    assert ask(index, fw.request(fw.OPENDIR, 2, fw.OPEN_IN.pack(0, 0))).error == errno.ENOTDIR  # type: ignore[union-attr]
+
+
+def test_readdirplus_in_pieces_matches_python_positions(index: Index) -> None:
+    whole = ask(index, fw.request(fw.READDIRPLUS, 1, fw.read_in(0, 4096)))
+    entries = fw.direntplus(whole.body)  # type: ignore[union-attr]
+    assert [(n, i, nxt) for n, i, nxt, _ in entries] == [
+        (b".", 1, 1), (b"..", 1, 2), (b"a", 2, 3), (b"d", 3, 4), (b"l", 5, 5), (LONG, 6, 6)]
+    assert entries[2][3].size == 300 and entries[4][3].mode == LNK
+    # A small buffer: whole entries only (152 bytes + the name, 8-aligned), and the kernel asks again from
+    # the next position; 408 bytes hold the 255-byte name alone, or two short ones.
+    got, off, sizes = [], 0, []
+    while True:
+        body = ask(index, fw.request(fw.READDIRPLUS, 1, fw.read_in(off, 408))).body  # type: ignore[union-attr]
+        part = fw.direntplus(body)
+        if not part:
+            break
+        sizes.append((len(part), len(body)))
+        got += part
+        off = part[-1][2]
+    assert sizes == [(2, 320), (2, 320), (1, 160), (1, 408)]
+    assert [e[:3] for e in got] == [e[:3] for e in entries]
+    assert fw.direntplus(ask(index, fw.request(fw.READDIRPLUS, 3, fw.read_in(0, 4096))).body)[1][1] == 1  # type: ignore[union-attr]
+
+
+def test_trivial_requests(index: Index) -> None:
+    assert ask(index, fw.request(fw.IOCTL, 2, fw.IOCTL_IN.pack(0, 0, 0x5401, 0, 0, 60))).error == errno.ENOTTY  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.OPEN, 2, fw.OPEN_IN.pack(os.O_RDONLY, 0))).error == errno.ENOSYS  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.FLUSH, 2, bytes(24))).error == errno.ENOSYS  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.RELEASEDIR, 3, bytes(24))).error == 0  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.ACCESS, 2, fw.ACCESS_IN.pack(os.W_OK, 0))).error == errno.EROFS  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.ACCESS, 2, fw.ACCESS_IN.pack(os.R_OK, 0))).error == 0  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.FORGET, 2, bytes(8))) == "no_reply"
+    assert ask(index, fw.request(fw.INTERRUPT, 0, bytes(8))) == "no_reply"
+    r = ask(index, fw.request(fw.STATFS, 1), statfs_blocks=7, statfs_files=6)
+    blocks, bfree, bavail, files, ffree, bsize, namelen, frsize, *_ = fw.STATFS_OUT.unpack(r.body)  # type: ignore[union-attr]
+    assert (blocks, bfree, bavail, files, ffree, bsize, namelen, frsize) == (7, 0, 0, 6, 0, 4096, 255, 4096)
+    # What C does not answer goes to Python untouched: writes, SETATTR, a truncated argument struct.
+    assert ask(index, fw.request(fw.SETATTR, 2, bytes(88))) == "forward"
+    assert ask(index, fw.request(fw.GETATTR, 2, bytes(4))) == "forward"
+    # No shared cache here: every READ with bytes to send goes to Python; past the end needs none.
+    assert ask(index, fw.request(fw.READ, 2, fw.read_in(0, 4096))) == "forward"
+    r = ask(index, fw.request(fw.READ, 2, fw.read_in(300, 4096)))
+    assert isinstance(r, fw.Reply) and r.error == 0 and r.body == b""
+
+
+def test_control_xattr_on_the_root_only(index: Index) -> None:
+    x = {"xattr_name": b"user.dlfs.control", "xattr_value": b"/run/dlfs/x.sock"}
+    name = fw.GETXATTR_IN.pack(0, 0) + b"user.dlfs.control\0"
+    size = ask(index, fw.request(fw.GETXATTR, 1, name), **x)
+    assert fw.GETXATTR_OUT.unpack(size.body)[0] == 16  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.GETXATTR, 1, fw.GETXATTR_IN.pack(4, 0) + b"user.dlfs.control\0"),
+               **x).error == errno.ERANGE  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.GETXATTR, 1, fw.GETXATTR_IN.pack(64, 0) + b"user.dlfs.control\0"),
+               **x).body == b"/run/dlfs/x.sock"  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.GETXATTR, 2, name), **x).error == errno.ENODATA  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.GETXATTR, 1, name)).error == errno.ENODATA  # type: ignore[union-attr]
+    assert ask(index, fw.request(fw.LISTXATTR, 1, fw.GETXATTR_IN.pack(0, 0)), **x).body == bytes(8)  # type: ignore[union-attr]
+
+
+def _crafted(tmp_path: Path, damage: str) -> Index:
+    """A checksummed index whose offsets point outside their sections (what a checksum cannot catch)."""
+    w = IndexWriter(3, 1 << 16)
+    ref, n = w.add_dirents([(b"a", 2), (b"b", 3)])
+    w.set_inode(1, DIR, 0, 0, 2, 0, 0, ref, n, 1)
+    w.set_inode(2, DIR, 0, 0, 2, 0, 0, 0, 0, 1)
+    w.set_inode(3, REG, 0, 0, 1, 0, 0, 0, 0, 1)
+    if damage == "dir-count":
+        w.set_inode(2, DIR, 0, 0, 2, 0, 0, 1, 1_000_000, 1)  # entries past the dirents
+    elif damage == "child-ino":
+        DIRENT.pack_into(w.dirents, DIRENT.size, *DIRENT.unpack_from(w.dirents, DIRENT.size)[:2], 99)
+    elif damage == "name-offset":
+        off, length, ino = DIRENT.unpack_from(w.dirents, 0)
+        DIRENT.pack_into(w.dirents, 0, 1 << 40, length, ino)
+    elif damage == "symlink":
+        w.set_inode(3, LNK, 0, 0, 1, 5, 0, 1 << 40, 5, 1)
+    return write_index(tmp_path / f"{damage}.idx", w)
+
+
+@pytest.mark.parametrize("damage", ["dir-count", "child-ino", "name-offset", "symlink"])
+def test_crafted_offsets_give_eio_for_that_request_alone(tmp_path: Path, damage: str) -> None:
+    ix = _crafted(tmp_path, damage)
+    requests = [fw.request(fw.READDIRPLUS, 1, fw.read_in(0, 4096)), fw.request(fw.LOOKUP, 1, b"b\0"),
+                fw.request(fw.LOOKUP, 2, b"q\0"), fw.request(fw.READDIRPLUS, 2, fw.read_in(0, 4096)),
+                fw.request(fw.GETATTR, 99, bytes(16)), fw.request(fw.READLINK, 3), fw.request(fw.LOOKUP, 1, b"a\0")]
+    answers = [ask(ix, r) for r in requests]
+    errors = [a.error if isinstance(a, fw.Reply) else a for a in answers]
+    assert errors[4] == errno.EIO  # an inode past the table, whatever the damage
+    # A binary search touches only the entries on its way: "b" is the first probe of the root's two.
+    expect_eio = {"dir-count": {2, 3}, "child-ino": {0, 1}, "name-offset": {0, 6}, "symlink": {5}}[damage]
+    for i in expect_eio:
+        assert errors[i] == errno.EIO, (damage, i, errors)
+    # The same index still answers what the damage does not touch.
+    assert ask(ix, fw.request(fw.GETATTR, 1, bytes(16))).error == 0  # type: ignore[union-attr]
+    for i, e in enumerate(errors):
+        if i not in expect_eio | {4}:
+            assert e != errno.EIO, (damage, i, errors)
+    # INODE layout agrees between the writer and C: every field of inode 1 came back above.
+    assert INODE.size == 48
