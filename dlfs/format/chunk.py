@@ -311,7 +311,7 @@ def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> I
         if rmagic != RECORD_MAGIC:
             raise CorruptData(f"{name}: record {i} has a bad magic at offset {pos}")
         # The flags decide where the next record starts: one this version lacks would misframe the rest.
-        if flags & ~allowed or flags & FLAG_LZ4 and flags & FLAG_BLOCK_SUMS:
+        if flags & ~allowed or (flags & FLAG_LZ4 and flags & FLAG_BLOCK_SUMS):
             raise CorruptData(f"{name}: record {i} has flags {flags:#x}, not valid in a version {version} chunk")
         pos += RECORD.size
         rec = Record(pos, stored_len, raw_len, checksum, flags)
