@@ -9,18 +9,27 @@ from pathlib import Path
 
 import lz4.block
 import pytest
+import xxhash
 
 from dlfs.errors import CorruptData
 from dlfs.format.chunk import (
+    BLOCK_SIZE,
+    BLOCK_SUMS_MIN,
+    FLAG_BLOCK_SUMS,
     FLAG_LZ4,
     HEADER,
+    MAX_RECORD_BYTES,
     RECORD,
+    RECORD_MAGIC,
+    BlockRange,
     ChunkWriter,
     Record,
+    block_range,
     chunk_id,
     decode_record,
     iter_records,
     record_checksum,
+    verify_blocks,
     verify_chunk,
 )
 
@@ -54,11 +63,13 @@ def test_round_trip_plain_records() -> None:
     assert cid == chunk_id(data) and len(cid) == 16
     assert verify_chunk(data, cid) == len(payloads)
     for payload, rec in zip(payloads, recs):
-        assert rec.flags == 0 and rec.stored_len == rec.raw_len == len(payload)
+        # Only the 1 MiB record is big enough for block sums.
+        assert rec.flags == (FLAG_BLOCK_SUMS if len(payload) >= BLOCK_SUMS_MIN else 0)
+        assert rec.stored_len == rec.raw_len == len(payload)
         assert bytes(decode_record(_stored(data, rec), rec, "test")) == payload
     # The framing walk finds the same records the writer reported.
     assert list(iter_records(data)) == recs
-    assert len(data) == HEADER.size + sum(RECORD.size + len(p) for p in payloads)
+    assert len(data) == HEADER.size + sum(RECORD.size + len(p) for p in payloads) + 8 * (1 << 20) // 4096
 
 
 @pytest.mark.timeout(10)
@@ -127,8 +138,6 @@ def _good() -> tuple[bytes, bytes]:
 def _reseal_header(data: bytearray) -> None:
     """Recompute the header checksum, so a test reaches the checks after it."""
     body = bytes(data[: HEADER.size - 8])
-    import xxhash
-
     data[HEADER.size - 8 : HEADER.size] = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
@@ -137,11 +146,20 @@ def test_verify_flipped_payload_byte() -> None:
     cid, data = _good()
     bad = bytearray(data)
     bad[-10] ^= 0x40
-    with pytest.raises(CorruptData, match="does not match its id"):
+    # The record checksum catches it and names the chunk and the record, with or without the id.
+    with pytest.raises(CorruptData, match=f"^chunk {cid.hex()}: record 1: checksum mismatch"):
         verify_chunk(bad, cid)
-    # Without the id to compare, the record checksum catches it and names the record.
-    with pytest.raises(CorruptData, match="record 1: checksum mismatch"):
+    with pytest.raises(CorruptData, match="^chunk: record 1: checksum mismatch"):
         verify_chunk(bad)
+
+
+@pytest.mark.timeout(10)
+def test_verify_wrong_id() -> None:
+    cid, data = _good()
+    other = bytes(16)
+    with pytest.raises(CorruptData, match=f"^chunk {other.hex()}: content does not match its id"):
+        verify_chunk(data, other)
+    assert verify_chunk(data, cid) == 2
 
 
 @pytest.mark.timeout(10)
@@ -236,3 +254,237 @@ def test_decode_record_lz4_that_decodes_short() -> None:
     forged = Record(rec.offset, len(short), rec.raw_len, record_checksum(short), rec.flags)
     with pytest.raises(CorruptData, match="file x: decodes to"):
         decode_record(short, forged, "file x")
+
+
+# --- block sums -------------------------------------------------------------------------------
+def _sums_of(payload: bytes) -> bytes:
+    """The trailer a record of `payload` must carry, computed here from the definition."""
+    return b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(payload[i : i + 4096]))
+                    for i in range(0, len(payload), 4096))
+
+
+def _sums_chunk() -> tuple[bytes, bytes, list[Record], list[bytes]]:
+    """Records of many kinds back to back: small, just under and at the sums threshold, a short
+    last block, a compressible big one (lz4: no sums), and one of MAX_RECORD_BYTES."""
+    rng = random.Random(21)
+    payloads = [
+        b"small",
+        rng.randbytes(BLOCK_SUMS_MIN - 1),
+        rng.randbytes(BLOCK_SUMS_MIN),
+        rng.randbytes(300_000),
+        b"compresses well " * 40_000,
+        rng.randbytes(MAX_RECORD_BYTES),
+    ]
+    w = ChunkWriter(16 << 20)
+    recs = [w.add(p, compress=True) for p in payloads]
+    cid, view = w.finish()
+    return cid, bytes(view), recs, payloads
+
+
+@pytest.mark.timeout(20)
+def test_round_trip_records_with_and_without_block_sums() -> None:
+    cid, data, recs, payloads = _sums_chunk()
+    assert [r.flags for r in recs] == [0, 0, FLAG_BLOCK_SUMS, FLAG_BLOCK_SUMS, FLAG_LZ4, FLAG_BLOCK_SUMS]
+    assert [r.has_block_sums for r in recs] == [False, False, True, True, False, True]
+    assert [r.sums_len for r in recs] == [0, 0, 8 * 64, 8 * 74, 0, 8 * 1024]  # 300_000 B: 73 blocks + 992 B
+    assert struct.unpack_from("<H", data, 8)[0] == 2  # a chunk with block sums is version 2
+    assert verify_chunk(data, cid) == len(payloads)
+    for payload, rec in zip(payloads, recs):
+        assert bytes(decode_record(_stored(data, rec), rec, "t")) == payload
+        trailer = data[rec.offset + rec.stored_len : rec.offset + rec.stored_len + rec.sums_len]
+        assert trailer == (_sums_of(payload) if rec.has_block_sums else b"")
+    assert list(iter_records(data)) == recs
+
+
+@pytest.mark.timeout(20)
+def test_framing_with_block_sums() -> None:
+    _, data, recs, _ = _sums_chunk()
+    pos = HEADER.size
+    for rec in recs:
+        # Each header starts right after the previous record's stored bytes and sums.
+        magic, flags, stored, raw, checksum = RECORD.unpack_from(data, pos)
+        assert (magic, flags, stored, raw, checksum) == (RECORD_MAGIC, rec.flags, rec.stored_len, rec.raw_len,
+                                                         rec.checksum)
+        assert rec.offset == pos + RECORD.size
+        pos = rec.offset + rec.stored_len + rec.sums_len
+    assert pos == len(data)
+    # The whole-record checksum covers the stored bytes only, not the sums.
+    big = recs[3]
+    assert big.checksum == xxhash.xxh3_64_intdigest(_stored(data, big))
+
+
+@pytest.mark.timeout(10)
+def test_chunk_without_block_sums_is_version_1_byte_for_byte() -> None:
+    payloads = [b"", b"hello", random.Random(22).randbytes(BLOCK_SUMS_MIN - 1)]
+    # A version-1 chunk built here from the version-1 layout, not by the writer.
+    body = b"".join(RECORD.pack(RECORD_MAGIC, 0, len(p), len(p), xxhash.xxh3_64_intdigest(p)) + p for p in payloads)
+    head = HEADER.pack(b"DLFSCHNK", 1, 0, len(payloads), len(body), 0)[:-8]
+    v1 = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + body
+    assert verify_chunk(v1, chunk_id(v1)) == 3
+    recs = list(iter_records(v1))
+    assert [bytes(decode_record(_stored(v1, r), r, "t")) for r in recs] == payloads
+    assert all(r.sums_len == 0 for r in recs)
+    # The writer still writes exactly that: same bytes, same id, for chunks without block sums.
+    cid, data, _ = _chunk(payloads)
+    assert data == v1 and cid == chunk_id(v1)
+
+
+@pytest.mark.timeout(10)
+def test_block_sums_in_a_version_1_chunk_are_corrupt() -> None:
+    w = ChunkWriter(CAP)
+    w.add(random.Random(23).randbytes(BLOCK_SUMS_MIN), compress=False)
+    _, view = w.finish()
+    bad = bytearray(view)
+    bad[8:10] = struct.pack("<H", 1)
+    _reseal_header(bad)
+    with pytest.raises(CorruptData, match="record 0 has flags 0x2, not valid in a version 1 chunk"):
+        verify_chunk(bad)
+
+
+@pytest.mark.timeout(10)
+def test_lz4_with_block_sums_is_corrupt() -> None:
+    w = ChunkWriter(CAP)
+    w.add(b"compresses well " * 20_000, compress=True)
+    w.add(random.Random(24).randbytes(BLOCK_SUMS_MIN), compress=False)  # makes it version 2
+    _, view = w.finish()
+    bad = bytearray(view)
+    struct.pack_into("<I", bad, HEADER.size + 4, FLAG_LZ4 | FLAG_BLOCK_SUMS)
+    with pytest.raises(CorruptData, match="record 0 has flags 0x3"):
+        verify_chunk(bad)
+    with pytest.raises(CorruptData, match="record 0 has flags 0x3"):
+        list(iter_records(bad))
+
+
+def _expected_footprint(n: int) -> int:
+    """What a record of n incompressible bytes takes in a chunk, from the format's definition."""
+    return 24 + n + (8 * -(-n // 4096) if n >= 256 << 10 else 0)
+
+
+@pytest.mark.timeout(30)
+def test_room_keeps_space_for_block_sums() -> None:
+    zeros = bytes(MAX_RECORD_BYTES + 1)
+    base = HEADER.size + RECORD.size + BLOCK_SUMS_MIN
+    for cap in [1024, base - 1, base, base + 7, base + 8, base + 9, base + 512, base + 520, base + 4103,
+                base + 4104, base + 4105, base + 12_345, HEADER.size + RECORD.size + (3 << 20) + 17]:
+        w = ChunkWriter(cap)
+        room = w.room()
+        assert _expected_footprint(room) <= cap - HEADER.size  # what room() promises fits...
+        assert _expected_footprint(room + 1) > cap - HEADER.size  # ...and is the most that does
+        w.add(zeros[:room], compress=False)
+        assert len(w) == HEADER.size + _expected_footprint(room) <= cap
+        cid, view = w.finish()
+        assert verify_chunk(view, cid) == 1
+    # No record is longer than MAX_RECORD_BYTES, however big the chunk.
+    w = ChunkWriter(32 << 20)
+    assert w.room() == MAX_RECORD_BYTES
+    with pytest.raises(ValueError):
+        w.add(zeros, compress=False)
+
+
+@pytest.mark.timeout(10)
+def test_fits_counts_every_record_and_its_sums() -> None:
+    # 10 MiB as records of 4, 4 and 2 MiB: three headers and 8 bytes of sums per 4 KiB.
+    need = 3 * RECORD.size + (10 << 20) + 8 * (10 << 20) // 4096
+    for spare, fits in [(0, True), (-1, False)]:
+        w = ChunkWriter(HEADER.size + RECORD.size + 1000 + need + spare)
+        w.add(b"x" * 1000, compress=False)
+        assert w.fits(10 << 20) is fits
+        assert w.fits(0) and w.fits(MAX_RECORD_BYTES)
+
+
+def _one_big_record(n: int = 300_000) -> tuple[bytes, Record, bytes]:
+    """A chunk whose second record (n random bytes, block sums) starts at an offset that is not
+    4 KiB-aligned: (chunk bytes, the record, its payload)."""
+    payload = random.Random(25).randbytes(n)
+    w = ChunkWriter(CAP)
+    w.add(b"first", compress=False)
+    rec = w.add(payload, compress=False)
+    _, view = w.finish()
+    assert rec.has_block_sums and rec.offset % 4096 != 0
+    return bytes(view), rec, payload
+
+
+def _slices(data: bytes | bytearray, rng: BlockRange) -> tuple[bytes, bytes]:
+    return (bytes(data[rng.data_offset : rng.data_offset + rng.data_len]),
+            bytes(data[rng.sums_offset : rng.sums_offset + rng.sums_len]))
+
+
+@pytest.mark.timeout(10)
+def test_block_range_edges() -> None:
+    data, rec, payload = _one_big_record()  # 300_000 bytes: blocks 0..72 whole, block 73 of 992 bytes
+    o, s = rec.offset, rec.offset + rec.stored_len
+    cases = {
+        (0, 1): BlockRange(0, 1, o, 4096, s, 8),  # the start
+        (0, 4096): BlockRange(0, 1, o, 4096, s, 8),
+        (4095, 2): BlockRange(0, 2, o, 8192, s, 16),  # unaligned, across a block edge
+        (4096, 4096): BlockRange(1, 1, o + 4096, 4096, s + 8, 8),
+        (10_000, 5_000): BlockRange(2, 2, o + 8192, 8192, s + 16, 16),
+        (299_999, 1): BlockRange(73, 1, o + 73 * 4096, 992, s + 73 * 8, 8),  # the short last block
+        (73 * 4096, 992): BlockRange(73, 1, o + 73 * 4096, 992, s + 73 * 8, 8),
+        (299_000, 10_000): BlockRange(72, 2, o + 72 * 4096, 300_000 - 72 * 4096, s + 72 * 8, 16),  # clamped
+        (0, 300_000): BlockRange(0, 74, o, 300_000, s, 74 * 8),  # the whole record
+        (0, 1 << 40): BlockRange(0, 74, o, 300_000, s, 74 * 8),
+    }
+    for (off, length), want in cases.items():
+        got = block_range(rec, off, length)
+        assert got == want, (off, length)
+        # The range covers what was asked, and its blocks check against the real trailer.
+        block, sums = _slices(data, got)
+        start = off - got.first * 4096
+        assert block[start : start + length] == payload[off : off + length]
+        verify_blocks(block, sums, got, "t")
+    for off, length in [(0, 0), (5, -1), (300_000, 1), (400_000, 10), (-1, 10)]:
+        with pytest.raises(ValueError):
+            block_range(rec, off, length)
+    small = list(iter_records(data))[0]
+    with pytest.raises(ValueError, match="no block sums"):
+        block_range(small, 0, 1)
+
+
+@pytest.mark.timeout(10)
+def test_block_range_of_whole_blocks_only() -> None:
+    w = ChunkWriter(CAP)
+    rec = w.add(random.Random(26).randbytes(BLOCK_SUMS_MIN), compress=False)  # 64 whole blocks
+    assert block_range(rec, BLOCK_SUMS_MIN - 1, 1) == BlockRange(
+        63, 1, rec.offset + 63 * BLOCK_SIZE, BLOCK_SIZE, rec.offset + rec.stored_len + 63 * 8, 8)
+    assert block_range(rec, 0, BLOCK_SUMS_MIN).sums_len == rec.sums_len == 64 * 8
+
+
+@pytest.mark.timeout(10)
+def test_verify_blocks_catches_a_flipped_data_or_sum_byte() -> None:
+    data, rec, _ = _one_big_record()
+    rng = block_range(rec, 5 * 4096 + 100, 3 * 4096)  # blocks 5..8
+    block, sums = _slices(data, rng)
+    verify_blocks(block, sums, rng, "t")
+    for i in range(1234, len(block), 4096):  # a byte in each block
+        bad = bytearray(block)
+        bad[i] ^= 0x01
+        with pytest.raises(CorruptData, match=f"^file f at 123 block {5 + i // 4096}: checksum mismatch$"):
+            verify_blocks(bad, sums, rng, "file f at 123")
+    for i in range(0, len(sums), 3):
+        bad_sums = bytearray(sums)
+        bad_sums[i] ^= 0x80
+        with pytest.raises(CorruptData, match=f"^w block {5 + i // 8}: checksum mismatch$"):
+            verify_blocks(block, bad_sums, rng, "w")
+    with pytest.raises(CorruptData, match="truncated"):
+        verify_blocks(block[:-1], sums, rng, "w")
+    with pytest.raises(CorruptData, match="truncated"):
+        verify_blocks(block, sums[:-8], rng, "w")
+
+
+@pytest.mark.timeout(10)
+def test_verify_chunk_checks_every_block_sum() -> None:
+    data, rec, _ = _one_big_record()
+    cid = chunk_id(data)
+    assert verify_chunk(data, cid) == 2
+    sums_at = rec.offset + rec.stored_len
+    for block in (0, 41, 73):
+        bad = bytearray(data)
+        bad[sums_at + 8 * block + 5] ^= 0x10  # a sum: outside the whole-record checksum
+        assert decode_record(_stored(bytes(bad), rec), rec, "t")  # which still passes
+        with pytest.raises(CorruptData, match=f"^chunk {cid.hex()}: record 1 block {block}: checksum mismatch$"):
+            verify_chunk(bad, cid)
+        bad = bytearray(data)
+        bad[rec.offset + block * 4096 + 7] ^= 0x10  # the data the sum checks
+        with pytest.raises(CorruptData, match=f"^chunk: record 1 block {block}: checksum mismatch$"):
+            verify_chunk(bad)

@@ -1,16 +1,19 @@
 """Ingest against a real node: versions, the datasets table, removal and garbage collection, source
 errors (unreadable, vanished, changed files) that publish nothing, an interrupted ingest that
-resumes, special files, and bad arguments."""
+resumes, special files, bad arguments, and big files packed as records of at most 4 MiB with
+block sums."""
 
 from __future__ import annotations
 
 import errno
 import filecmp
 import os
+import queue
 import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Callable
@@ -19,14 +22,30 @@ from typing import Any
 
 import pytest
 import trio
+import xxhash
 from conftest import DLFS, Node, dlfs_env, needs_fuse, run_dlfs
+from damage import inode_of
 
+import dlfs.direct
 import dlfs.ingest.run
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import load_cluster
 from dlfs.errors import SourceError
-from dlfs.ingest.run import ingest
-from dlfs.ingest.walk import Tree
+from dlfs.format.chunk import (
+    BLOCK_SUMS_MIN,
+    FLAG_BLOCK_SUMS,
+    FLAG_LZ4,
+    MAX_RECORD_BYTES,
+    Record,
+    block_range,
+    decode_record,
+    verify_blocks,
+    verify_chunk,
+)
+from dlfs.format.index import Index, IndexWriter
+from dlfs.ingest.pack import Packed, Packer
+from dlfs.ingest.run import build_index, ingest
+from dlfs.ingest.walk import Tree, walk
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 
@@ -411,3 +430,155 @@ def test_mount_pins_a_version(node: Node, tmp_path: Path) -> None:
     finally:
         node.umount(one)
         node.umount(newest)
+
+
+# --- big files: records of at most MAX_RECORD_BYTES, block sums -------------------------------
+MiB = 1 << 20
+
+
+def _pack(src: Path, chunk_size: int, compress: bool = False) -> tuple[Index, list[bytes]]:
+    """Walk and pack `src` as ingest does (no node): the index, opened, and every chunk's bytes."""
+    tree = walk(str(src))
+    writer = IndexWriter(len(tree.nodes), chunk_size)
+    pool: queue.Queue[bytearray] = queue.Queue()
+    pool.put(bytearray(chunk_size))
+    chunks: list[bytes] = []
+
+    def emit(p: Packed) -> None:
+        chunks.append(bytes(p.data))  # the buffer is reused for the next chunk
+        pool.put(p.buf)
+
+    extents = Packer(tree, writer, chunk_size, compress, pool, emit).run()
+    build_index(tree, extents, writer)
+    with open(src.parent / "packed.idx", "wb") as f:
+        writer.write(f)
+    return Index(src.parent / "packed.idx"), chunks
+
+
+def _records_of(idx: Index, rel: str) -> list[Record]:
+    node = idx.inode(inode_of(idx, rel))
+    return [idx.extent(e).record for e in range(node.ref, node.ref + node.count)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk_mib", [16, 8, 5])
+def test_packer_cuts_big_files_into_records(tmp_path: Path, chunk_mib: int) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(31)
+    content = {"a-small": rng.randbytes(1000), "b-big": rng.randbytes(10 * MiB), "c-two": rng.randbytes(8 * MiB),
+               "d-small": rng.randbytes(5000)}
+    for name, data in content.items():
+        (src / name).write_bytes(data)
+    idx, chunks = _pack(src, chunk_mib * MiB)
+    try:
+        for name, data in content.items():
+            recs = _records_of(idx, name)
+            assert all(r.raw_len <= MAX_RECORD_BYTES for r in recs), name
+            assert sum(r.raw_len for r in recs) == len(data)
+            assert all(r.has_block_sums == (r.raw_len >= BLOCK_SUMS_MIN) for r in recs), name
+        big = [r.raw_len for r in _records_of(idx, "b-big")]
+        if chunk_mib == 16:  # room for it whole: 4 + 4 + 2 MiB, then 4 + 4 in the next chunk
+            assert big == [4 * MiB, 4 * MiB, 2 * MiB]
+            assert [r.raw_len for r in _records_of(idx, "c-two")] == [4 * MiB, 4 * MiB]
+        else:  # cut where a chunk fills, and never longer than 4 MiB
+            assert len(big) == 3 if chunk_mib == 8 else len(big) >= 3
+        assert all(len(c) <= chunk_mib * MiB for c in chunks)
+        for i, data in enumerate(chunks):  # every chunk stands on its own, sums and all
+            assert verify_chunk(data, idx.chunk(i).id) == idx.chunk(i).n_extents
+        # The records read back are the file, piece by piece.
+        got = b""
+        node = idx.inode(inode_of(idx, "b-big"))
+        for e in range(node.ref, node.ref + node.count):
+            ext = idx.extent(e)
+            got += bytes(decode_record(chunks[ext.chunk][ext.record.offset : ext.record.offset + ext.record.stored_len],
+                                       ext.record, "t"))
+        assert got == content["b-big"]
+    finally:
+        idx.close()
+
+
+def _chunk_bytes(node: Node, cid: bytes) -> bytes:
+    return (node.home / "data" / "chunks" / cid.hex()[:2] / cid.hex()).read_bytes()
+
+
+def _big_tree(src: Path) -> dict[str, bytes]:
+    """A 10 MiB file, a 300 KiB one, compressible text of 1 and 6 MiB, and small files."""
+    rng = random.Random(32)
+    files = {"big.bin": rng.randbytes(10 * MiB), "mid.bin": rng.randbytes(300 << 10),
+             "text.txt": b"".join(b"line %d of a text that compresses\n" % i for i in range(30_000))[: 1 * MiB],
+             "text-big.txt": b"".join(b"row %d, a longer text\n" % i for i in range(300_000))[: 6 * MiB]}
+    files.update({f"small/s{i:02d}": rng.randbytes(rng.choice([0, 1, 100, 4096, 20_000])) for i in range(20)})
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    return files
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_big_files_are_records_of_4_mib_with_block_sums(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = _big_tree(src)
+    node.ingest(src, "packed", "--chunk-size", "16M", "--compress", "lz4")
+    node.ingest(src, "plain")  # 8 MiB chunks, nothing compressed
+    for name in ("packed", "plain"):
+        idx = Index(node.home / f"meta/index/{name}/1.idx")
+        try:
+            big = _records_of(idx, "big.bin")
+            assert len(big) == 3 and all(r.raw_len <= MAX_RECORD_BYTES for r in big), big
+            if name == "packed":
+                assert [r.raw_len for r in big] == [4 * MiB, 4 * MiB, 2 * MiB]
+            assert all(r.flags == FLAG_BLOCK_SUMS for r in big + _records_of(idx, "mid.bin"))
+            for i in range(20):
+                assert not any(r.has_block_sums for r in _records_of(idx, f"small/s{i:02d}"))
+            texts = _records_of(idx, "text.txt") + _records_of(idx, "text-big.txt")
+            assert len(texts) == 3  # 1 MiB, then 6 MiB as 4 + 2
+            # Compressed records never carry sums; stored as is, these are big enough for them.
+            assert all(r.flags == (FLAG_LZ4 if name == "packed" else FLAG_BLOCK_SUMS) for r in texts)
+            # The sums in the stored chunks are those of the source's 4 KiB blocks.
+            inode = idx.inode(inode_of(idx, "big.bin"))
+            pos = 0
+            for e in range(inode.ref, inode.ref + inode.count):
+                ext = idx.extent(e)
+                data = _chunk_bytes(node, idx.chunk(ext.chunk).id)
+                assert struct.unpack_from("<H", data, 8)[0] == 2  # chunks with block sums are version 2
+                rec = ext.record
+                piece = files["big.bin"][pos : pos + rec.raw_len]
+                want = b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(piece[i : i + 4096]))
+                                for i in range(0, len(piece), 4096))
+                assert data[rec.offset + rec.stored_len : rec.offset + rec.stored_len + rec.sums_len] == want
+                blocks = block_range(rec, 0, rec.raw_len)
+                verify_blocks(data[blocks.data_offset : blocks.data_offset + blocks.data_len],
+                              data[blocks.sums_offset : blocks.sums_offset + blocks.sums_len], blocks, "t")
+                pos += rec.raw_len
+        finally:
+            idx.close()
+        assert node.run("verify", name).returncode == 0
+
+    for name in ("packed", "plain"):
+        mnt = node.mount(name, tmp_path / f"mnt-{name}")
+        try:
+            filecmp.clear_cache()
+            for rel in files:
+                assert filecmp.cmp(src / rel, mnt / rel, shallow=False), (name, rel)
+            data = files["big.bin"]
+            rand = random.Random(33)
+            # Around the record edges, across two and three records, and at random.
+            offsets = [0, 4 * MiB - 5, 4 * MiB, 4 * MiB + 3, 8 * MiB - 1, 10 * MiB - 10]
+            offsets += [rand.randrange(len(data)) for _ in range(50)]
+            for flag in (os.O_RDONLY, os.O_RDONLY | os.O_DIRECT):  # O_DIRECT: every pread goes to dlfs
+                fd = os.open(mnt / "big.bin", flag)
+                try:
+                    for off in offsets:
+                        n = rand.choice([1, 4096, 10_000, 5 * MiB, 9 * MiB])
+                        assert os.pread(fd, n, off) == data[off : off + n], (name, flag, off, n)
+                finally:
+                    os.close(fd)
+            with dlfs.direct.connect(mnt) as reader:  # dlfs.direct assembles the records too
+                assert reader.direct
+                views = reader.read_many([mnt / "big.bin", mnt / "mid.bin", mnt / "text-big.txt"])
+                assert [bytes(v) for v in views] == [files["big.bin"], files["mid.bin"], files["text-big.txt"]]
+                del views
+        finally:
+            node.umount(mnt)

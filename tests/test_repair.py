@@ -102,7 +102,7 @@ def test_verify_finds_a_corrupt_replica_and_repair_heals_it(cluster: tuple[list[
     flip_a_byte(chunk_files(n2)[cid])
     bad = n1.run("verify", "data", check=False)
     assert bad.returncode == 5, bad
-    assert f"bad replica of chunk {cid} on n2: content does not match its id\n" in bad.stdout, bad.stdout
+    assert f"bad replica of chunk {cid} on n2: record 0: checksum mismatch\n" in bad.stdout, bad.stdout
     assert f"chunk {cid} has only 1 of 2 replicas" in bad.stdout, bad.stdout
     assert bad.stderr.strip().splitlines() == [
         "dlfs: error: 1 chunk lacks 2 good replicas; `dlfs repair` restores them"], bad.stderr

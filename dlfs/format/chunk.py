@@ -4,10 +4,27 @@ A chunk is immutable and named by the xxh3-128 of its whole content. Layout (lit
 
     header  32 B   magic "DLFSCHNK", version u16, flags u16, records u32, payload bytes u64,
                    xxh3-64 of the 24 bytes before it
-    record  24 B   magic u32, flags u32 (bit 0: lz4), stored length u32, raw length u32,
-                   xxh3-64 of the stored bytes
+    record  24 B   magic u32, flags u32, stored length u32, raw length u32, xxh3-64 of the stored bytes
             ...    the stored bytes
-    (records repeat)
+            ...    with FLAG_BLOCK_SUMS only: the block sums, one xxh3-64 u64 per BLOCK_SIZE bytes of
+                   the stored bytes (the last block may be short), 8 * ceil(stored / BLOCK_SIZE) bytes
+    (records repeat; the next header starts right after the record's stored bytes and sums)
+
+Record flags (the index's extents carry the same value):
+    FLAG_LZ4 = 1          the stored bytes are an lz4 block of the raw bytes
+    FLAG_BLOCK_SUMS = 2   block sums follow the stored bytes; never with FLAG_LZ4 (stored == raw)
+
+The writer cuts no record longer than MAX_RECORD_BYTES (a record always fits a 4 MiB cache slab
+whole) and gives every uncompressed record of at least BLOCK_SUMS_MIN bytes its block sums, so a
+reader can fetch and check any BLOCK_SIZE-aligned piece of a big record (`block_range`,
+`verify_blocks`) without reading it all. The whole-record checksum covers the stored bytes only,
+exactly as in version 1: whole-record readers never look at the sums.
+
+Versions: 2 is version 1 plus FLAG_BLOCK_SUMS. A chunk is written as version 2 only when one of
+its records carries block sums; any other chunk is written as version 1, in exactly the version-1
+layout: a version-1 reader still reads it, and a chunk of small files keeps the content id the
+version-1 writer gave it, so data ingested before is found already stored. Both versions are read
+and verified; FLAG_BLOCK_SUMS in a version-1 chunk is corrupt.
 
 The index points straight at each record's stored bytes (offset, lengths, checksum, flags), so a
 reader fetches and verifies one file without parsing the chunk; the record headers make a chunk
@@ -27,14 +44,21 @@ import xxhash
 from dlfs.errors import CorruptData
 
 MAGIC = b"DLFSCHNK"
-VERSION = 1
+VERSION = 2  # written only for chunks with block sums (see above)
+VERSION_PLAIN = 1  # written for every other chunk
 HEADER = struct.Struct("<8sHHIQQ")
 RECORD = struct.Struct("<IIIIQ")
 RECORD_MAGIC = 0xD1F5C0DE
 FLAG_LZ4 = 1
+FLAG_BLOCK_SUMS = 2
 ID_BYTES = 16
 MAX_CHUNK_SIZE = 1 << 30
 MAX_RECORD = (1 << 32) - 1
+MAX_RECORD_BYTES = 4 << 20  # raw bytes of one record at most: it fits a 4 MiB cache slab whole
+BLOCK_SIZE = 4096  # bytes checked by one block sum
+BLOCK_SUMS_MIN = 256 << 10  # uncompressed records this big carry block sums
+BLOCK_SUM = struct.Struct("<Q")
+_FLAGS_OF_VERSION = {VERSION_PLAIN: FLAG_LZ4, VERSION: FLAG_LZ4 | FLAG_BLOCK_SUMS}
 
 
 def chunk_id(data: bytes | bytearray | memoryview) -> bytes:
@@ -46,9 +70,35 @@ def record_checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def block_count(stored_len: int) -> int:
+    """Blocks (and so block sums) of a record of `stored_len` stored bytes, the last one maybe short."""
+    return -(-stored_len // BLOCK_SIZE)
+
+
+def block_sums(data: bytes | bytearray | memoryview) -> list[int]:
+    """The xxh3-64 of each BLOCK_SIZE piece of `data`, in order."""
+    view, digest = memoryview(data), xxhash.xxh3_64_intdigest
+    return [digest(view[i : i + BLOCK_SIZE]) for i in range(0, len(view), BLOCK_SIZE)]
+
+
+def record_footprint(length: int) -> int:
+    """Chunk bytes one record of `length` raw bytes takes at most (stored as is, so with the block
+    sums it then carries): its header, its bytes and its sums."""
+    sums = block_count(length) * BLOCK_SUM.size if length >= BLOCK_SUMS_MIN else 0
+    return RECORD.size + length + sums
+
+
+def records_span(length: int) -> int:
+    """Chunk bytes that `length` bytes of one file take at most as records of MAX_RECORD_BYTES
+    (the last one shorter): what the packer asks of a chunk to keep the file in it whole."""
+    full, rest = divmod(length, MAX_RECORD_BYTES)
+    return full * record_footprint(MAX_RECORD_BYTES) + (record_footprint(rest) if rest else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
-    """Where one record's stored bytes sit in its chunk, and how to check and decode them."""
+    """Where one record's stored bytes sit in its chunk, and how to check and decode them.
+    With FLAG_BLOCK_SUMS its block sums follow at offset + stored_len, sums_len bytes."""
 
     offset: int
     stored_len: int
@@ -56,11 +106,72 @@ class Record:
     checksum: int
     flags: int
 
+    @property
+    def has_block_sums(self) -> bool:
+        return bool(self.flags & FLAG_BLOCK_SUMS)
+
+    @property
+    def sums_len(self) -> int:
+        """Bytes of the block sums after the stored bytes (0 without them)."""
+        return block_count(self.stored_len) * BLOCK_SUM.size if self.flags & FLAG_BLOCK_SUMS else 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRange:
+    """The whole blocks of one record that cover a byte range, and the block sums that check them.
+
+    Blocks first .. first + count - 1 of the record: their stored bytes lie at chunk offset
+    data_offset, data_len bytes (BLOCK_SIZE each but the record's last, which may be short), and
+    their sums at chunk offset sums_offset, sums_len = 8 * count bytes. The asked range starts
+    `off - first * BLOCK_SIZE` bytes into the data.
+    """
+
+    first: int
+    count: int
+    data_offset: int
+    data_len: int
+    sums_offset: int
+    sums_len: int
+
+
+def block_range(rec: Record, off: int, length: int) -> BlockRange:
+    """The blocks of `rec` that cover its raw bytes [off, off + length), the end clamped to the
+    record. ValueError if the record has no block sums, or the range is empty or starts outside
+    the record; CorruptData if the record claims block sums on bytes that are not stored as is."""
+    if not rec.flags & FLAG_BLOCK_SUMS:
+        raise ValueError(f"record at chunk offset {rec.offset} has no block sums")
+    if rec.raw_len != rec.stored_len:  # sums check stored bytes: they must be the raw ones
+        raise CorruptData(f"record at chunk offset {rec.offset} has block sums but stores {rec.stored_len} "
+                          f"bytes for {rec.raw_len} raw bytes")
+    if length <= 0 or off < 0 or off >= rec.raw_len:
+        raise ValueError(f"byte range [{off}, {off + length}) is empty or outside the record's {rec.raw_len} bytes")
+    first = off // BLOCK_SIZE
+    end = (min(off + length, rec.raw_len) - 1) // BLOCK_SIZE + 1  # one past the last block
+    data_start = first * BLOCK_SIZE
+    return BlockRange(first, end - first, rec.offset + data_start, min(end * BLOCK_SIZE, rec.raw_len) - data_start,
+                      rec.offset + rec.stored_len + first * BLOCK_SUM.size, (end - first) * BLOCK_SUM.size)
+
+
+def verify_blocks(data: bytes | bytearray | memoryview, sums: bytes | bytearray | memoryview, rng: BlockRange,
+                  where: str) -> None:
+    """Check the blocks of `rng` (data_len bytes) against their sums (sums_len bytes); CorruptData
+    names `where` and the first bad block."""
+    if len(data) != rng.data_len or len(sums) != rng.sums_len:
+        raise CorruptData(f"{where}: blocks {rng.first}..{rng.first + rng.count - 1} truncated ({len(data)} of "
+                          f"{rng.data_len} bytes, {len(sums)} of {rng.sums_len} bytes of sums)")
+    want = struct.unpack(f"<{rng.count}Q", sums)
+    got = block_sums(data)
+    if got != list(want):
+        bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+        raise CorruptData(f"{where} block {rng.first + bad}: checksum mismatch")
+
 
 class ChunkWriter:
     """Packs records into one chunk buffer that already exists; `finish` seals and names it.
 
-    The buffer is reused chunk after chunk (`reset`): file bytes are read straight into it.
+    The buffer is reused chunk after chunk (`reset`): file bytes are read straight into it, and a
+    record's block sums are written right after its bytes. Room is always kept for the sums a
+    record would carry stored as is, whether or not it then compresses.
     """
 
     def __init__(self, capacity: int, buf: bytearray | None = None) -> None:
@@ -76,13 +187,26 @@ class ChunkWriter:
         self.view = memoryview(buf)
         self.pos = HEADER.size
         self.records: list[Record] = []
+        self.has_block_sums = False
 
     def __len__(self) -> int:
         return self.pos
 
     def room(self) -> int:
-        """Payload bytes that still fit in one more record."""
-        return max(0, self.capacity - self.pos - RECORD.size)
+        """Raw bytes one more record may take: at most MAX_RECORD_BYTES, and with its header and
+        the block sums it may carry, it fits in what is left of the chunk."""
+        space = self.capacity - self.pos - RECORD.size
+        if space <= 0:
+            return 0
+        # With sums, each whole block costs BLOCK_SIZE + 8 bytes, and a short last block its length + 8.
+        blocks, rest = divmod(space, BLOCK_SIZE + BLOCK_SUM.size)
+        with_sums = blocks * BLOCK_SIZE + max(0, rest - BLOCK_SUM.size)
+        return min(MAX_RECORD_BYTES, with_sums if with_sums >= BLOCK_SUMS_MIN else min(space, BLOCK_SUMS_MIN - 1))
+
+    def fits(self, length: int) -> bool:
+        """Whether `length` bytes of one file, cut into records of MAX_RECORD_BYTES, fit in what is
+        left of the chunk."""
+        return records_span(length) <= self.capacity - self.pos
 
     def add(self, data: bytes | memoryview, compress: bool) -> Record:
         """Append one record from bytes; compression is kept only where it saves space."""
@@ -118,17 +242,24 @@ class ChunkWriter:
             if len(packed) < length:
                 self.view[start : start + len(packed)] = packed
                 stored_len, flags = len(packed), FLAG_LZ4
+        if not flags & FLAG_LZ4 and length >= BLOCK_SUMS_MIN:
+            flags |= FLAG_BLOCK_SUMS
         stored = self.view[start : start + stored_len]
         checksum = record_checksum(stored)
         RECORD.pack_into(self.buf, self.pos, RECORD_MAGIC, flags, stored_len, length, checksum)
         rec = Record(start, stored_len, length, checksum, flags)
-        self.pos = start + stored_len
+        if flags & FLAG_BLOCK_SUMS:
+            sums = block_sums(stored)
+            struct.pack_into(f"<{len(sums)}Q", self.buf, start + stored_len, *sums)
+            self.has_block_sums = True
+        self.pos = start + stored_len + rec.sums_len
         self.records.append(rec)
         return rec
 
     def finish(self) -> tuple[bytes, memoryview]:
         """Seal the header; returns (chunk id, chunk bytes as a view of the buffer)."""
-        head = HEADER.pack(MAGIC, VERSION, 0, len(self.records), self.pos - HEADER.size, 0)
+        version = VERSION if self.has_block_sums else VERSION_PLAIN
+        head = HEADER.pack(MAGIC, version, 0, len(self.records), self.pos - HEADER.size, 0)
         head = head[:-8] + struct.pack("<Q", xxhash.xxh3_64_intdigest(head[:-8]))
         self.view[: HEADER.size] = head
         data = self.view[: self.pos]
@@ -155,7 +286,7 @@ def decode_record(stored: bytes | memoryview, rec: Record, where: str) -> bytes 
 
 
 def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> Iterator[Record]:
-    """Walk a whole chunk's records, checking the framing (not the record checksums)."""
+    """Walk a whole chunk's records, checking the framing (not the record checksums or block sums)."""
     view = memoryview(data)
     if len(view) < HEADER.size:
         raise CorruptData(f"{name}: truncated header ({len(view)} bytes)")
@@ -164,7 +295,8 @@ def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> I
         raise CorruptData(f"{name}: not a dlfs chunk (bad magic)")
     if xxhash.xxh3_64_intdigest(view[: HEADER.size - 8]) != hsum:
         raise CorruptData(f"{name}: header checksum mismatch")
-    if version != VERSION:
+    allowed = _FLAGS_OF_VERSION.get(version)
+    if allowed is None:
         raise CorruptData(f"{name}: chunk format version {version} is not supported")
     if HEADER.size + payload > len(view):
         raise CorruptData(f"{name}: truncated ({len(view)} bytes, header says {HEADER.size + payload})")
@@ -178,23 +310,34 @@ def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> I
         rmagic, flags, stored_len, raw_len, checksum = RECORD.unpack_from(view, pos)
         if rmagic != RECORD_MAGIC:
             raise CorruptData(f"{name}: record {i} has a bad magic at offset {pos}")
+        # The flags decide where the next record starts: one this version lacks would misframe the rest.
+        if flags & ~allowed or (flags & FLAG_LZ4 and flags & FLAG_BLOCK_SUMS):
+            raise CorruptData(f"{name}: record {i} has flags {flags:#x}, not valid in a version {version} chunk")
         pos += RECORD.size
-        if pos + stored_len > len(view):
+        rec = Record(pos, stored_len, raw_len, checksum, flags)
+        if pos + stored_len + rec.sums_len > len(view):
             raise CorruptData(f"{name}: record {i} runs past the end")
-        yield Record(pos, stored_len, raw_len, checksum, flags)
-        pos += stored_len
+        yield rec
+        pos += stored_len + rec.sums_len
     if pos != len(view):
         raise CorruptData(f"{name}: {len(view) - pos} stray bytes after the last record")
 
 
 def verify_chunk(data: bytes | bytearray | memoryview, expect_id: bytes | None = None) -> int:
-    """Check a whole chunk: its name, framing and every record; returns the record count."""
+    """Check a whole chunk: its framing, every record and block sum, and its name; returns the
+    record count. The records are checked before the name, so damage is reported where it lies
+    (record, block) rather than only as a chunk that does not match its id."""
     name = f"chunk {expect_id.hex()}" if expect_id else "chunk"
-    if expect_id is not None and chunk_id(data) != expect_id:
-        raise CorruptData(f"{name}: content does not match its id")
     view = memoryview(data)
     n = 0
     for rec in iter_records(view, name):
-        decode_record(view[rec.offset : rec.offset + rec.stored_len], rec, f"{name} record {n}")
+        where = f"{name}: record {n}"
+        if rec.sums_len and rec.raw_len == rec.stored_len:  # a length mismatch is decode_record's to report
+            rng = block_range(rec, 0, rec.raw_len)
+            verify_blocks(view[rng.data_offset : rng.data_offset + rng.data_len],
+                          view[rng.sums_offset : rng.sums_offset + rng.sums_len], rng, where)
+        decode_record(view[rec.offset : rec.offset + rec.stored_len], rec, where)
         n += 1
+    if expect_id is not None and chunk_id(data) != expect_id:
+        raise CorruptData(f"{name}: content does not match its id")
     return n

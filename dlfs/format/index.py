@@ -13,7 +13,11 @@ Layout (little-endian; every section starts on an 8-byte boundary, in this order
                             are contiguous and sorted by name bytes (binary search for lookup)
     extents  32 B each      chunk u32, offset u32, stored length u32, raw length u32, xxh3-64 u64,
                             flags u32, spare u32; ordered by (chunk, offset), so a chunk's extents
-                            are one run and a file's extents are one run
+                            are one run and a file's extents are one run. One extent is one record
+                            of the chunk (at most MAX_RECORD_BYTES raw, so a big file has many),
+                            offset is where its stored bytes start, and flags are its record flags
+                            (format/chunk.py): FLAG_LZ4 = 1 (lz4-compressed), FLAG_BLOCK_SUMS = 2
+                            (one xxh3-64 per 4 KiB follows the stored bytes: `block_range`)
     names    bytes          names and symlink targets, as raw bytes (any byte but / and NUL)
 
 The file is read with mmap: opening touches only the header and a streaming checksum pass, so a

@@ -1,4 +1,9 @@
-"""Packing files into chunks: runs in one worker thread, reading straight into chunk buffers."""
+"""Packing files into chunks: runs in one worker thread, reading straight into chunk buffers.
+
+A file is kept in one chunk when it fits in one, and is cut into records of at most
+MAX_RECORD_BYTES (format/chunk.py) either way, so that a reader of a piece of a big file never
+has to fetch, or check, more than one such record (and, through its block sums, far less).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlfs.errors import SourceError
-from dlfs.format.chunk import HEADER, RECORD, ChunkWriter
+from dlfs.format.chunk import HEADER, ChunkWriter, records_span
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.walk import Node, Tree
 
@@ -81,9 +86,9 @@ class Packer:
             left = size
             while left:
                 room = self.chunk.room()
-                fits_whole = left <= self.chunk.capacity - HEADER.size - RECORD.size
+                fits_whole = records_span(left) <= self.chunk.capacity - HEADER.size
                 # An empty chunk always takes a piece: sealing it would seal nothing, forever.
-                if left > room and self.chunk.records and (fits_whole or room < SPLIT_MIN_ROOM):
+                if not self.chunk.fits(left) and self.chunk.records and (fits_whole or room < SPLIT_MIN_ROOM):
                     self._seal()
                     continue
                 piece = min(left, room)
