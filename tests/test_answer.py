@@ -11,8 +11,8 @@ import os
 import stat
 from pathlib import Path
 
-import pytest
 import fusewire as fw
+import pytest
 
 from dlfs.format.chunk import ChunkWriter
 from dlfs.format.index import DIRENT, INODE, Index, IndexWriter

@@ -32,6 +32,7 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.config import load_cluster
 from dlfs.errors import SourceError
 from dlfs.format.chunk import (
+    BLOCK_SIZE,
     BLOCK_SUMS_MIN,
     FLAG_BLOCK_SUMS,
     FLAG_LZ4,
@@ -477,6 +478,8 @@ def test_packer_cuts_big_files_into_records(tmp_path: Path, chunk_mib: int) -> N
             assert all(r.raw_len <= MAX_RECORD_BYTES for r in recs), name
             assert sum(r.raw_len for r in recs) == len(data)
             assert all(r.has_block_sums == (r.raw_len >= BLOCK_SUMS_MIN) for r in recs), name
+            # Every record but a file's last holds whole 4 KiB blocks: a 4 KiB-aligned read of the file is one block.
+            assert all(r.raw_len % BLOCK_SIZE == 0 for r in recs[:-1]), (name, [r.raw_len for r in recs])
         big = [r.raw_len for r in _records_of(idx, "b-big")]
         if chunk_mib == 16:  # room for it whole: 4 + 4 + 2 MiB, then 4 + 4 in the next chunk
             assert big == [4 * MiB, 4 * MiB, 2 * MiB]

@@ -34,9 +34,10 @@ import math
 import mmap
 import os
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -44,17 +45,21 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.client.local import THREAD_BYTES, LocalChunks
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
-from dlfs.format.chunk import decode_record
+from dlfs.format.chunk import BLOCK_SIZE, FLAG_BLOCK_SUMS, block_range, decode_record, verify_blocks
 from dlfs.format.index import Extent, Index
 from dlfs.native import native
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
 FETCH_TIMEOUT = 10.0
 PREFETCH_WORKERS = 2
 NO_SLAB = -1
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
+STREAMS = 4096  # records whose last read is remembered, to tell sequential reads from random ones
+SEQUENTIAL_AFTER = 2  # reads continuing the one before, after which a stream fetches whole records
 
 
 def auto_cache_size() -> int:
@@ -125,10 +130,12 @@ class ChunkCache:
         self._prefetch = prefetch
         self.local: LocalChunks | None = None  # this machine's chunk files, read in place when set
         self._queued: set[int] = set()
+        self._streams: OrderedDict[int, tuple[int, int]] = OrderedDict()  # ext -> (end of last read, run)
         self._windows: dict[int, list[int]] = {}  # chunk -> first extent of each of its windows, then its end
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.prefetched_bytes = self.consumed = self.corrupt = 0
+        self.block_reads = 0  # random reads served from just the blocks they asked for
         self.retired_pinned = 0  # slabs a dlfs.direct client still pinned when their records were dropped
         self.failovers = 0  # fetches that moved on to another replica after one failed
         self.fetched_by_node: dict[str, int] = {}  # bytes
@@ -236,10 +243,39 @@ class ChunkCache:
         """(slab, offset) of extent `ext` if it lies whole in a slab of the shared arena now."""
         return self.shared.where(ext) if self.shared is not None else None
 
-    async def record(self, ext: int) -> bytes | bytearray | memoryview:
+    async def read(self, ext: int, lo: int, hi: int, first: int, end: int) -> bytes | bytearray | memoryview:
+        """Bytes [lo, hi) of extent `ext`'s record for a read of the file made of extents [first, end),
+        fetched as its access pattern asks, as the kernel's own read-ahead does: reading the file from
+        its start, or a third read in a row continuing the one before (across records too), is
+        sequential: the record's whole window, the rest of its chunk and the file's next chunk are
+        fetched; any other read inside a record with block sums fetches just the 4 KiB blocks it covers."""
+        sequential = self._stream(ext, lo, hi, first)
+        if (not sequential and self.index.extent(ext).record.flags & FLAG_BLOCK_SUMS
+                and ext not in self._records and ext not in self._inflight):
+            return await self._fetch_blocks(ext, lo, hi)
+        return (await self.record(ext, end if sequential else None))[lo:hi]
+
+    def _stream(self, ext: int, lo: int, hi: int, first: int) -> bool:
+        """Note a read of [lo, hi) of extent `ext` (of a file starting at extent `first`); True if it
+        belongs to a sequential stream."""
+        last = self._streams.pop(ext, None)
+        if last is not None and last[0] == lo:
+            run = last[1] + 1
+        elif lo == 0 and ext > first:  # the stream may go on from the file's previous record
+            prev = self._streams.get(ext - 1)
+            run = prev[1] + 1 if prev is not None and prev[0] == self.index.extent(ext - 1).record.raw_len else 0
+        else:
+            run = 0
+        self._streams[ext] = (hi, run)
+        if len(self._streams) > STREAMS:
+            self._streams.popitem(last=False)
+        return (lo == 0 and ext == first) or run >= SEQUENTIAL_AFTER
+
+    async def record(self, ext: int, file_end: int | None = None) -> bytes | bytearray | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes. Whatever
         the source (this machine's chunk files, a data daemon), the record lands in the cache and stays
-        until the kernel (or a dlfs.direct client) has it."""
+        until the kernel (or a dlfs.direct client) has it. `file_end`: the record is read sequentially
+        as part of a file whose extents end there (its next chunk is fetched ahead too)."""
         while True:
             hit = self._records.get(ext)
             if hit is not None:
@@ -254,7 +290,12 @@ class ChunkCache:
         self.misses += 1
         readahead = self._room(self.slab_size)
         if readahead:
-            self._queue_chunk(self.index.extent(ext).chunk)
+            ci = self.index.extent(ext).chunk
+            self._queue_chunk(ci)
+            chunk = self.index.chunk(ci)
+            after = chunk.first_extent + chunk.n_extents
+            if file_end is not None and after < file_end:  # a big file read in order: its next chunk too
+                self._queue_chunk(self.index.extent(after).chunk)
         data = await self._fetch(self._run(ext) if readahead else [ext], ext)
         assert data is not None
         return data
@@ -333,6 +374,47 @@ class ChunkCache:
         lo, hi = self._window(ext)
         return [i for i in range(lo, hi) if i == ext or not self._here(i)]
 
+    async def _from_sources(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
+                            check: Callable[[Sequence[Buffer], str], Awaitable[T]]) -> T:
+        """Ranges (offset, length) of chunk `cid` from the first source whose bytes pass `check`: this
+        machine's chunk files first, then each replica (CorruptData from `check` moves on to the next;
+        so does a replica that is down). The first range lands in `into` where the source can put it
+        there. Every byte read is counted as fetched, from the node it came from; CorruptData or
+        Unreachable if no source has good bytes."""
+        errors: list[str] = []
+        corrupt = False
+        if self.local is not None:
+            pieces = await self.local.read_ranges(cid, ranges, into)
+            if pieces is not None:
+                local: list[Buffer] = list(pieces)
+                self._count_fetch(self.local.node, sum(len(p) for p in local))
+                try:
+                    return await check(local, self.local.node)
+                except CorruptData as exc:
+                    self.local.fallbacks += 1
+                    log.warning("%s; reading it from the replicas", exc)
+        for spec in self.client.replicas(cid):
+            if errors:
+                self.failovers += 1
+            t0 = perf_counter()
+            try:
+                got = [await self.client.read_from(spec, cid, off, n, timeout=FETCH_TIMEOUT, into=into if i == 0 else None)
+                       for i, (off, n) in enumerate(ranges)]
+            except (Unreachable, NotFound, CorruptData) as exc:
+                errors.append(f"{spec.name}: {exc}")
+                continue
+            self.fetch_seconds.observe(perf_counter() - t0)
+            self._count_fetch(spec.name, sum(len(p) for p in got))
+            try:
+                return await check(got, spec.name)
+            except CorruptData as exc:
+                self.corrupt += 1
+                corrupt = True
+                log.warning("%s; trying the next replica", exc)
+                errors.append(str(exc))
+        cls = CorruptData if corrupt else Unreachable
+        raise cls(f"chunk {cid.hex()}: no replica has good bytes ({'; '.join(errors)})")
+
     async def _fetch(self, run: list[int], need: int | None) -> bytes | memoryview | None:
         """Fetch the records of `run` (ascending, in one window of a chunk) as one range into one slab; returns
         `need`'s bytes (CorruptData/Unreachable if no replica has them), None for a prefetch."""
@@ -346,64 +428,46 @@ class ChunkCache:
         for i in run:
             self._inflight[i] = done
         self._inflight_size += length
-        kept = False
+        slab_kept = False
+
+        async def keep(got: Sequence[Buffer], node: str) -> bytes | memoryview | None:
+            nonlocal slab_kept
+            data = got[0]
+            # RDMA may land elsewhere (its own registered memory): then the slab holds nothing.
+            in_slab = slab != NO_SLAB and isinstance(data, memoryview) and data.obj is self.arena
+            raw = await self._keep(run, extents, chunk.id, base, data, node, need, slab if in_slab else NO_SLAB)
+            slab_kept = in_slab
+            if need is None:
+                self.prefetched_bytes += len(data)
+            return raw
+
         try:
-            # Replica by replica (the local one first): bytes that fail their checksum on one
-            # replica are read again from the next, as are replicas that are down.
-            errors: list[str] = []
-            corrupt = False
-            if self.local is not None:
-                # This machine's own copy first, read in place into the slab.
-                in_place = await self.local.read_range(chunk.id, base, length, into)
-                if in_place is not None:
-                    try:
-                        raw = await self._keep(run, extents, chunk.id, base, in_place, self.local.node, need, slab)
-                    except CorruptData as exc:
-                        self.local.fallbacks += 1
-                        log.warning("%s; reading it from the replicas", exc)
-                    else:
-                        self._count_fetch(self.local.node, length)
-                        if need is None:
-                            self.prefetched_bytes += length
-                        kept = True
-                        return raw
-            for spec in self.client.replicas(chunk.id):
-                if errors:
-                    self.failovers += 1
-                t0 = perf_counter()
-                try:
-                    data = await self.client.read_from(spec, chunk.id, base, length, timeout=FETCH_TIMEOUT,
-                                                       into=into)
-                except (Unreachable, NotFound, CorruptData) as exc:
-                    errors.append(f"{spec.name}: {exc}")
-                    continue
-                self.fetch_seconds.observe(perf_counter() - t0)
-                self._count_fetch(spec.name, len(data))
-                if slab != NO_SLAB and not (isinstance(data, memoryview) and data.obj is self.arena):
-                    # Landed elsewhere (RDMA's registered memory): the slab is not needed.
-                    self._free.append(slab)
-                    slab, into = NO_SLAB, None
-                if need is None:
-                    self.prefetched_bytes += len(data)
-                try:
-                    raw = await self._keep(run, extents, chunk.id, base, data, spec.name, need, slab)
-                except CorruptData as exc:
-                    self.corrupt += 1
-                    corrupt = True
-                    log.warning("%s; trying the next replica", exc)
-                    errors.append(str(exc))
-                    continue
-                kept = True
-                return raw
-            cls = CorruptData if corrupt else Unreachable
-            raise cls(f"chunk {chunk.id.hex()}: no replica has good bytes ({'; '.join(errors)})")
+            return await self._from_sources(chunk.id, [(base, length)], into, keep)
         finally:
             self._inflight_size -= length
             for i in run:
                 self._inflight.pop(i, None)
             done.set()
-            if not kept and slab != NO_SLAB:
+            if not slab_kept and slab != NO_SLAB:
                 self._free.append(slab)
+
+    async def _fetch_blocks(self, ext: int, lo: int, hi: int) -> memoryview:
+        """Bytes [lo, hi) of extent `ext`'s record, reading only the 4 KiB blocks that hold them and
+        their sums (a random read inside a big record); kept nowhere: the kernel keeps what it is sent."""
+        e = self.index.extent(ext)
+        cid = self.index.chunk(e.chunk).id
+        rng = block_range(e.record, lo, hi - lo)
+        start = lo - rng.first * BLOCK_SIZE
+
+        async def check(got: Sequence[Buffer], node: str) -> memoryview:
+            where = f"chunk {cid.hex()} (from {node}) record at offset {e.record.offset}"
+            verify_blocks(got[0], got[1], rng, where)
+            return memoryview(got[0])[start : start + hi - lo]
+
+        self.misses += 1
+        self.block_reads += 1
+        return await self._from_sources(cid, [(rng.data_offset, rng.data_len), (rng.sums_offset, rng.sums_len)],
+                                        None, check)
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,
@@ -493,6 +557,7 @@ class ChunkCache:
             self._reclaim_retired()  # so retired_slabs counts only those still pinned
         out = {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
                "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
+               "block_reads": self.block_reads,
                "consumed": self.consumed, "evictions": self.evictions,
                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
                "retired_slabs": len(self._retired), "retired_pinned": self.retired_pinned,

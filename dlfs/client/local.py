@@ -39,6 +39,11 @@ def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
         raise
 
 
+def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
+    """preadv each (buffer, offset) in turn; bytes read into each."""
+    return [os.preadv(fd, [buf], off) for buf, off in pieces]
+
+
 class LocalChunks:
     def __init__(self, chunk_dir: Path, node: str) -> None:
         self.chunk_dir = chunk_dir
@@ -64,38 +69,42 @@ class LocalChunks:
             os.close(self._fds.popitem(last=False)[1])
         return fd
 
-    async def read_range(self, cid: bytes, offset: int, length: int,
-                         into: memoryview | None = None) -> memoryview | None:
-        """`length` bytes of the chunk from `offset` (into `into` when given), if this machine holds
-        its chunk and they are all there; else None. Unchecked: the caller verifies the records."""
+    async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
+                          into: memoryview | None = None) -> list[memoryview] | None:
+        """The (offset, length) ranges of the chunk (the first into `into` when given), if this machine
+        holds its chunk and they are all there; else None. Unchecked: the caller verifies them. What the
+        page cache has is copied at once; the rest is read from disk in one worker thread."""
         fd = self._fd(cid)
         if fd is None:
             return None
-        buf = into[:length] if into is not None else memoryview(bytearray(length))
+        bufs = [into[:n] if i == 0 and into is not None else memoryview(bytearray(n)) for i, (_, n) in enumerate(ranges)]
         try:
-            # A big range goes to a thread even from the page cache: its copy would stall the loop.
-            got = _read_cached(fd, buf, offset) if length < THREAD_BYTES else 0
-            if got < length:
-                # Not all in the page cache: the disk read goes to a thread (on its own descriptor,
-                # which no eviction here can close), so the other readers' requests go on.
+            # A big range goes to the thread even from the page cache: its copy would stall the loop.
+            got = [_read_cached(fd, buf, off) if n < THREAD_BYTES else 0 for buf, (off, n) in zip(bufs, ranges)]
+            rest = [(buf[g:], off + g) for buf, (off, n), g in zip(bufs, ranges, got) if g < n]
+            if rest:
+                # On its own descriptor, which no eviction here can close, so the other readers go on.
                 dup = os.dup(fd)
                 try:
-                    got += await trio.to_thread.run_sync(os.preadv, dup, [buf[got:]], offset + got)
+                    more = await trio.to_thread.run_sync(_pread_all, dup, rest)
                 finally:
                     os.close(dup)
+                late = iter(more)
+                got = [g if g == n else g + next(late) for (_, n), g in zip(ranges, got)]
         except OSError as exc:
             self.fallbacks += 1
             log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
-                        cid.hex(), self.node, offset, exc)
+                        cid.hex(), self.node, ranges[0][0], exc)
             return None
-        if got < length:
-            self.fallbacks += 1
-            log.warning("chunk %s (local copy of %s) is short (%d of %d bytes at offset %d); reading it "
-                        "from the replicas", cid.hex(), self.node, got, length, offset)
-            return None
-        self.reads += 1
-        self.bytes += got
-        return buf
+        for (off, n), g in zip(ranges, got):
+            if g < n:
+                self.fallbacks += 1
+                log.warning("chunk %s (local copy of %s) is short (%d of %d bytes at offset %d); reading it "
+                            "from the replicas", cid.hex(), self.node, g, n, off)
+                return None
+        self.reads += len(ranges)
+        self.bytes += sum(n for _, n in ranges)
+        return bufs
 
     def close(self) -> None:
         for fd in self._fds.values():

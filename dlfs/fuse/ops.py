@@ -189,19 +189,20 @@ class DlfsOperations(pyfuse3.Operations):
         if off >= node.size or size <= 0 or node.count == 0:
             return b""
         end = min(off + size, node.size)
+        file_end = node.ref + node.count
         # The kernel keeps what it is sent (keep_cache, or no_open): the cache may then drop it.
         if node.count == 1:
-            data = (await self.cache.record(node.ref))[off:end]
+            data = await self.cache.read(node.ref, off, end, node.ref, file_end)
             self.cache.consume(node.ref, len(data))
             return data
         # Each piece is copied out before the next await: a view could outlive its cache slab.
         out = bytearray(end - off)
         pos = 0
-        for ext in range(node.ref, node.ref + node.count):
+        for ext in range(node.ref, file_end):
             n = self.index.extent(ext).record.raw_len
             if pos + n > off and pos < end:
                 lo = max(off - pos, 0)
-                piece = (await self.cache.record(ext))[lo : end - pos]
+                piece = await self.cache.read(ext, lo, min(end - pos, n), node.ref, file_end)
                 out[pos + lo - off : pos + lo - off + len(piece)] = piece
                 self.cache.consume(ext, len(piece))
             pos += n

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlfs.errors import SourceError
-from dlfs.format.chunk import HEADER, ChunkWriter, records_span
+from dlfs.format.chunk import BLOCK_SIZE, HEADER, ChunkWriter, records_span
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.walk import Node, Tree
 
@@ -91,7 +91,9 @@ class Packer:
                 if not self.chunk.fits(left) and self.chunk.records and (fits_whole or room < SPLIT_MIN_ROOM):
                     self._seal()
                     continue
-                piece = min(left, room)
+                # A piece that does not end the file ends on a block boundary: file offsets then map to
+                # whole 4 KiB blocks of each record, and a random 4 KiB read checks one block, not two.
+                piece = left if left <= room else (room - room % BLOCK_SIZE or room)
                 try:
                     rec = self.chunk.add_from(fd, piece, self.compress)
                 except EOFError:
