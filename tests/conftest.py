@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dlfs.bench.baselines import mounts_under as bench_mounts_under
+from dlfs.procmounts import mounts_under as table_mounts_under
 
 REPO = Path(__file__).resolve().parent.parent
 DLFS = [sys.executable, "-m", "dlfs"]
@@ -53,8 +53,8 @@ def run_dlfs(home: Path, *args: str | os.PathLike[str], check: bool = True,
 
 
 def mounts_under(base: Path) -> list[str]:
-    """Mount points at or below `base`, deepest first (the bench's parser of /proc/self/mounts)."""
-    return [str(p) for p in bench_mounts_under(base)]
+    """Mount points at or below `base`, deepest first (dlfs's parser of /proc/self/mounts)."""
+    return [str(p) for p in table_mounts_under(base)]
 
 
 def force_unmount(base: Path) -> list[str]:

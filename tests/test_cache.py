@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,10 @@ from test_services import make_chunk, make_index, running_node
 
 from dlfs.client.cache import ChunkCache
 from dlfs.client.cluster import ClusterClient
-from dlfs.config import Cluster, NodeSpec
+from dlfs.client.local import LocalChunks
+from dlfs.config import Cluster, NodeSpec, key_path
+from dlfs.data.store import chunk_path
+from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import Index
 from dlfs.wire.protocol import Msg
 
@@ -87,4 +92,137 @@ async def test_a_miss_prefetches_the_rest_of_its_chunk(tmp_path: Path) -> None:
             assert bytes(await cache.record(ext)) == payloads[ext]
         assert cache.misses == 4, "every other record was prefetched"
         assert cache.prefetched_bytes > 0 and cache.fetched_bytes <= stored, "nothing was fetched twice"
+        n.cancel_scope.cancel()
+
+
+# --- the fetch pipeline ------------------------------------------------------------------------
+def _big_chunk(seed: int, sizes: list[int]) -> tuple[bytes, bytes, list[Record], list[bytes]]:
+    """A real chunk of uncompressed records (big ones carry block sums): (id, bytes, records, payloads)."""
+    rng = random.Random(seed)
+    w = ChunkWriter(sum(sizes) + (1 << 20))
+    payloads = [rng.randbytes(n) for n in sizes]
+    recs = [w.add(p, compress=False) for p in payloads]
+    cid, view = w.finish()
+    return cid, bytes(view), recs, payloads
+
+
+async def _stored(tmp_path: Path, client: ClusterClient, specs: list[NodeSpec],
+                  chunks: list[tuple[bytes, bytes, list[Record], list[bytes]]]) -> tuple[Index, list[bytes]]:
+    """The chunks put on every node given, and an index with one file per record."""
+    payloads: list[bytes] = []
+    for cid, data, _, raw in chunks:
+        for spec in specs:
+            await client.call(spec, "data", Msg.PUT_CHUNK, {"id": cid}, data)
+        payloads += raw
+    path = tmp_path / "t.idx"
+    path.write_bytes(make_index([(cid, data, recs) for cid, data, recs, _ in chunks]))
+    return Index(path), payloads
+
+
+@pytest.mark.timeout(60)
+async def test_concurrent_misses_of_one_window_share_one_fetch(tmp_path: Path) -> None:
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=1, records=3, size=20_000)
+        cache = ChunkCache(index, client, capacity=8 * SLAB, readahead=SLAB, prefetch=False)
+        got: dict[int, bytes] = {}
+
+        async def read(ext: int) -> None:
+            got[ext] = bytes(await cache.record(ext))
+
+        async with trio.open_nursery() as readers:
+            for ext in [0, 1, 2] * 4:  # twelve readers, one window of three records
+                readers.start_soon(read, ext)
+        assert got == dict(enumerate(payloads))
+        assert cache.fetches == 1 and cache.misses == 1, cache.stats()
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_corrupt_replica_and_a_corrupt_local_copy_are_passed_over(tmp_path: Path) -> None:
+    # Two nodes hold every chunk; the copy that is read first (this machine's chunk files, then the
+    # first replica) has a flipped byte: the bytes still come right, from the good replica.
+    homes = [tmp_path / "a", tmp_path / "b"]
+    async with running_node(homes[0]) as (a, key):
+        key_path(homes[1]).parent.mkdir(parents=True, exist_ok=True)
+        key_path(homes[1]).write_bytes(key_path(homes[0]).read_bytes())
+        os.chmod(key_path(homes[1]), 0o600)
+        async with running_node(homes[1]) as (b, _), trio.open_nursery() as n:
+            a, b = replace(a, name="a"), replace(b, name="b")  # both call themselves "local"
+            client = ClusterClient(Cluster([a, b], key, 2, "test"), n)
+            index, payloads = await _stored(tmp_path, client, [a, b], [_big_chunk(5, [30_000, 300_000, 40_000])])
+            cid = index.chunk(0).id
+            first = client.replicas(cid)[0]
+            bad_home = homes[0] if first.name == a.name else homes[1]
+            path = chunk_path(bad_home / "data" / "chunks", cid)
+            blob = bytearray(path.read_bytes())
+            rec = index.extent(1).record
+            blob[rec.offset + 100_000] ^= 0xFF  # inside record 1, block 24
+            os.chmod(path, 0o644)
+            path.write_bytes(bytes(blob))
+            for local in (False, True):
+                cache = ChunkCache(index, client, capacity=32 * SLAB, readahead=8 * SLAB, prefetch=False)
+                if local:  # the bad copy is this machine's own
+                    cache.local = LocalChunks(bad_home / "data" / "chunks", first.name)
+                assert [bytes(await cache.record(e)) for e in range(3)] == payloads
+                # A random read inside the big record checks its blocks: the bad one moves on too.
+                blocks = ChunkCache(index, client, capacity=32 * SLAB, readahead=8 * SLAB, prefetch=False)
+                blocks.local = cache.local
+                assert bytes(await blocks.read(1, 98_304, 102_400, 1, 2)) == payloads[1][98_304:102_400]
+                if local:
+                    assert cache.local is not None and cache.local.fallbacks == 2, cache.local.stats()
+                else:
+                    assert cache.corrupt == 1 and cache.failovers == 1 and blocks.corrupt == 1, cache.stats()
+                assert blocks.block_reads == 1
+            n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_local_chunk_files_fill_shared_slabs_and_big_records_keep_their_own_memory(tmp_path: Path) -> None:
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(9, [20_000, 30_000, 3 * SLAB])])
+        cache = ChunkCache(index, client, capacity=8 * SLAB, readahead=SLAB, prefetch=False)
+        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        assert bytes(await cache.record(0)) == payloads[0]
+        assert cache.local.reads == 1 and cache.fetches_by_node == {spec.name: 1}
+        # The local read landed in a slab of the shared arena (where the native engine and dlfs.direct
+        # read it), window and all: the neighbour came with it.
+        assert cache.where(0) is not None and cache.where(1) is not None and 1 in cache
+        # A record bigger than a slab is read whole into memory of its own: right bytes, never published.
+        assert bytes(await cache.record(2)) == payloads[2] and cache.where(2) is None
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_random_reads_fetch_their_blocks_and_streams_fetch_whole_records(tmp_path: Path) -> None:
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        size = 1 << 20  # with block sums (>= 256 KiB)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(11, [size, size])])
+        assert index.extent(0).record.has_block_sums
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=1 << 20, prefetch=False)
+        rng = random.Random(3)
+        for _ in range(20):
+            lo = rng.randrange(1, size // 4096) * 4096
+            assert bytes(await cache.read(1, lo, lo + 4096, 0, 2)) == payloads[1][lo : lo + 4096]
+        # Twenty random 4 KiB reads cost their blocks and 8 bytes of sums each: nothing else was read.
+        assert cache.fetched_bytes == 20 * (4096 + 8) and cache.block_reads == 20 and 1 not in cache
+        # An unaligned read takes the blocks it touches, here two.
+        before = cache.fetched_bytes
+        assert bytes(await cache.read(1, 8000, 9000, 0, 2)) == payloads[1][8000:9000]
+        assert cache.fetched_bytes - before == 2 * (4096 + 8)
+        # Reading the file from its start is sequential: the whole record comes, and later reads hit it.
+        before = cache.fetched_bytes
+        assert bytes(await cache.read(0, 0, 131072, 0, 2)) == payloads[0][:131072]
+        assert 0 in cache and cache.fetched_bytes - before >= size
+        hits = cache.hits
+        assert bytes(await cache.read(0, 131072, 262144, 0, 2)) == payloads[0][131072:262144]
+        assert cache.hits == hits + 1
+        # A stream of reads continuing each other (the third) turns random into sequential.
+        fresh = ChunkCache(index, client, capacity=64 * SLAB, readahead=1 << 20, prefetch=False)
+        for k in range(3):
+            lo = 100 * 4096 + k * 8192
+            assert bytes(await fresh.read(1, lo, lo + 8192, 0, 2)) == payloads[1][lo : lo + 8192]
+        assert fresh.block_reads == 2 and 1 in fresh
         n.cancel_scope.cancel()

@@ -261,30 +261,60 @@ def test_read_only(edge: Edge) -> None:
     assert {"ro", "nosuid", "nodev"} <= set(options)
 
 
-@pytest.mark.timeout(60)
-def test_python_metadata_path_matches_the_c_one(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The C helper answers LOOKUP/GETATTR/READDIRPLUS and lets OPEN be skipped; without it (not
-    # built, or DLFS_NO_NATIVE) the Python handlers must give the same tree, bytes and errnos.
+@pytest.mark.timeout(90)
+def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The native engine answers metadata, OPEN, IOCTL and the READs it finds in the shared cache; without
+    # it (not built, or DLFS_NO_NATIVE) the Python handlers must give the same tree, bytes and errnos.
     c_log = edge.node.mount_log(NAME).read_text()
+    c_mnt = edge.node.mount(NAME, edge.base / "mnt-native")  # fresh: its reads reach the mount
     monkeypatch.setenv("DLFS_NO_NATIVE", "1")
     py_mnt = edge.node.mount(NAME, edge.base / "mnt-python")
     try:
-        c_tree, py_tree = tree(edge.bmnt), tree(os.fsencode(py_mnt))
+        c_tree, py_tree = tree(os.fsencode(c_mnt)), tree(os.fsencode(py_mnt))
         assert set(c_tree) == set(py_tree)
         for rel, c in c_tree.items():
             p = py_tree[rel]
             assert (c.st_mode, c.st_size, c.st_mtime_ns, c.st_nlink, c.st_uid, c.st_gid, c.st_ino) == \
                    (p.st_mode, p.st_size, p.st_mtime_ns, p.st_nlink, p.st_uid, p.st_gid, p.st_ino), repr(rel)
             if stat.S_ISREG(c.st_mode):
-                with open(os.path.join(edge.bmnt, rel), "rb") as a, open(os.path.join(os.fsencode(py_mnt), rel), "rb") as b:
+                with open(os.path.join(os.fsencode(c_mnt), rel), "rb") as a, \
+                        open(os.path.join(os.fsencode(py_mnt), rel), "rb") as b:
                     assert a.read() == b.read(), repr(rel)
-        for m in (edge.mnt, py_mnt):
+            elif stat.S_ISLNK(c.st_mode):
+                assert os.readlink(os.path.join(os.fsencode(c_mnt), rel)) == \
+                       os.readlink(os.path.join(os.fsencode(py_mnt), rel))
+        # READ by READ: random preads, and O_DIRECT ones that every time reach the mount as they are.
+        data = (edge.src / os.fsdecode(BIG)).read_bytes()
+        rng = random.Random(11)
+        for flag in (os.O_RDONLY, os.O_RDONLY | os.O_DIRECT):
+            fds = [os.open(m / os.fsdecode(BIG), flag) for m in (c_mnt, py_mnt)]
+            try:
+                for _ in range(100):
+                    off, n = rng.randrange(len(data) + 10), rng.choice([1, 4096, 70_000, 300_000])
+                    got = [os.pread(fd, n, off) for fd in fds]
+                    assert got[0] == got[1] == data[off : off + n], (flag, off, n)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        for m in (c_mnt, py_mnt):
             assert _errno(os.lstat, m / "names/missing") == errno.ENOENT
             assert _errno(os.lstat, m / "text/small.txt/x") == errno.ENOTDIR
             assert _errno(os.listdir, m / "text/small.txt") == errno.ENOTDIR
+            assert _errno(os.readlink, m / "text/small.txt") == errno.EINVAL
+            assert _errno(os.getxattr, m / "text/small.txt", "user.x") == errno.ENODATA
+            assert os.listxattr(m) == []
+            assert os.statvfs(m)[:8] == os.statvfs(py_mnt)[:8]
+        stats = next((edge.node.home / "run" / "mounts").glob("*mnt-native.stats"))
+        deadline = time.monotonic() + 5  # the mount writes its counters once a second
+        while (engine := json.loads(stats.read_text())["engine"])["ioctls"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine["reads"] > 0 and engine["lookups"] + engine["readdirs"] > 0
+        assert engine["ioctls"] > 0  # open(path, "rb") asks isatty() of every file
     finally:
         edge.node.umount(py_mnt)
-    assert "metadata answered in C" not in edge.node.mount_log(NAME).read_text()[len(c_log):]
+        edge.node.umount(c_mnt)
+    log = edge.node.mount_log(NAME).read_text()[len(c_log):]
+    assert "native threads serve the mount" in log and "served by Python alone" in log
 
 
 @pytest.mark.timeout(30)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from dlfs.errors import DlfsError, MountError, UsageError
+from dlfs.procmounts import mounts_under
 
 log = logging.getLogger(__name__)
 MOUNT_TIMEOUT = 30.0
@@ -64,28 +65,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise DlfsError(f"process {pid} reports no VmRSS")
-
-
-def _unescape(field: str) -> str:
-    # /proc/self/mounts writes space, tab, newline and backslash as \ooo octal escapes.
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def mounts_under(base: Path) -> list[Path]:
-    """Mount points at or below `base`, deepest first."""
-    prefix = str(base.absolute())
-    with open("/proc/self/mounts") as f:
-        found = [_unescape(line.split()[1]) for line in f]
-    return sorted((Path(m) for m in found if m == prefix or m.startswith(prefix + "/")),
-                  key=lambda p: len(str(p)), reverse=True)
 
 
 def unmount_all_under(base: Path) -> list[Path]:

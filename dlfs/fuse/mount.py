@@ -26,10 +26,11 @@ from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.control import ControlServer, control_socket_path
 from dlfs.fuse.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
-from dlfs.fuse.stats import MountStats
+from dlfs.fuse.stats import MountStats, stats_file
 from dlfs.logs import set_context
 from dlfs.meta.store import VersionInfo
 from dlfs.native import engine_stats, start_engine
+from dlfs.procmounts import is_mount_point
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
@@ -75,7 +76,7 @@ def check_mountpoint(path: Path) -> None:
     except OSError as exc:
         if exc.errno == errno.ENOTCONN:  # a FUSE mount whose process is gone
             raise MountError(f"{path} is a dead mount (its process ended): clear it with "
-                             f"`fusermount3 -u -z {path}`, then mount again") from None
+                             f"`dlfs umount {path}` (or `fusermount3 -u -z {path}`), then mount again") from None
     if not path.exists():
         raise UsageError(f"mountpoint {path} does not exist")
     if not path.is_dir():
@@ -254,7 +255,7 @@ def local_mounts(home: Path) -> list[tuple[str, Path]]:
 
 
 def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
-    """Unmount and wait for the mount process to finish."""
+    """Unmount and wait for the mount process to finish; a dead mount (its process killed) is cleared."""
     mountpoint = mountpoint.absolute()
     record = mount_record(home, mountpoint)
     pid = None
@@ -262,14 +263,26 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
         pid = int(json.loads(record.read_text())["pid"])
     except (OSError, ValueError, KeyError):
         pass
-    if not os.path.ismount(mountpoint):
+    if not is_mount_point(mountpoint):
         raise NotFound(f"{mountpoint} is not mounted")
-    proc = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True, text=True)
+    dead = False
+    try:
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        dead = exc.errno == errno.ENOTCONN  # the process serving it is gone: nothing to wait for
+    # Lazily for a dead mount: whatever still has a file open there holds only an error now.
+    cmd = ["fusermount3", "-u", *(["-z"] if dead else []), str(mountpoint)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         msg = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         if "busy" in msg.lower():
             raise MountError(f"cannot unmount {mountpoint}: it is busy (a process has a file open there)")
         raise MountError(f"cannot unmount {mountpoint}: {msg}")
+    if dead:
+        log.info("cleared the dead mount at %s (its process %s was gone)", mountpoint, pid or "?")
+        record.unlink(missing_ok=True)
+        stats_file(home, mountpoint).unlink(missing_ok=True)
+        return
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
         if not running(pid):

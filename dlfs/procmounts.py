@@ -1,0 +1,39 @@
+"""The kernel's mount table (/proc/self/mounts), read: the one place that parses it.
+
+`os.path.ismount` cannot see a dead FUSE mount (its stat fails with ENOTCONN); the table still lists it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mounts writes space, tab, newline and backslash as \ooo octal escapes.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_points() -> list[str]:
+    """Every mount point in the table, in its order."""
+    with open("/proc/self/mounts") as f:
+        return [_unescape(line.split()[1]) for line in f]
+
+
+def mounts_under(base: Path) -> list[Path]:
+    """Mount points at or below `base`, deepest first."""
+    prefix = str(base.absolute())
+    return sorted((Path(m) for m in mount_points() if m == prefix or m.startswith(prefix + "/")),
+                  key=lambda p: len(str(p)), reverse=True)
+
+
+def is_mount_point(path: Path) -> bool:
+    """Whether something is mounted at `path`, alive or dead."""
+    return str(path.absolute()) in mount_points()

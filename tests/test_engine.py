@@ -1,0 +1,198 @@
+"""The mount's native serving engine under load, through real mounts: many threads, concurrent misses,
+evictions in a tiny cache and dlfs.direct pins on the same slabs, every byte checked; a mount killed
+under load and cleared by `dlfs umount`; FUSE over io_uring where the kernel has it."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Node, mount_pids, needs_fuse, pid_alive
+
+from dlfs import direct
+from dlfs.native import native
+
+pytestmark = [needs_fuse, pytest.mark.skipif(native is None, reason="dlfs's C helper is not built")]
+URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+def make_tree(src: Path, n: int = 300, seed: int = 5) -> dict[str, bytes]:
+    """n files of 1-40 kB in 10 folders (several per 64K chunk), and a 3 MB one (records over chunks)."""
+    rng = random.Random(seed)
+    files = {f"d{i % 10}/f{i:03d}": rng.randbytes(rng.randrange(1000, 40_000)) for i in range(n)}
+    files["big.bin"] = rng.randbytes(3_000_000)
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    return files
+
+
+@pytest.fixture
+def tree(node: Node, tmp_path: Path) -> Iterator[dict[str, bytes]]:
+    files = make_tree(tmp_path / "src")
+    node.ingest(tmp_path / "src", "t", "--chunk-size", "64K")
+    yield files
+
+
+def stats(node: Node, mnt: Path) -> dict:
+    path = next((node.home / "run" / "mounts").glob(f"*{mnt.name}.stats"))
+    return json.loads(path.read_text())
+
+
+def read_and_drop(path: Path) -> bytes:
+    """Read a file as frameworks do, then drop its pages, so the next read reaches the mount again."""
+    with open(path, "rb") as f:
+        data = f.read()
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return data
+
+
+@pytest.mark.timeout(120)
+def test_threads_misses_evictions_and_pins_in_a_tiny_cache(node: Node, tmp_path: Path, tree: dict[str, bytes]) -> None:
+    # 16 slabs of 64K for ~6 MB: windows are evicted again and again while the engine's threads
+    # serve from the slabs, Python fetches into them, and a dlfs.direct client holds views on them.
+    mnt = node.mount("t", tmp_path / "mnt", "--cache-size", "1M", "--readahead", "64K", "--threads", "4")
+    names = sorted(tree)
+    bad: list[str] = []
+    stop = time.monotonic() + 8
+    barrier = threading.Barrier(9)
+
+    def reader(seed: int) -> None:
+        try:
+            read_and_check(seed)
+        except Exception as exc:
+            bad.append(f"reader {seed}: {exc!r}")
+
+    def read_and_check(seed: int) -> None:
+        rng = random.Random(seed)
+        barrier.wait(timeout=10)
+        while time.monotonic() < stop:
+            rel = rng.choice(names)
+            try:
+                if rel == "big.bin" and rng.random() < 0.5:
+                    with open(mnt / rel, "rb", buffering=0) as f:
+                        off = rng.randrange(len(tree[rel]))
+                        got, want = os.pread(f.fileno(), 100_000, off), tree[rel][off : off + 100_000]
+                else:
+                    got, want = read_and_drop(mnt / rel), tree[rel]
+            except OSError as exc:
+                bad.append(f"{rel}: {exc}")
+                continue
+            if got != want:
+                bad.append(f"{rel}: {len(got)} bytes differ")
+
+    def direct_client() -> None:
+        try:
+            pin_and_check()
+        except Exception as exc:  # a dead thread must fail the test, not vanish
+            bad.append(f"direct client: {exc!r}")
+
+    def pin_and_check() -> None:
+        rng = random.Random(99)
+        held: list[tuple[str, memoryview]] = []
+        with direct.connect(mnt) as reader_:
+            barrier.wait(timeout=10)
+            while time.monotonic() < stop:
+                batch = rng.sample(names, 16)
+                for rel, view in zip(batch, reader_.read_many([mnt / rel for rel in batch])):
+                    held.append((rel, view))
+                # Views held across later batches pin their slabs while the cache evicts around them.
+                while len(held) > 40:
+                    rel, view = held.pop(0)
+                    if bytes(view) != tree[rel]:
+                        bad.append(f"direct {rel}: bytes changed under a pin")
+                    view.release()
+            for rel, view in held:
+                if bytes(view) != tree[rel]:
+                    bad.append(f"direct {rel}: bytes changed under a pin")
+                view.release()
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    threads.append(threading.Thread(target=direct_client))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert bad == []
+    s = stats(node, mnt)
+    node.umount(mnt)
+    assert s["engine"]["threads"] == 4 and s["engine"]["reads"] > 0 and s["engine"]["read_misses"] > 0
+    assert s["python_reads"] > 0 and s["engine"]["corrupt"] == 0 and s["engine"]["write_errors"] == 0
+    assert s["direct_requests"] > 0
+    last = [line for line in node.mount_log("t").read_text().splitlines() if "unmounted from" in line][-1]
+    assert int(re.search(r"'evictions': (\d+)", last).group(1)) > 0, last
+
+
+@pytest.mark.timeout(90)
+def test_a_mount_killed_under_load_is_cleared_by_umount(node: Node, tmp_path: Path, tree: dict[str, bytes]) -> None:
+    mnt = node.mount("t", tmp_path / "mnt")
+    (pid,) = mount_pids(node.home)
+    names = sorted(tree)
+    errors: list[int] = []
+    reads = 0
+    stop = threading.Event()
+
+    def reader(seed: int) -> None:
+        nonlocal reads
+        rng = random.Random(seed)
+        while not stop.is_set():
+            try:
+                read_and_drop(mnt / rng.choice(names))
+                reads += 1
+            except OSError as exc:
+                errors.append(exc.errno or 0)
+                return
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:  # every reader gets an error at once; none hangs on the dead mount
+        t.join(timeout=20)
+    stop.set()
+    assert not any(t.is_alive() for t in threads) and reads > 0
+    assert set(errors) <= {errno.ENOTCONN, errno.ECONNABORTED, errno.EIO} and errors, errors
+    for _ in range(100):
+        if not pid_alive(pid):
+            break
+        time.sleep(0.05)
+    with pytest.raises(OSError) as dead:
+        os.statvfs(mnt)
+    assert dead.value.errno == errno.ENOTCONN
+    out = node.run("umount", mnt)
+    assert out.returncode == 0 and not os.path.ismount(mnt) and str(mnt) in out.stdout
+    assert node.run("umount", mnt, check=False).returncode != 0  # nothing left to unmount
+    node.mounts.remove(mnt)
+    again = node.mount("t", mnt)
+    assert read_and_drop(again / "big.bin") == tree["big.bin"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not URING_PARAM.exists(), reason="this kernel has no FUSE over io_uring (Linux 6.14+)")
+def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tree: dict[str, bytes]) -> None:
+    before = URING_PARAM.read_text().strip()
+    try:
+        mnt = node.mount("t", tmp_path / "mnt", "--io-uring", "on")
+        assert URING_PARAM.read_text().strip() == "Y"
+        for rel, data in tree.items():
+            assert read_and_drop(mnt / rel) == data, rel
+        assert sorted(os.listdir(mnt)) == sorted({rel.split("/")[0] for rel in tree})
+        deadline = time.monotonic() + 5  # the counters are written once a second
+        while (s := stats(node, mnt))["engine"]["io_uring"] != "serving" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s["engine"]["io_uring"] == "serving" and s["engine"]["uring_queues"] >= 1, s["engine"]
+        node.umount(mnt)
+        assert "with FUSE over io_uring" in node.mount_log("t").read_text()
+    finally:
+        URING_PARAM.write_text(before)
