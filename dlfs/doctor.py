@@ -115,9 +115,24 @@ def check_kernel_fuse() -> Check:
 
 def check_native() -> Check:
     if importlib.util.find_spec("dlfs._native") is None:
-        return Check("dlfs C helper", WARN, "dlfs._native is not built: every open and close costs a request",
-                     "make install (builds it with the package)")
+        return Check("dlfs C helper", WARN, "dlfs._native is not built: a mount serves every request from one "
+                     "Python thread", "make install (builds it with the package)")
     return Check("dlfs C helper", PASS, "dlfs._native is built")
+
+
+def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring")) -> Check:
+    """How a mount will be served: native threads on /dev/fuse, and FUSE over io_uring where it is on."""
+    threads = f"{os.cpu_count() or 1} native threads per mount (--threads)"
+    try:
+        enabled = param.read_text().strip() in ("Y", "1")
+    except OSError:
+        return Check("serving engine", PASS, f"{threads}; FUSE over io_uring: not in this kernel (Linux 6.14+)")
+    if enabled:
+        return Check("serving engine", PASS, f"{threads}; FUSE over io_uring on: one queue per CPU")
+    return Check("serving engine", WARN, f"{threads}; FUSE over io_uring is built in but off (a request then "
+                 "often wakes a thread on another CPU)",
+                 f"echo Y > {param} (root; `options fuse enable_uring=1` in /etc/modprobe.d keeps it), or "
+                 "dlfs mount --io-uring on")
 
 
 # --- RDMA --------------------------------------------------------------------------------------
@@ -281,7 +296,7 @@ def check_state_dir(home: Path) -> Check:
 
 # --- all of it ---------------------------------------------------------------------------------
 def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> list[Check]:
-    rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native()]
+    rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native(), check_engine()]
     cluster, cluster_rows = load_for_doctor(cluster_file, home)
     rows += check_rdma(transport or (cluster.transport if cluster else "auto"), cluster)
     rows += cluster_rows

@@ -123,7 +123,14 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     t.add_column("since mounted", justify="right")
     t.add_row("reads", f"{r.reads:,.0f}/s", f"{cur['reads']:,}")
     t.add_row("read", _mbs(r.read_bytes), human_bytes(cur["read_bytes"]))
-    t.add_row("read latency (mean)", _ms(r.latency), _ms(lat_sum / n_reads if n_reads else None))
+    t.add_row("read latency (mean, misses)", _ms(r.latency), _ms(lat_sum / n_reads if n_reads else None))
+    eng = cur.get("engine") or {}
+    if eng:  # the native engine: what it answered in C, and what went to Python
+        was = (prev.get("engine") or {})
+        answered, forwarded = eng["answered"] - was.get("answered", 0), eng["forwarded"] - was.get("forwarded", 0)
+        t.add_row("answered natively", _pct(answered / (answered + forwarded) if answered + forwarded else None),
+                  f"{eng['answered']:,} of {eng['requests']:,} requests, {eng['threads']} threads, "
+                  f"io_uring {eng['io_uring']}")
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")

@@ -63,7 +63,7 @@ def test_doctor_passes_on_a_healthy_node(node: Node) -> None:
     proc = node.run("doctor", "--json", check=False)
     rows = checks(proc)
     assert proc.returncode == 0, proc.stdout
-    for name in ("/dev/fuse", "fusermount3", "kernel FUSE", "pyverbs", "RDMA devices", "memlock", "transport",
+    for name in ("/dev/fuse", "fusermount3", "kernel FUSE", "serving engine", "pyverbs", "RDMA devices", "memlock", "transport",
                  "cluster file", "cluster key", "local meta daemon", "local data daemon", "local meta clock",
                  "local data clock", "state directory"):
         assert name in rows, name
@@ -206,6 +206,19 @@ def test_fuse_checks_read_this_machine() -> None:
     assert kernel.detail.startswith(f"kernel {os.uname().release}")
     if "\tfuse\n" in Path("/proc/filesystems").read_text():
         assert kernel.status == "pass"
+
+
+def test_engine_check_says_how_a_mount_is_served(tmp_path: Path) -> None:
+    param = tmp_path / "enable_uring"
+    missing = doctor.check_engine(param)
+    assert missing.status == "pass" and "not in this kernel" in missing.detail
+    assert f"{os.cpu_count()} native threads" in missing.detail
+    param.write_text("N\n")
+    off = doctor.check_engine(param)
+    assert off.status == "warn" and "off" in off.detail and f"echo Y > {param}" in off.fix
+    param.write_text("Y\n")
+    on = doctor.check_engine(param)
+    assert on.status == "pass" and "one queue per CPU" in on.detail
 
 
 async def test_nodes_are_checked_at_once_within_their_bound(tmp_path: Path) -> None:

@@ -379,20 +379,22 @@ class ChunkCache:
         """Ranges (offset, length) of chunk `cid` from the first source whose bytes pass `check`: this
         machine's chunk files first, then each replica (CorruptData from `check` moves on to the next;
         so does a replica that is down). The first range lands in `into` where the source can put it
-        there. Every byte read is counted as fetched, from the node it came from; CorruptData or
-        Unreachable if no source has good bytes."""
+        there. What a replica sent is counted as fetched from it (good or not), what this machine's
+        chunk files gave once it is good; CorruptData or Unreachable if no source has good bytes."""
         errors: list[str] = []
         corrupt = False
         if self.local is not None:
             pieces = await self.local.read_ranges(cid, ranges, into)
             if pieces is not None:
                 local: list[Buffer] = list(pieces)
-                self._count_fetch(self.local.node, sum(len(p) for p in local))
                 try:
-                    return await check(local, self.local.node)
+                    out = await check(local, self.local.node)
                 except CorruptData as exc:
-                    self.local.fallbacks += 1
+                    self.local.fallbacks += 1  # counted there: a node's fetches are what it served well
                     log.warning("%s; reading it from the replicas", exc)
+                else:
+                    self._count_fetch(self.local.node, sum(len(p) for p in local))
+                    return out
         for spec in self.client.replicas(cid):
             if errors:
                 self.failovers += 1
