@@ -233,6 +233,7 @@ def test_io_read_bytes_counts_storage_reads_of_a_process_and_its_children(tmp_pa
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "read\n"
         assert io_read_bytes([proc.pid]) >= 8 << 20  # the child's reads, charged to the parent's tree
+        assert io_read_bytes([proc.pid], descendants=False) < 8 << 20  # the parent alone read none of it
         assert io_read_bytes([proc.pid, *process_tree(proc.pid)]) == io_read_bytes([proc.pid])  # each counted once
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -93,11 +93,11 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def io_read_bytes(pids: list[int]) -> int:
-    """Bytes the processes `pids` and their descendants caused to be read from block devices
+def io_read_bytes(pids: list[int], descendants: bool = True) -> int:
+    """Bytes the processes `pids` (and their descendants) caused to be read from block devices
     (read_bytes of /proc/PID/io: storage reads, page-cache hits excluded; all threads counted)."""
     total = 0
-    for p in {q for pid in pids for q in process_tree(pid)}:
+    for p in {q for pid in pids for q in (process_tree(pid) if descendants else [pid])}:
         try:
             text = Path(f"/proc/{p}/io").read_text()
         except OSError:

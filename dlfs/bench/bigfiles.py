@@ -80,7 +80,8 @@ def counters(s: System, after: float) -> dict[str, Any]:
     for it to go idle after `after`, so that prefetches a workload started are counted)."""
     mount = s.mount_counters(after)  # first: the others are read once the mount is idle
     return {"cpu_s": cpu_seconds(s.pid) if s.pid else None,
-            "disk_read_bytes": io_read_bytes([os.getpid(), *s.serving_pids()]),
+            # This process alone (its children include daemons of other systems), and the serving ones.
+            "disk_read_bytes": io_read_bytes([os.getpid()], descendants=False) + io_read_bytes(s.serving_pids()),
             "mount_read_bytes": mount["fetched_bytes"] if mount else None,
             "mount_fetches": mount["fetches"] if mount else None}
 

@@ -190,7 +190,7 @@ def format_bigfiles(out: dict[str, Any]) -> list[str]:
     big = out["bigfiles"]
     d, pread = big["dataset"], big["pread"]
     n = next(iter(pread.values()))["preads"]
-    lines = ["", f"BIG FILES: {d['files']} files of {d['file_bytes'] / 1e6:.1f} MB ({d['bytes'] / 1e9:.2f} GB, "
+    lines = ["", f"BIG FILES: {d['files']} files of {d['file_bytes'] / 1e6:.1f} MB ({d['bytes'] / 1e9:.2f} GB of "
              f"{d['content']}), one reader; each pass on a fresh mount, page cache dropped",
              f"{f'  random 4 KiB preads ({n:,})':<41}{'preads/s':>9}{'MB/s':>9}{_vs_header()}{'CPU µs/pread':>13}"
              f"{'disk/served':>12}{'mount/served':>13}"]

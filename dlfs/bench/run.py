@@ -181,7 +181,7 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
         out["verify"] = verify_system(dlfs, str(src), relpaths)
         out["bigfiles"] = {"dataset": {"src": str(big_src), "files": len(big_relpaths), "bytes": big_total,
                                        "file_bytes": opts.big_file_size, "image_bytes": big_image.stat().st_size,
-                                       "content": "random bytes (incompressible)"},
+                                       "content": "incompressible random bytes"},
                            "verify": verify_system(big_dlfs, str(big_src), big_relpaths)}
         big_dlfs.unmount()
 
