@@ -1,4 +1,5 @@
-"""`dlfs bench`: the synthetic index of the scale workload, the option checks, and one tiny whole run."""
+"""`dlfs bench`: the synthetic index of the scale workload, the option checks, the targets and the
+report, and one tiny whole run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from conftest import DLFS, REPO, dlfs_env
 
 from dlfs.bench import baselines, scale
 from dlfs.bench.baselines import mounts_under
-from dlfs.bench.run import bench_options, check_space, parse_counts
+from dlfs.bench.report import bigfile_targets, epoch_targets, format_report, format_targets, target
+from dlfs.bench.run import FORMAT, PASSES, bench_options, check_space, parse_counts
 from dlfs.errors import StorageFull, UsageError
 from dlfs.format.index import ROOT_INO, Index
 from dlfs.procs import running
@@ -57,8 +59,10 @@ def test_synthetic_index_opens_with_every_file(tmp_path: Path) -> None:
 def test_options_and_their_errors() -> None:
     quick = bench_options(".bench", None, None, None, None, quick=True)
     assert (quick.files, quick.readers, quick.scale) == (4000, [1, 2], [10_000, 100_000])
+    assert (quick.big_files, quick.big_file_size, quick.preads) == (8, 16 << 20, 2000)
     full = bench_options(".bench", None, None, None, None, quick=False)
     assert (full.files, full.readers, full.scale) == (35_000, [1, 2, 4], [100_000, 1_000_000])
+    assert (full.big_files, full.big_file_size, full.preads) == (16, 32 << 20, 2000)
     assert parse_counts("1, 2,4", "--readers") == [1, 2, 4]
     for bad in ("", "0", "two", "1,-2"):
         with pytest.raises(UsageError, match="--readers"):
@@ -81,26 +85,96 @@ def test_machine_checks_say_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp
     check_space(tmp_path, free // 4, 0)
 
 
+def _epoch_row(files_per_s: float, cpu_us: float | None) -> dict[str, float | None]:
+    return {"files_per_s": files_per_s, "cpu_us_per_file": cpu_us}
+
+
+def _epochs(readers: list[str], dlfs_warm: float, dlfs_cold: float, dlfs_cpu: float) -> dict[str, dict]:
+    """Epoch figures of the shape run_epochs returns: local disk at 10,000 files/s warm, squashfuse_ll
+    at 1,000 files/s cold and 100 µs per cold file."""
+    out: dict[str, dict] = {"cold": {}, "warm": {}}
+    for n in readers:
+        out["cold"][n] = {"local": _epoch_row(3000, None), "squashfuse_ll": _epoch_row(1000, 100.0),
+                          "kernel_squashfs": _epoch_row(900, None), "dlfs": _epoch_row(dlfs_cold, dlfs_cpu)}
+        out["warm"][n] = {"local": _epoch_row(10_000, None), "squashfuse_ll": _epoch_row(4000, 50.0),
+                          "kernel_squashfs": _epoch_row(9000, None), "dlfs": _epoch_row(dlfs_warm, 5.0)}
+    return out
+
+
+def test_epoch_targets_are_issue_12s() -> None:
+    rows = {t["target"]: t for t in epoch_targets(_epochs(["1", "2", "4"], dlfs_warm=8000, dlfs_cold=1600,
+                                                           dlfs_cpu=90.0))}
+    assert list(rows) == ['warm epoch, open(p, "rb"), 2 readers: dlfs / local disk (hot page cache)',
+                          "cold epoch, 2 readers: dlfs / squashfuse_ll", "cold epoch, 4 readers: dlfs / squashfuse_ll",
+                          "mount CPU per cold file, 1 reader: dlfs / squashfuse_ll",
+                          "mount CPU per cold file, 2 readers: dlfs / squashfuse_ll",
+                          "mount CPU per cold file, 4 readers: dlfs / squashfuse_ll"]
+    warm = rows['warm epoch, open(p, "rb"), 2 readers: dlfs / local disk (hot page cache)']
+    assert (warm["value"], warm["goal"], warm["op"], warm["met"]) == (0.8, 0.8, ">=", True)
+    cold = rows["cold epoch, 4 readers: dlfs / squashfuse_ll"]
+    assert (cold["value"], cold["goal"], cold["met"]) == (1.6, 1.5, True)
+    cpu = rows["mount CPU per cold file, 2 readers: dlfs / squashfuse_ll"]
+    assert (cpu["value"], cpu["goal"], cpu["op"], cpu["met"]) == (0.9, 1.0, "<=", True)
+
+    slow = {t["target"]: t for t in epoch_targets(_epochs(["1", "2", "4"], dlfs_warm=7999, dlfs_cold=1400,
+                                                           dlfs_cpu=101.0))}
+    assert not any(t["met"] for t in slow.values())
+
+
+def test_epoch_targets_of_reader_counts_not_run_are_not_measured() -> None:
+    rows = epoch_targets(_epochs(["1"], dlfs_warm=20_000, dlfs_cold=2000, dlfs_cpu=50.0))
+    assert [(t["value"], t["met"]) for t in rows] == [(None, None), (None, None), (None, None), (0.5, True)]
+    lines = format_targets(rows + [target("something else", 3.0, 1.0, "x", op="<=")])
+    assert lines[1].startswith("TARGETS (issues 4, 5, 12)")
+    assert sum("n/a (not measured)" in line for line in lines) == 3
+    assert lines[-2].endswith("FAIL") and lines[-3].endswith("pass")
+    assert lines[-1] == "  1 of 2 targets met; 3 not measured in this run (see --readers)"
+
+
+def test_bigfile_targets_are_issue_12s() -> None:
+    def big(amplification: float, dlfs_preads: float, dlfs_mb: float) -> dict:
+        return {"pread": {"dlfs": {"mount_read_ratio": amplification, "preads_per_s": dlfs_preads},
+                          "squashfuse_ll": {"mount_read_ratio": None, "preads_per_s": 2000.0}},
+                "sequential": {"dlfs": {"mb_per_s": dlfs_mb}, "local": {"mb_per_s": 1000.0}}}
+
+    rows = bigfile_targets(big(2.0, 2000.0, 900.0))
+    assert [(t["target"], t["value"], t["op"], t["goal"], t["met"]) for t in rows] == [
+        ("random 4 KiB preads in big files: bytes read by the mount / bytes served", 2.0, "<=", 2.0, True),
+        ("random 4 KiB preads in big files: preads/s dlfs / squashfuse_ll", 1.0, ">=", 1.0, True),
+        ("sequential read of big files, cold, open().read(): dlfs / local disk", 0.9, ">=", 0.9, True)]
+    assert [t["met"] for t in bigfile_targets(big(2.01, 1999.0, 899.0))] == [False, False, False]
+
+
 @needs_bench
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_path: Path) -> None:
     work, report = tmp_path / "work", tmp_path / "out.json"
     proc = subprocess.run([*DLFS, "bench", "--quick", "--files", "300", "--readers", "1", "--scale", "2000,5000",
                            "--dir", str(work), "--json", str(report)], env=dlfs_env(tmp_path / "unused-home"),
-                          capture_output=True, text=True, timeout=55, cwd=REPO, check=False)
+                          capture_output=True, text=True, timeout=170, cwd=REPO, check=False)
     try:
         assert proc.returncode == 0, proc.stderr
         out = json.loads(report.read_text())
+        assert out["format"] == FORMAT == 2 and out["passes"] == PASSES
+        assert set(out["reads"]) == {"open", "raw"}
         assert out["dataset"]["files"] == 300 and out["dataset"]["generated"]
         assert out["verify"] == {"files": 300, "bytes": out["dataset"]["bytes"], "errors": 0}
         assert set(out["systems"]) == set(SYSTEMS)
-        for kind in ("cold", "warm"):
+        for kind, read in (("cold", "open"), ("warm", "open"), ("warm_raw", "raw")):
+            assert kind in PASSES
             for name in SYSTEMS:
                 r = out["epoch"][kind]["1"][name]
+                assert r["read"] == read, (kind, name)
                 assert r["files"] == 300 and r["bytes"] == out["dataset"]["bytes"], (kind, name)
                 assert r["files_per_s"] > 0 and r["mb_per_s"] > 0 and r["seconds"] > 0, (kind, name)
                 # CPU is charged to the FUSE daemons only (a tiny warm pass may take under one clock tick).
-                assert (r["cpu_s_per_gb"] is not None) == (name in ("squashfuse_ll", "dlfs")), (kind, name)
+                fuse = name in ("squashfuse_ll", "dlfs")
+                assert (r["cpu_s_per_gb"] is not None) == fuse == (r["cpu_us_per_file"] is not None), (kind, name)
+                if fuse:
+                    assert r["cpu_us_per_file"] == pytest.approx(r["cpu_s"] * 1e6 / 300), (kind, name)
+                    if kind == "cold":  # serving 300 files from a cold cache costs a FUSE daemon some CPU
+                        assert r["cpu_us_per_file"] > 0, name
+        check_bigfiles(out["bigfiles"])
         entries = {out["metadata"][name]["entries"] for name in SYSTEMS}
         assert entries == {300 + 100 + 2}  # files, class folders, train/ and the sample's marker
         assert all(out["metadata"][name]["entries_per_s"] > 0 for name in SYSTEMS)
@@ -110,7 +184,7 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         assert [p["files"] for p in points] == [2000, 5000]
         assert all(p["mount_s"] > 0 and p["remount_s"] > 0 and p["rss_stat"] > 0 for p in points)
         assert out["scale"]["rss_bytes_per_file"] is not None
-        assert out["targets"] and all(isinstance(t["met"], bool) for t in out["targets"])
+        assert out["targets"] and all(t["met"] in (True, False, None) for t in out["targets"])
         total = out["dataset"]["bytes"]
         for kind, modes in (("cold", ("local", "batched")), ("warm", ("local", "single", "batched")),
                             ("warm_hash", ("local", "single", "batched"))):
@@ -126,14 +200,47 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         jobs = out["two_jobs"]
         assert [j["files"] for j in jobs["jobs"]] == [300, 300] and jobs["dataset_bytes"] == total
         assert 1.0 <= jobs["fetched_ratio"] <= 1.1, jobs  # each chunk fetched once for both jobs
-        assert "TARGETS (issues 4, 5)" in proc.stdout and "EPOCH" in proc.stdout and "DIRECT" in proc.stdout
+        names = [t["target"] for t in out["targets"]]
+        assert 'warm epoch, open(p, "rb"), 2 readers: dlfs / local disk (hot page cache)' in names
+        assert "random 4 KiB preads in big files: bytes read by the mount / bytes served" in names
+        assert not any(n.startswith("epoch warm") for n in names)  # issue 4's epoch targets are replaced
+        by_name = {t["target"]: t for t in out["targets"]}
+        assert by_name["cold epoch, 2 readers: dlfs / squashfuse_ll"]["met"] is None  # --readers 1
+        assert isinstance(by_name["mount CPU per cold file, 1 reader: dlfs / squashfuse_ll"]["met"], bool)
+        # The printed report is the JSON's, every figure of it.
+        assert proc.stdout.rstrip("\n") == format_report(out)
+        for title in ("TARGETS (issues 4, 5, 12)", "EPOCH", "CPU µs/file", "BIG FILES", "DIRECT",
+                      "warm, raw, 1 reader"):
+            assert title in proc.stdout, title
     finally:
         # Whatever happened: nothing of the run may stay mounted, looped or running.
         left = mounts_under(tmp_path)
-        loops = subprocess.run(["losetup", "-j", str(work / "squash.img")], capture_output=True, text=True).stdout
+        loops = "".join(subprocess.run(["losetup", "-j", str(work / image)], capture_output=True, text=True).stdout
+                        for image in ("squash.img", "shards.img"))
         for mnt in left:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
         node = work / "home" / "run" / "node.json"
         pid = json.loads(node.read_text())["pid"] if node.exists() else 0
     assert left == [] and loops.strip() == ""
     assert not running(pid)
+
+
+def check_bigfiles(big: dict) -> None:
+    """The big-file figures of a tiny --quick run (8 files of 16 MiB, 2,000 preads), system by system."""
+    d = big["dataset"]
+    assert (d["files"], d["file_bytes"], d["bytes"]) == (8, 16 << 20, 8 * (16 << 20)) and d["image_bytes"] > d["bytes"]
+    assert big["verify"] == {"files": 8, "bytes": d["bytes"], "errors": 0}
+    assert set(big["pread"]) == set(big["sequential"]) == set(big["sequential_raw"]) == set(SYSTEMS)
+    for name in SYSTEMS:
+        r = big["pread"][name]
+        assert (r["preads"], r["bytes_served"]) == (2000, 2000 * 4096) and r["preads_per_s"] > 0, name
+        # Cold: the page cache was dropped, so whatever was served came from storage.
+        assert r["disk_read_bytes"] > 0 and r["disk_read_ratio"] == r["disk_read_bytes"] / r["bytes_served"], name
+        assert (r["cpu_us_per_pread"] is not None) == (name in ("squashfuse_ll", "dlfs")), name
+        assert (r["mount_read_ratio"] is not None) == (name == "dlfs"), name
+        for kind, read in (("sequential", "open"), ("sequential_raw", "raw")):
+            s = big[kind][name]
+            assert (s["read"], s["files"], s["bytes"]) == (read, 8, d["bytes"]) and s["mb_per_s"] > 0, (kind, name)
+    mount = big["pread"]["dlfs"]
+    assert mount["mount_read_bytes"] >= mount["bytes_served"] > 0 and mount["mount_fetches"] > 0
+    assert mount["mount_read_ratio"] == mount["mount_read_bytes"] / mount["bytes_served"]

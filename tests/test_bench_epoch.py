@@ -1,15 +1,24 @@
-"""Tests for the sample-tree generator and the epoch read workload."""
+"""Tests for the sample-tree generators, the epoch read workload (both ways of reading), the CPU and
+storage accounting of serving processes, and the big-file workloads on local disk."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import lz4.frame
 import pytest
+from conftest import REPO
 
-from dlfs.bench.epoch import EpochResult, format_row, list_files, read_epoch
-from dlfs.bench.sample import SampleInfo, make_sample
+from dlfs.bench.baselines import LocalDisk, cpu_seconds, io_read_bytes, process_tree
+from dlfs.bench.bigfiles import PREAD_SIZE, pick_preads, pread_pass, sequential_pass
+from dlfs.bench.epoch import READS, EpochResult, cpu_cost, format_row, list_files, read_epoch, timed_epoch
+from dlfs.bench.sample import SampleInfo, make_sample, make_shards, shard_name
+from dlfs.errors import CorruptData
 
 N = 200
 MEAN = 20_000
@@ -118,3 +127,201 @@ def test_format_row() -> None:
     assert row.startswith("dlfs mount      20000 files  2214.3 MB  3.21 s   6231 files/s   689.8 MB/s")
     assert row.endswith("   0.52x source")
     assert "source" not in format_row("source", base).removeprefix("source")
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether path lies on a memory file system (nothing of it is ever read from storage)."""
+    best, fstype = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        mnt, kind = line.split()[1:3]
+        if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+            best, fstype = mnt, kind
+    return fstype in ("tmpfs", "ramfs")
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="drops the page cache: needs root")
+
+
+@pytest.mark.timeout(60)
+def test_read_epoch_reads_and_verifies_both_ways(tmp_path: Path) -> None:
+    info = _sample(tmp_path / "src")
+    rels = list_files(info.root)
+    assert set(READS) == {"open", "raw"}
+    for read in READS:
+        r = read_epoch(info.root, rels, readers=2, verify_root=info.root, read=read, buf_size=4096)
+        assert (r.files, r.bytes, r.n_errors) == (N, info.total_bytes, 0), read
+    with pytest.raises(ValueError, match="open, raw"):
+        read_epoch(info.root, rels, read="mmap")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+@pytest.mark.timeout(60)
+def test_open_read_calls_isatty_on_every_file_as_frameworks_do_and_raw_does_not(tmp_path: Path) -> None:
+    # What a FUSE mount receives as one FUSE_IOCTL request per file (CPython <= 3.13).
+    info = _sample(tmp_path / "src")
+    rels = list_files(info.root)[:40]
+    counts = {}
+    for read in READS:
+        trace = tmp_path / f"{read}.strace"
+        code = (f"from dlfs.bench.epoch import read_epoch; r = read_epoch({info.root!r}, {rels!r}, readers=2, "
+                f"read={read!r}); assert r.files == {len(rels)}, r")
+        subprocess.run(["strace", "-f", "-y", "-e", "trace=ioctl", "-o", str(trace), sys.executable, "-c", code],
+                       env=_env(), check=True, timeout=50, capture_output=True)
+        counts[read] = sum("TCGETS" in line and info.root in line for line in trace.read_text().splitlines())
+    assert counts == {"open": len(rels), "raw": 0}
+
+
+_BURNER = """
+import os, threading, time
+def burn(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+t = threading.Thread(target=burn, args=(0.4,))
+t.start()
+t.join()
+child = os.fork()
+if child == 0:
+    burn(0.4)
+    os._exit(0)
+os.waitpid(child, 0)
+if os.fork() == 0:
+    burn(0.4)
+    print("ready", flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_cpu_seconds_counts_threads_reaped_children_and_live_descendants() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _BURNER], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        tree = process_tree(proc.pid)
+        assert len(tree) == 2 and tree[0] == proc.pid
+        own = Path(f"/proc/{proc.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        alone = (int(own[11]) + int(own[12])) / os.sysconf("SC_CLK_TCK")
+        # 0.4 s in a thread, 0.4 s in a child it reaped, 0.4 s in a child still running.
+        assert 0.39 <= alone < 0.8
+        assert cpu_seconds(proc.pid) >= 1.17
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(30)
+def test_io_read_bytes_counts_storage_reads_of_a_process_and_its_children(tmp_path: Path) -> None:
+    if _on_tmpfs(tmp_path):
+        pytest.skip(f"{tmp_path} is in memory: nothing is read from storage")
+    data = tmp_path / "data"
+    with open(data, "wb") as f:
+        f.write(os.urandom(8 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(data, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # this file's pages only, not the whole cache
+    os.close(fd)
+    code = (f"import os, time\nif os.fork() == 0:\n    open({str(data)!r}, 'rb').read()\n"
+            "    print('read', flush=True)\n    time.sleep(60)\nelse:\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "read\n"
+        assert io_read_bytes([proc.pid]) >= 8 << 20  # the child's reads, charged to the parent's tree
+        assert io_read_bytes([proc.pid], descendants=False) < 8 << 20  # the parent alone read none of it
+        assert io_read_bytes([proc.pid, *process_tree(proc.pid)]) == io_read_bytes([proc.pid])  # each counted once
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def test_cpu_cost_spreads_cpu_over_files_and_bytes() -> None:
+    assert cpu_cost(0.5, 1000, 2_000_000_000) == {"cpu_us_per_file": 500.0, "cpu_s_per_gb": 0.25}
+    assert cpu_cost(None, 1000, 10) == {"cpu_us_per_file": None, "cpu_s_per_gb": None}
+    assert cpu_cost(0.0, 0, 0) == {"cpu_us_per_file": None, "cpu_s_per_gb": None}
+
+
+@pytest.mark.timeout(60)
+def test_timed_epoch_on_local_disk_records_how_it_read(tmp_path: Path) -> None:
+    info = _sample(tmp_path / "src")
+    rels = list_files(info.root)
+    for read in READS:
+        r = timed_epoch(LocalDisk(Path(info.root)), rels, readers=2, seed=1, read=read)
+        assert (r["read"], r["files"], r["bytes"]) == (read, N, info.total_bytes)
+        assert r["files_per_s"] > 0 and r["mb_per_s"] > 0
+        assert r["cpu_s"] is None and r["cpu_us_per_file"] is None  # the kernel serves: nothing to charge
+
+
+# --- big files ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_shards_are_random_deterministic_and_reused(tmp_path: Path) -> None:
+    size = (1 << 20) + 100  # not a whole number of pages
+    info = make_shards(tmp_path / "a", n_files=3, file_size=size, seed=4)
+    rels = list_files(info.root)
+    assert rels == [shard_name(i) for i in range(3)] == ["shards/shard-00000.bin", "shards/shard-00001.bin",
+                                                           "shards/shard-00002.bin"]
+    assert info.total_bytes == 3 * size == sum(os.path.getsize(Path(info.root) / r) for r in rels)
+    first = (Path(info.root) / rels[0]).read_bytes()
+    assert len(lz4.frame.compress(first)) > 0.99 * size  # incompressible
+    assert first != (Path(info.root) / rels[1]).read_bytes()
+    again = make_shards(tmp_path / "b", n_files=3, file_size=size, seed=4)
+    assert all((Path(again.root) / r).read_bytes() == (Path(info.root) / r).read_bytes() for r in rels)
+    before = {r: (Path(info.root) / r).stat().st_mtime_ns for r in rels}
+    assert make_shards(tmp_path / "a", n_files=3, file_size=size, seed=4) == info
+    assert {r: (Path(info.root) / r).stat().st_mtime_ns for r in rels} == before  # reused, not rewritten
+    fewer = make_shards(tmp_path / "a", n_files=2, file_size=size, seed=4)
+    assert list_files(fewer.root) == rels[:2]
+
+
+def test_pick_preads_are_aligned_whole_and_deterministic() -> None:
+    sizes = [100, PREAD_SIZE, 10 * PREAD_SIZE + 5, 1 << 20]
+    picks = pick_preads(sizes, 5000, seed=1)
+    assert len(picks) == 5000 and picks == pick_preads(sizes, 5000, seed=1) != pick_preads(sizes, 5000, seed=2)
+    assert {i for i, _ in picks} == {1, 2, 3}  # never the file smaller than one pread
+    assert all(off % PREAD_SIZE == 0 and off + PREAD_SIZE <= sizes[i] for i, off in picks)
+    assert {off for i, off in picks if i == 1} == {0}
+    assert {off for i, off in picks if i == 2} == {k * PREAD_SIZE for k in range(10)}
+    with pytest.raises(ValueError, match="no file holds 4096 bytes"):
+        pick_preads([10, 4095], 1)
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_pread_pass_on_local_disk_reads_checks_and_counts_storage(tmp_path: Path) -> None:
+    info = make_shards(tmp_path / "src", n_files=3, file_size=1 << 20)
+    rels = list_files(info.root)
+    picks = pick_preads([info.file_size] * 3, 300)
+    r = pread_pass(LocalDisk(Path(info.root)), rels, picks, info.root)
+    assert (r["preads"], r["size"], r["bytes_served"]) == (300, PREAD_SIZE, 300 * PREAD_SIZE)
+    assert r["preads_per_s"] > 0 and r["mb_per_s"] == pytest.approx(r["preads_per_s"] * PREAD_SIZE / 1e6)
+    assert r["cpu_s"] is None and r["mount_read_bytes"] is None and r["mount_read_ratio"] is None
+    if not _on_tmpfs(tmp_path):  # the page cache was dropped: every page read came from storage once
+        assert r["disk_read_bytes"] >= len(set(picks)) * PREAD_SIZE
+        assert r["disk_read_ratio"] == r["disk_read_bytes"] / r["bytes_served"]
+
+    copy = tmp_path / "copy"
+    shutil.copytree(info.root, copy)
+    i, off = picks[0]
+    with open(copy / rels[i], "r+b") as f:  # one byte of the first pread's page, size unchanged
+        f.seek(off + 7)
+        byte = f.read(1)
+        f.seek(off + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptData, match=f"preads differ from the source: {rels[i]} at offset {off}"):
+        pread_pass(LocalDisk(copy), rels, picks, info.root)
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_sequential_pass_on_local_disk_reads_every_file_whole_both_ways(tmp_path: Path) -> None:
+    info = make_shards(tmp_path / "src", n_files=3, file_size=(2 << 20) + 1)
+    rels = list_files(info.root)
+    for read in READS:
+        r = sequential_pass(LocalDisk(Path(info.root)), rels, read)
+        assert (r["read"], r["files"], r["bytes"]) == (read, 3, info.total_bytes)
+        assert r["mb_per_s"] > 0 and r["cpu_s"] is None

@@ -5,8 +5,10 @@
     KernelSquashfs   the same image through the kernel's squashfs on a loop device
     DlfsMount        the dataset ingested into the embedded node, through `dlfs mount`
 
-Each has mount(), unmount() and remount(), a `root` to read under, and a `pid` (the FUSE daemons
-only) whose CPU time the benchmark charges to it. DlfsNode runs the embedded one-node cluster.
+Each has mount(), unmount() and remount(), a `root` to read under, a `pid` (the FUSE daemons only)
+whose CPU time the benchmark charges to it, the processes whose storage reads it charges to it
+(serving_pids), and the counters the mount itself publishes, if any (mount_counters: dlfs's bytes
+fetched). DlfsNode runs the embedded one-node cluster.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from dlfs.errors import DlfsError, MountError, UsageError
+from dlfs.errors import DlfsError, MountError, NotFound, UsageError
 from dlfs.procmounts import mounts_under
 
 log = logging.getLogger(__name__)
 MOUNT_TIMEOUT = 30.0
+STATS_TIMEOUT = 30.0  # for a mount to go idle after a workload (the stats are written once a second)
+# The mount's published counters of what it read to serve reads: chunk bytes read from this node's chunk
+# files in place or fetched over the network, prefetches included (dlfs/fuse/stats.py).
+FETCH_COUNTERS = ("fetched_bytes", "fetches")
 CLI_TIMEOUT = 1800.0  # an ingest of a big tree
 TOOLS = ("mksquashfs", "squashfuse_ll", "fusermount3", "mount", "umount")
 
@@ -52,11 +59,52 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def _stat_fields(pid: int) -> list[bytes]:
+    # Fields after the command name, which may itself hold ") ": state is first, ppid 2nd, utime 12th,
+    # stime 13th, cutime 14th, cstime 15th.
+    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live process descended from it (found by their parent ids in /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                ppid = int(_stat_fields(int(entry.name))[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited while listed
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree = [pid]
+    for p in tree:  # grows while walked: breadth first
+        tree.extend(children.get(p, ()))
+    return tree
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far."""
-    # Fields after the command name, which may itself hold ") ": state is first, utime 12th, stime 13th.
-    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time used so far by a process (all its threads: /proc/PID/stat covers them),
+    by the processes it started that are still running, and by those it has reaped."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = _stat_fields(p)
+        except OSError:
+            continue  # a helper that exited since the tree was listed
+        total += sum(int(f) for f in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def io_read_bytes(pids: list[int], descendants: bool = True) -> int:
+    """Bytes the processes `pids` (and their descendants) caused to be read from block devices
+    (read_bytes of /proc/PID/io: storage reads, page-cache hits excluded; all threads counted)."""
+    total = 0
+    for p in {q for pid in pids for q in (process_tree(pid) if descendants else [pid])}:
+        try:
+            text = Path(f"/proc/{p}/io").read_text()
+        except OSError:
+            continue
+        total += next(int(line.split()[1]) for line in text.splitlines() if line.startswith("read_bytes:"))
+    return total
 
 
 def rss_bytes(pid: int) -> int:
@@ -117,6 +165,14 @@ class System:
         """The process serving reads, if one does (FUSE daemons); the kernel's work is not charged."""
         return None
 
+    def serving_pids(self) -> list[int]:
+        """The processes that read storage to serve this system (with their descendants: io_read_bytes)."""
+        return [self.pid] if self.pid is not None else []
+
+    def mount_counters(self, after: float) -> dict[str, int] | None:
+        """FETCH_COUNTERS as the mount publishes them, once idle after `after`; None where none are published."""
+        return None
+
     def mount(self) -> None:
         self.mounted = True
 
@@ -128,6 +184,14 @@ class System:
         if self.mounted:
             self.unmount()
         self.mount()
+
+
+def fresh_start(s: System) -> None:
+    """Unmount, drop the page cache, mount: nothing of the dataset is cached anywhere."""
+    if s.mounted:
+        s.unmount()
+    drop_caches()
+    s.mount()
 
 
 class LocalDisk(System):
@@ -294,6 +358,40 @@ class DlfsMount(System):
     @property
     def pid(self) -> int | None:
         return self._pid
+
+    def serving_pids(self) -> list[int]:
+        """The mount and the node: chunks are read by the mount in place, or fetched from the node."""
+        node = self.node.proc.pid if self.node.proc is not None else None
+        return [p for p in (self._pid, node) if p is not None]
+
+    def mount_counters(self, after: float, timeout: float = STATS_TIMEOUT) -> dict[str, int]:
+        """FETCH_COUNTERS from the mount's published stats (`dlfs stats`'s sample) once it is idle: the
+        first sample written at or after `after` (time.time()) whose counters equal those of the sample
+        before it, also written after `after` (nothing fetched for a second: prefetches are done)."""
+        from dlfs.stats import read_sample
+
+        deadline = time.monotonic() + timeout
+        prev: dict[str, Any] | None = None
+        missing_file: str | None = None
+        while time.monotonic() < deadline:
+            try:
+                doc = read_sample(self.node.home, self.root.absolute())
+            except NotFound as exc:  # not written yet (a mount just made), or the mount is gone
+                missing_file = str(exc)
+                time.sleep(0.05)
+                continue
+            missing_file = None
+            if doc["time"] >= after and (prev is None or doc["time"] > prev["time"]):
+                missing = [k for k in FETCH_COUNTERS if k not in doc]
+                if missing:
+                    raise DlfsError(f"the dlfs mount's stats have no {', '.join(missing)}: the bench cannot count "
+                                    "the bytes it read")
+                if prev is not None and all(doc[k] == prev[k] for k in FETCH_COUNTERS):
+                    return {k: int(doc[k]) for k in FETCH_COUNTERS}
+                prev = doc
+            time.sleep(0.05)
+        raise DlfsError(missing_file or f"the dlfs mount at {self.root} kept fetching for {timeout:.0f} s "
+                        "after a workload ended")
 
     def mount(self) -> None:
         """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""

@@ -1,4 +1,10 @@
-"""One training-style epoch: read every file once, in random order, from N processes."""
+"""One training-style epoch: read every file once, in random order, from N processes.
+
+Files are read one of two ways (READS): "open", as frameworks read them (PIL, numpy, torchvision's
+loaders, webdataset: `open(path, "rb")` with default buffering, whole), or "raw" (unbuffered,
+readinto one reused buffer). With default buffering CPython <= 3.13 calls isatty() after each open,
+an ioctl that a FUSE mount receives as a request of its own; the raw read skips it.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,16 @@ from typing import Any
 
 import xxhash
 
+from dlfs.bench.baselines import System, cpu_seconds, fresh_start
+from dlfs.errors import CorruptData, DlfsError
+
 log = logging.getLogger(__name__)
+READS = {
+    "open": 'with open(path, "rb") as f: data = f.read()  (default buffering, the whole file into a new object: '
+            "what PIL, numpy, torchvision's loaders and webdataset do; CPython <= 3.13 calls isatty(), an ioctl, "
+            "after each open)",
+    "raw": 'open(path, "rb", buffering=0), then readinto() a reused buffer (1 MiB) to EOF: no isatty, no new object',
+}
 
 MARKER = ".dlfs-sample.json"  # same name as dlfs.bench.sample.MARKER; kept local to avoid coupling
 MAX_ERRORS = 20
@@ -60,8 +75,17 @@ def list_files(root: str) -> list[str]:
     return out
 
 
-def _read_one(path: str, mv: memoryview, digest: bool) -> tuple[int, bytes]:
-    """Read path to EOF through mv; return (size, xxh3-128 digest or b'')."""
+def _read_open(path: str, digest: bool) -> tuple[int, bytes]:
+    """Read path whole as frameworks do; return (size, xxh3-128 digest or b'')."""
+    with open(path, "rb") as f:  # default buffering: isatty() after the open, then one read to EOF
+        data = f.read()
+    return len(data), (xxhash.xxh3_128_digest(data) if digest else b"")
+
+
+def _read_one(path: str, mv: memoryview, digest: bool, read: str = "raw") -> tuple[int, bytes]:
+    """Read path to EOF the `read` way (READS; raw: through mv); return (size, xxh3-128 digest or b'')."""
+    if read == "open":
+        return _read_open(path, digest)
     h = xxhash.xxh3_128() if digest else None
     size = 0
     with open(path, "rb", buffering=0) as f:  # raw FileIO: readinto goes straight to read(2)
@@ -78,6 +102,7 @@ def _worker(
     share: Sequence[str],
     verify_root: str | None,
     buf_size: int,
+    read: str,
     barrier: Any,
     results: Any,
 ) -> None:
@@ -102,7 +127,7 @@ def _worker(
     try:
         for rel in share:
             try:
-                size, dig = _read_one(os.path.join(root, rel), mv, digest)
+                size, dig = _read_one(os.path.join(root, rel), mv, digest, read)
             except OSError as e:
                 err(rel, f"read failed: {e.strerror or e}")
                 continue
@@ -148,8 +173,9 @@ def read_epoch(
     seed: int = 0,
     verify_root: str | None = None,
     buf_size: int = 1 << 20,
+    read: str = "open",
 ) -> EpochResult:
-    """Read every relpath under root once, shuffled, across `readers` processes.
+    """Read every relpath under root once, shuffled, across `readers` processes, the `read` way (READS).
 
     `seconds` covers only the read phase (from all workers ready to the last done).
     With verify_root, each read is also hashed (xxh3-128, inside the timed phase)
@@ -157,6 +183,8 @@ def read_epoch(
     """
     if readers < 1:
         raise ValueError("readers must be >= 1")
+    if read not in READS:
+        raise ValueError(f"read must be one of {', '.join(READS)}")
     order = list(relpaths)
     random.Random(seed).shuffle(order)
     barrier = _MP.Barrier(readers + 1)  # +1: the parent starts the clock on release
@@ -164,7 +192,7 @@ def read_epoch(
     procs = [
         _MP.Process(
             target=_worker,
-            args=(w, root, order[w::readers], verify_root, buf_size, barrier, results),
+            args=(w, root, order[w::readers], verify_root, buf_size, read, barrier, results),
             daemon=True,
         )
         for w in range(readers)
@@ -199,6 +227,38 @@ def read_epoch(
     )
     log.info("epoch over %s: %d files, %d bytes, %.2fs, %d errors", root, res.files, res.bytes, seconds, n_errors)
     return res
+
+
+def timed_epoch(s: System, relpaths: Sequence[str], readers: int, seed: int, read: str = "open") -> dict[str, Any]:
+    """One epoch on `s` without checking content, the `read` way; with the CPU time of the process
+    serving it where there is one (FUSE daemons), in seconds per GB and microseconds per file."""
+    pid = s.pid
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    r = read_epoch(str(s.root), relpaths, readers=readers, seed=seed, read=read)
+    if r.n_errors or r.files != len(relpaths):
+        raise DlfsError(f"{s.label}: an epoch read {r.files} of {len(relpaths)} files, {r.n_errors} failed: "
+                        f"{'; '.join(r.errors[:3])}")
+    cpu = cpu_seconds(pid) - cpu0 if pid else None
+    return {"read": read, "files": r.files, "bytes": r.bytes, "seconds": r.seconds, "files_per_s": r.files_per_s,
+            "mb_per_s": r.mb_per_s, "cpu_s": cpu, **cpu_cost(cpu, r.files, r.bytes)}
+
+
+def verify_system(s: System, src: str, relpaths: Sequence[str]) -> dict[str, Any]:
+    """Read every file through `s` on a fresh mount and compare it with src, untimed; CorruptData if any differs."""
+    fresh_start(s)
+    r = read_epoch(str(s.root), relpaths, readers=2, seed=0, verify_root=src)
+    if r.n_errors or r.files != len(relpaths):
+        shown = "; ".join(r.errors[:3])
+        raise CorruptData(f"{s.label} read {r.n_errors} of {len(relpaths)} files wrong ({r.files} read): {shown}")
+    return {"files": r.files, "bytes": r.bytes, "errors": r.n_errors}
+
+
+def cpu_cost(cpu_s: float | None, files: int, nbytes: int) -> dict[str, float | None]:
+    """CPU seconds spread over what they served: microseconds per file and seconds per GB (None without a figure)."""
+    if cpu_s is None:
+        return {"cpu_us_per_file": None, "cpu_s_per_gb": None}
+    return {"cpu_us_per_file": cpu_s * 1e6 / files if files else None,
+            "cpu_s_per_gb": cpu_s / (nbytes / 1e9) if nbytes else None}
 
 
 def format_row(label: str, r: EpochResult, baseline: EpochResult | None = None) -> str:

@@ -1,4 +1,8 @@
-"""Generate an ImageNet-like sample tree of fake, incompressible JPEG files."""
+"""Generate the bench's sample trees: ImageNet-like small JPEG files, and a few big shard files.
+
+Both are deterministic from a seed, incompressible (random bytes), and reused between runs: a
+marker written last records the parameters and the total size of a complete tree.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +57,29 @@ def _read_marker(path: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
+def _cached_total(marker: Path, params: dict[str, object]) -> int | None:
+    """The total size recorded by a complete tree made with exactly `params`, else None."""
+    old = _read_marker(marker)
+    cached = old.get("total_bytes") if old is not None and old.get("params") == params else None
+    return cached if isinstance(cached, int) else None
+
+
+def _write_marker(marker: Path, params: dict[str, object], total: int) -> None:
+    tmp = marker.with_name(MARKER + ".tmp")
+    tmp.write_text(json.dumps({"params": params, "total_bytes": total}, indent=2) + "\n")
+    os.replace(tmp, marker)  # atomic: the marker appears only once the tree is complete
+
+
+def _clear(root: Path, marker: Path, tree: str) -> Path:
+    """Drop the marker (an interrupted run is never mistaken for complete) and a stale `tree`."""
+    marker.unlink(missing_ok=True)
+    path = root / tree
+    if path.exists():
+        log.info("removing stale sample tree %s", path)
+        shutil.rmtree(path)
+    return path
+
+
 def make_sample(
     dest: str | os.PathLike[str],
     n_files: int = 20000,
@@ -77,18 +104,11 @@ def make_sample(
         "n_classes": n_classes,
         "seed": seed,
     }
-    old = _read_marker(marker)
-    cached = old.get("total_bytes") if old is not None and old.get("params") == params else None
-    if isinstance(cached, int):
+    cached = _cached_total(marker, params)
+    if cached is not None:
         log.info("reusing sample tree at %s", root)
         return SampleInfo(os.fspath(root), n_files, cached, n_classes)
-
-    # Drop the marker first so an interrupted run is never mistaken for complete.
-    marker.unlink(missing_ok=True)
-    train = root / "train"
-    if train.exists():
-        log.info("removing stale sample tree %s", train)
-        shutil.rmtree(train)
+    train = _clear(root, marker, "train")
 
     rng = random.Random(seed)
     classes = _class_names(rng, n_classes)
@@ -108,7 +128,45 @@ def make_sample(
         if progress is not None:
             progress(size)
 
-    tmp = marker.with_name(MARKER + ".tmp")
-    tmp.write_text(json.dumps({"params": params, "total_bytes": total}, indent=2) + "\n")
-    os.replace(tmp, marker)  # atomic: the marker appears only once the tree is complete
+    _write_marker(marker, params, total)
     return SampleInfo(os.fspath(root), n_files, total, n_classes)
+
+
+@dataclass(frozen=True)
+class ShardsInfo:
+    root: str
+    n_files: int
+    file_size: int
+    total_bytes: int
+
+
+def shard_name(i: int) -> str:
+    """The relative path of shard i (webdataset-like: few big files, read whole or in pieces)."""
+    return f"shards/shard-{i:05d}.bin"
+
+
+def make_shards(dest: str | os.PathLike[str], n_files: int = 16, file_size: int = 32 << 20,
+                seed: int = 0) -> ShardsInfo:
+    """Create (or reuse) ``dest/shards/shard-<k>.bin``: `n_files` files of `file_size` random bytes each.
+
+    Deterministic from ``seed``; skipped entirely if ``dest`` already holds a marker written with
+    identical parameters.
+    """
+    if n_files < 1 or file_size < 1:
+        raise ValueError("need n_files >= 1, file_size >= 1")
+    root = Path(dest)
+    marker = root / MARKER
+    params: dict[str, object] = {"format": _FORMAT, "kind": "shards", "n_files": n_files, "file_size": file_size,
+                                 "seed": seed}
+    cached = _cached_total(marker, params)
+    if cached is not None:
+        log.info("reusing shard tree at %s", root)
+        return ShardsInfo(os.fspath(root), n_files, file_size, cached)
+    _clear(root, marker, "shards").mkdir(parents=True)
+    log.info("generating %d shards of %d MB under %s", n_files, file_size // 10**6, root)
+    for i in range(n_files):
+        with open(root / shard_name(i), "wb", buffering=0) as f:
+            f.write(random.Random(seed * 2**32 + i).randbytes(file_size))
+    total = n_files * file_size
+    _write_marker(marker, params, total)
+    return ShardsInfo(os.fspath(root), n_files, file_size, total)
