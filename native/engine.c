@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,7 @@
 struct worker {
     pthread_t thread;
     int started;
+    int cpu; /* the CPU it runs on, or -1 */
     struct dlfs_reply reply;
     struct dlfs_counters counters;
 };
@@ -217,6 +219,14 @@ static void *reader_main(void *arg)
     sigfillset(&only_stop);
     sigdelset(&only_stop, stop_signal());
     pthread_sigmask(SIG_SETMASK, &only_stop, NULL); /* Python's signals go to Python's thread */
+    if (w->cpu >= 0) {
+        /* A thread that stays on its CPU answers that CPU's readers without migrating: measured on
+         * 2 vCPUs, warm epochs of 2 readers went from 22k to 31-37k files/s. */
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(w->cpu, &one);
+        pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+    }
     char *buf = malloc(DEV_BUF);
     w->reply.scratch = malloc(SCRATCH);
     w->reply.scratch_size = SCRATCH;
@@ -306,6 +316,15 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
     if (!E.workers)
         return -1;
     __atomic_store_n(&E.serving, E.native_ok, __ATOMIC_RELEASE);
+    /* One thread per CPU the process may use (and more in turn): pinned only if every CPU gets one. */
+    cpu_set_t allowed;
+    int cpus[CPU_SETSIZE], ncpu = 0;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) == 0)
+        for (int c = 0; c < CPU_SETSIZE; c++)
+            if (CPU_ISSET(c, &allowed))
+                cpus[ncpu++] = c;
+    for (int i = 0; i < threads; i++)
+        E.workers[i].cpu = ncpu && threads >= ncpu ? cpus[i % ncpu] : -1;
     for (int i = 0; i < threads; i++) {
         if (pthread_create(&E.workers[i].thread, NULL, reader_main, &E.workers[i]) != 0)
             break;

@@ -250,10 +250,11 @@ class ChunkCache:
         sequential: the record's whole window, the rest of its chunk and the file's next chunk are
         fetched; any other read inside a record with block sums fetches just the 4 KiB blocks it covers."""
         sequential = self._stream(ext, lo, hi, first)
-        if (not sequential and self.index.extent(ext).record.flags & FLAG_BLOCK_SUMS
-                and ext not in self._records and ext not in self._inflight):
+        if sequential or ext in self._records or ext in self._inflight:
+            return (await self.record(ext, end))[lo:hi]
+        if self.index.extent(ext).record.flags & FLAG_BLOCK_SUMS:
             return await self._fetch_blocks(ext, lo, hi)
-        return (await self.record(ext, end if sequential else None))[lo:hi]
+        return (await self.record(ext, ahead=False))[lo:hi]  # a small record, read at random: it alone
 
     def _stream(self, ext: int, lo: int, hi: int, first: int) -> bool:
         """Note a read of [lo, hi) of extent `ext` (of a file starting at extent `first`); True if it
@@ -271,11 +272,12 @@ class ChunkCache:
             self._streams.popitem(last=False)
         return (lo == 0 and ext == first) or run >= SEQUENTIAL_AFTER
 
-    async def record(self, ext: int, file_end: int | None = None) -> bytes | bytearray | memoryview:
+    async def record(self, ext: int, file_end: int | None = None, ahead: bool = True) -> bytes | bytearray | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes. Whatever
         the source (this machine's chunk files, a data daemon), the record lands in the cache and stays
-        until the kernel (or a dlfs.direct client) has it. `file_end`: the record is read sequentially
-        as part of a file whose extents end there (its next chunk is fetched ahead too)."""
+        until the kernel (or a dlfs.direct client) has it. With `ahead`, a miss fetches the record's
+        window and queues the rest of its chunk (and, given `file_end`, the end of the file's extents,
+        the file's next chunk); without, the record alone."""
         while True:
             hit = self._records.get(ext)
             if hit is not None:
@@ -288,7 +290,7 @@ class ChunkCache:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
-        readahead = self._room(self.slab_size)
+        readahead = ahead and self._room(self.slab_size)
         if readahead:
             ci = self.index.extent(ext).chunk
             self._queue_chunk(ci)
