@@ -653,9 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
                     help="native threads serving the mount (default: one per CPU, here %(default)s)")
     sp.add_argument("--io-uring", choices=("auto", "on", "off"), default="auto",
-                    help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where "
-                         "/sys/module/fuse/parameters/enable_uring is Y; on also sets it (root) or fails "
-                         "(default auto)")
+                    help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where the "
+                         "kernel has it, turning /sys/module/fuse/parameters/enable_uring on as root; on fails in "
+                         "one line where it cannot (default auto)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")

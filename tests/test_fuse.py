@@ -267,10 +267,13 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
     # it (not built, or DLFS_NO_NATIVE) the Python handlers must give the same tree, bytes and errnos.
     c_log = edge.node.mount_log(NAME).read_text()
     c_mnt = edge.node.mount(NAME, edge.base / "mnt-native")  # fresh: its reads reach the mount
+    dev_mnt = edge.node.mount(NAME, edge.base / "mnt-dev-fuse", "--io-uring", "off")  # threads on /dev/fuse only
     monkeypatch.setenv("DLFS_NO_NATIVE", "1")
     py_mnt = edge.node.mount(NAME, edge.base / "mnt-python")
     try:
-        c_tree, py_tree = tree(os.fsencode(c_mnt)), tree(os.fsencode(py_mnt))
+        for other in (c_mnt, dev_mnt):  # both transports of the engine
+            assert tree(os.fsencode(other)).keys() == tree(os.fsencode(py_mnt)).keys()
+        c_tree, py_tree = tree(os.fsencode(dev_mnt)), tree(os.fsencode(py_mnt))
         assert set(c_tree) == set(py_tree)
         for rel, c in c_tree.items():
             p = py_tree[rel]
@@ -278,8 +281,9 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
                    (p.st_mode, p.st_size, p.st_mtime_ns, p.st_nlink, p.st_uid, p.st_gid, p.st_ino), repr(rel)
             if stat.S_ISREG(c.st_mode):
                 with open(os.path.join(os.fsencode(c_mnt), rel), "rb") as a, \
+                        open(os.path.join(os.fsencode(dev_mnt), rel), "rb") as d, \
                         open(os.path.join(os.fsencode(py_mnt), rel), "rb") as b:
-                    assert a.read() == b.read(), repr(rel)
+                    assert a.read() == b.read() == d.read(), repr(rel)
             elif stat.S_ISLNK(c.st_mode):
                 assert os.readlink(os.path.join(os.fsencode(c_mnt), rel)) == \
                        os.readlink(os.path.join(os.fsencode(py_mnt), rel))
@@ -287,16 +291,16 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
         data = (edge.src / os.fsdecode(BIG)).read_bytes()
         rng = random.Random(11)
         for flag in (os.O_RDONLY, os.O_RDONLY | os.O_DIRECT):
-            fds = [os.open(m / os.fsdecode(BIG), flag) for m in (c_mnt, py_mnt)]
+            fds = [os.open(m / os.fsdecode(BIG), flag) for m in (c_mnt, dev_mnt, py_mnt)]
             try:
                 for _ in range(100):
                     off, n = rng.randrange(len(data) + 10), rng.choice([1, 4096, 70_000, 300_000])
                     got = [os.pread(fd, n, off) for fd in fds]
-                    assert got[0] == got[1] == data[off : off + n], (flag, off, n)
+                    assert got[0] == got[1] == got[2] == data[off : off + n], (flag, off, n)
             finally:
                 for fd in fds:
                     os.close(fd)
-        for m in (c_mnt, py_mnt):
+        for m in (c_mnt, dev_mnt, py_mnt):
             assert _errno(os.lstat, m / "names/missing") == errno.ENOENT
             assert _errno(os.lstat, m / "text/small.txt/x") == errno.ENOTDIR
             assert _errno(os.listdir, m / "text/small.txt") == errno.ENOTDIR
@@ -312,6 +316,7 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
         assert engine["ioctls"] > 0  # open(path, "rb") asks isatty() of every file
     finally:
         edge.node.umount(py_mnt)
+        edge.node.umount(dev_mnt)
         edge.node.umount(c_mnt)
     log = edge.node.mount_log(NAME).read_text()[len(c_log):]
     assert "native threads serve the mount" in log and "served by Python alone" in log

@@ -87,23 +87,25 @@ def check_mountpoint(path: Path) -> None:
         raise MountError("/dev/fuse is missing: this machine cannot mount FUSE file systems")
 
 
-def want_io_uring(mode: str) -> bool:
-    """Whether the engine should serve through FUSE over io_uring: `auto` where the kernel allows it,
-    `on` also enables it (the fuse module's enable_uring, root only) or fails with one line."""
+def want_io_uring(mode: str, param: Path = URING_PARAM) -> bool:
+    """Whether the engine serves through FUSE over io_uring. `auto`: where the kernel has it, switching
+    the fuse module's enable_uring on as root if it is off (it only lets daemons that ask use rings,
+    as this one does; without it a request often wakes a thread on another CPU); `on`: the same, or
+    a one-line error; `off`: never."""
     if mode == "off":
         return False
     try:
-        enabled = URING_PARAM.read_text().strip() in ("Y", "1")
-    except OSError:
-        enabled = False
-    if enabled or mode == "auto":
-        return enabled
-    try:
-        URING_PARAM.write_text("Y")
+        if param.read_text().strip() in ("Y", "1"):
+            return True
+        param.write_text("Y")
     except OSError as exc:
-        raise MountError(f"--io-uring on: cannot enable FUSE over io_uring ({URING_PARAM}: {exc.strerror}); it needs "
+        if mode == "auto":
+            if param.exists():
+                log.info("FUSE over io_uring is off (%s: %s): serving from /dev/fuse", param, exc.strerror)
+            return False
+        raise MountError(f"--io-uring on: cannot enable FUSE over io_uring ({param}: {exc.strerror}); it needs "
                          "Linux 6.14 or newer built with CONFIG_FUSE_IO_URING, and root") from None
-    log.info("enabled FUSE over io_uring (%s = Y)", URING_PARAM)
+    log.info("enabled FUSE over io_uring (%s = Y)", param)
     return True
 
 
