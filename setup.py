@@ -22,7 +22,7 @@ setup(
             depends=["native/fusehook.h", "native/engine.h", "native/answer.h", "native/shm.h", "native/indexview.h",
                      "native/module.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],
-            libraries=["dl", "fuse3", "pthread"],
+            libraries=["dl", "fuse3", "pthread", "xxhash"],
         )
     ]
 )

@@ -46,10 +46,11 @@ def fuse_hooked() -> bool:
 
 
 def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: int, io_uring: bool,
-                 control_path: bytes | None, xattr_name: bytes) -> bool:
+                 control_path: bytes | None, xattr_name: bytes, local_dir: bytes | None = None) -> bool:
     """Native threads take the mounted session's /dev/fuse over and answer from `index` and the shared
-    cache `shared` (pinning through `row`); False where they cannot (no helper, or pyfuse3's session
-    was not made through the hook): pyfuse3 then serves every request itself."""
+    cache `shared` (pinning through `row`), and random reads inside big records from this machine's
+    chunk files in `local_dir`; False where they cannot (no helper, or pyfuse3's session was not made
+    through the hook): pyfuse3 then serves every request itself."""
     if not fuse_hooked():
         return False
     assert native is not None
@@ -57,7 +58,7 @@ def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: i
     return bool(native.engine_start(index.sections(), shared, row=row, timeout=timeout, threads=threads,
                                     io_uring=io_uring, statfs_blocks=(t.bytes + 4095) // 4096, statfs_files=t.inodes,
                                     xattr_name=xattr_name if control_path is not None else None,
-                                    xattr_value=control_path))
+                                    xattr_value=control_path, local_dir=local_dir))
 
 
 def engine_stats() -> dict[str, Any]:

@@ -6,11 +6,17 @@
  * under a mount, so names, attributes, listings and misses are all cached by the kernel for the
  * mount's timeout. */
 #define _GNU_SOURCE
+#include <endian.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <xxhash.h>
 
 #include "answer.h"
 
@@ -301,6 +307,129 @@ static void unpin_all(const struct dlfs_serve *sv, struct dlfs_reply *rp)
     rp->npins = 0;
 }
 
+void dlfs_local_fds_init(struct dlfs_local_fds *l)
+{
+    for (int i = 0; i < DLFS_LOCAL_FDS; i++) {
+        l->chunk[i] = -1;
+        l->fd[i] = -1;
+    }
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++) {
+        l->sums_ext[i] = -1;
+        l->sums[i] = NULL;
+    }
+    l->next = l->sums_next = 0;
+}
+
+void dlfs_local_fds_close(struct dlfs_local_fds *l)
+{
+    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
+        if (l->fd[i] >= 0)
+            close(l->fd[i]);
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
+        free(l->sums[i]);
+    dlfs_local_fds_init(l);
+}
+
+/* This machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is not here. */
+static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
+{
+    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
+        if (l->chunk[i] == (int64_t)ci)
+            return l->fd[i];
+    const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, ci);
+    if (!id)
+        return -1;
+    char path[3 + 2 * DLFS_CHUNK_ID + 1];
+    for (int i = 0; i < DLFS_CHUNK_ID; i++)
+        snprintf(path + 3 + 2 * i, 3, "%02x", id[i]);
+    path[0] = path[3];
+    path[1] = path[4];
+    path[2] = '/';
+    int fd = openat(sv->local_dir, path, O_RDONLY | O_CLOEXEC);
+    unsigned slot = l->next++ % DLFS_LOCAL_FDS;
+    if (l->fd[slot] >= 0)
+        close(l->fd[slot]);
+    l->chunk[slot] = (int64_t)ci;
+    l->fd[slot] = fd; /* -1 remembered too: a chunk held elsewhere is asked once */
+    return fd;
+}
+
+static int pread_all(int fd, char *buf, size_t len, off_t off)
+{
+    while (len) {
+        ssize_t n = pread(fd, buf, len, off);
+        if (n <= 0)
+            return -1;
+        buf += n;
+        len -= (size_t)n;
+        off += n;
+    }
+    return 0;
+}
+
+/* The whole block sum table of extent `ext` (record `e`), read once from its chunk file and kept; NULL
+ * if it cannot be read. */
+static const uint64_t *record_sums(struct dlfs_local_fds *l, int fd, uint64_t ext, const struct dlfs_extent *e,
+                                   struct dlfs_counters *c)
+{
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
+        if (l->sums_ext[i] == (int64_t)ext)
+            return l->sums[i];
+    size_t bytes = ((size_t)e->stored_len + DLFS_BLOCK_SIZE - 1) / DLFS_BLOCK_SIZE * sizeof(uint64_t);
+    uint64_t *table = malloc(bytes);
+    if (!table || pread_all(fd, (char *)table, bytes, (off_t)e->offset + (off_t)e->stored_len) < 0) {
+        free(table);
+        return NULL;
+    }
+    c->block_bytes += bytes;
+    unsigned slot = l->sums_next++ % DLFS_SUMS_KEPT;
+    free(l->sums[slot]);
+    l->sums[slot] = table;
+    l->sums_ext[slot] = (int64_t)ext;
+    return table;
+}
+
+/* Forget extent `ext`'s kept sums (one of its blocks failed: they may be what is bad). */
+static void forget_sums(struct dlfs_local_fds *l, uint64_t ext)
+{
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
+        if (l->sums_ext[i] == (int64_t)ext)
+            l->sums_ext[i] = -1;
+}
+
+/* A random read inside one record with block sums, from this machine's chunk file: the 4 KiB blocks
+ * covering [lo, hi), checked against the record's sums (as dlfs/format/chunk.py's block_range and
+ * verify_blocks). */
+static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t ext, const struct dlfs_extent *e,
+                       uint64_t lo, uint64_t hi, struct dlfs_counters *c)
+{
+    uint64_t first = lo / DLFS_BLOCK_SIZE, end = (hi - 1) / DLFS_BLOCK_SIZE + 1, n = end - first;
+    uint64_t start = first * DLFS_BLOCK_SIZE, stop = end * DLFS_BLOCK_SIZE < e->raw_len ? end * DLFS_BLOCK_SIZE : e->raw_len;
+    if (stop - start > rp->scratch_size)
+        return -1;
+    int fd = local_fd(sv, &rp->local, e->chunk);
+    if (fd < 0)
+        return -1;
+    const uint64_t *sums = record_sums(&rp->local, fd, ext, e, c);
+    char *data = rp->scratch;
+    if (!sums || pread_all(fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
+        c->block_failures++;
+        return -1;
+    }
+    for (uint64_t b = 0; b < n; b++) {
+        size_t len = b + 1 < n ? DLFS_BLOCK_SIZE : stop - start - b * DLFS_BLOCK_SIZE;
+        if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[first + b])) {
+            c->block_failures++; /* Python reads it again, from the replicas, and says which block */
+            forget_sums(&rp->local, ext);
+            return -1;
+        }
+    }
+    c->block_reads++;
+    c->block_bytes += stop - start;
+    add(rp, data + (lo - start), hi - lo);
+    return 0;
+}
+
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                  struct dlfs_counters *c)
 {
@@ -312,8 +441,6 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
         c->reads++;
         return DLFS_ANSWERED; /* end of file: no bytes */
     }
-    if (!sv->shm)
-        return DLFS_FORWARD;
     uint64_t off = r->offset, end = off + r->size < (uint64_t)n.size ? off + r->size : (uint64_t)n.size;
     uint64_t pos = 0, got = 0;
     for (uint64_t i = n.ref; i < (uint64_t)n.ref + n.count && pos < end; i++) {
@@ -324,9 +451,19 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
         if (next > off) {
             const char *buf;
             uint32_t slab;
-            if (e.flags & DLFS_RECORD_LZ4 || rp->n == DLFS_REPLY_IOV ||
-                !dlfs_shm_pin(sv->shm, sv->row, i, e.raw_len, &buf, &slab))
+            if (e.flags & DLFS_RECORD_LZ4 || rp->n == DLFS_REPLY_IOV || !sv->shm ||
+                !dlfs_shm_pin(sv->shm, sv->row, i, e.raw_len, &buf, &slab)) {
+                /* Not in the cache: a random read inside one big record of a local chunk is read here,
+                 * its blocks alone; anything else (read-ahead, remote chunks) is Python's to fetch. */
+                if (rp->npins == 0 && sv->local_dir >= 0 && r->size <= DLFS_RANDOM_READ_MAX && off >= pos &&
+                    end <= next && e.flags & DLFS_RECORD_BLOCK_SUMS && !(e.flags & DLFS_RECORD_LZ4) &&
+                    e.stored_len == e.raw_len && read_blocks(sv, rp, i, &e, off - pos, end - pos, c) == 0) {
+                    c->reads++;
+                    c->read_bytes += end - off;
+                    return DLFS_ANSWERED;
+                }
                 goto miss;
+            }
             uint64_t lo = off > pos ? off - pos : 0, hi = (end < next ? end : next) - pos;
             rp->pin_slab[rp->npins] = slab;
             rp->piece_ext[rp->npins] = (uint32_t)i;

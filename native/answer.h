@@ -11,6 +11,8 @@
 #include "shm.h"
 
 #define DLFS_REPLY_IOV 32 /* header + pieces of a READ spanning several records */
+#define DLFS_LOCAL_FDS 16 /* chunk files each serving thread keeps open */
+#define DLFS_RANDOM_READ_MAX (64 << 10) /* READs this small are the kernel's random reads, not read-ahead */
 
 /* One request: its header, the opcode's fixed argument struct, and what follows it (a name). */
 struct dlfs_req {
@@ -25,6 +27,20 @@ struct dlfs_req {
 struct dlfs_counters {
     uint64_t requests, answered, forwarded, lookups, getattrs, readdirs, ioctls, opens;
     uint64_t reads, read_bytes, read_misses, corrupt;
+    uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
+};
+
+#define DLFS_SUMS_KEPT 32 /* records whose block sums each serving thread keeps (8 KiB for 4 MiB each) */
+
+/* A serving thread's open chunk files (this machine's own), by chunk number, and the block sums of the
+ * records it read at random lately: a random read then costs one read of the disk, not two. */
+struct dlfs_local_fds {
+    int64_t chunk[DLFS_LOCAL_FDS]; /* -1: empty; the fd is -1 for a chunk that is not here */
+    int fd[DLFS_LOCAL_FDS];
+    unsigned next;
+    int64_t sums_ext[DLFS_SUMS_KEPT]; /* -1: empty */
+    uint64_t *sums[DLFS_SUMS_KEPT];    /* the record's whole table, as stored (little-endian) */
+    unsigned sums_next;
 };
 
 /* A reply being built: iov[0] is the header; the pins are released once it has been sent. */
@@ -35,9 +51,14 @@ struct dlfs_reply {
     uint32_t pin_slab[DLFS_REPLY_IOV];
     uint32_t piece_ext[DLFS_REPLY_IOV], piece_len[DLFS_REPLY_IOV], piece_raw[DLFS_REPLY_IOV];
     int npins;
-    char *scratch; /* the thread's buffer for encoded replies */
+    char *scratch; /* the thread's buffer for encoded replies and blocks read from chunk files */
     uint32_t scratch_size;
+    struct dlfs_local_fds local;
 };
+
+/* Empty the thread's chunk file table (before use), and close what it holds (after). */
+void dlfs_local_fds_init(struct dlfs_local_fds *l);
+void dlfs_local_fds_close(struct dlfs_local_fds *l);
 
 /* What the mount serves from: set once before the serving threads start, read-only after. */
 struct dlfs_serve {
@@ -50,6 +71,7 @@ struct dlfs_serve {
     const struct dlfs_shm *shm; /* NULL: no shared cache (every READ goes to Python) */
     struct dlfs_consume *consume;
     uint64_t row; /* the serving threads' row of the pin table */
+    int local_dir; /* this machine's chunk directory (read in place), or -1 */
 };
 
 enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2 };

@@ -230,6 +230,7 @@ static void *reader_main(void *arg)
     char *buf = malloc(DEV_BUF);
     w->reply.scratch = malloc(SCRATCH);
     w->reply.scratch_size = SCRATCH;
+    dlfs_local_fds_init(&w->reply.local);
     if (!buf || !w->reply.scratch) {
         free(buf);
         return NULL;
@@ -245,6 +246,7 @@ static void *reader_main(void *arg)
         }
         handle(w, buf, (size_t)n);
     }
+    dlfs_local_fds_close(&w->reply.local);
     free(buf);
     return NULL;
 }
@@ -419,9 +421,12 @@ void dlfs_engine_release(void)
     E.nworkers = 0;
     close(E.devfd);
     close(E.wake_fd);
+    if (E.serve.local_dir >= 0)
+        close(E.serve.local_dir);
     E.devfd = E.wake_fd = -1;
     E.attached = 0;
     E.serving = 0;
     E.se = NULL;
     memset(&E.serve, 0, sizeof E.serve);
+    E.serve.local_dir = -1;
 }

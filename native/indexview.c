@@ -5,12 +5,15 @@
 
 int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t inodes, uint64_t dirents,
                  uint64_t names, uint64_t extents, uint64_t n_inodes, uint64_t n_dirents, uint64_t names_size,
-                 uint64_t n_extents)
+                 uint64_t n_extents, uint64_t chunks, uint64_t n_chunks)
 {
     if (inodes > len || n_inodes > (len - inodes) / DLFS_INODE_SIZE || dirents > len ||
         n_dirents > (len - dirents) / DLFS_DIRENT_SIZE || names > len || names_size > len - names ||
-        extents > len || n_extents > (len - extents) / DLFS_EXTENT_SIZE)
+        extents > len || n_extents > (len - extents) / DLFS_EXTENT_SIZE || chunks > len ||
+        n_chunks > (len - chunks) / DLFS_CHUNK_SIZE)
         return -1;
+    ix->chunks = base + chunks;
+    ix->n_chunks = n_chunks;
     ix->inodes = base + inodes;
     ix->dirents = base + dirents;
     ix->names = base + names;
@@ -99,4 +102,9 @@ int dlfs_ix_extent(const struct dlfs_ix *ix, uint64_t i, struct dlfs_extent *out
     memcpy(&out->checksum, p + 16, 8);
     memcpy(&out->flags, p + 24, 4);
     return 0;
+}
+
+const uint8_t *dlfs_ix_chunk_id(const struct dlfs_ix *ix, uint64_t i)
+{
+    return i < ix->n_chunks ? ix->chunks + i * DLFS_CHUNK_SIZE : NULL;
 }

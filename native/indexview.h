@@ -6,14 +6,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define DLFS_CHUNK_SIZE 32 /* chunk id (16 B) first */
+#define DLFS_CHUNK_ID 16
 #define DLFS_INODE_SIZE 48
 #define DLFS_DIRENT_SIZE 16
 #define DLFS_EXTENT_SIZE 32
 #define DLFS_RECORD_LZ4 1u
+#define DLFS_RECORD_BLOCK_SUMS 2u /* an xxh3-64 per 4 KiB block of the record follows it in the chunk */
+#define DLFS_BLOCK_SIZE 4096
 
 struct dlfs_ix {
-    const uint8_t *inodes, *dirents, *names, *extents;
-    uint64_t n_inodes, n_dirents, names_size, n_extents;
+    const uint8_t *inodes, *dirents, *names, *extents, *chunks;
+    uint64_t n_inodes, n_dirents, names_size, n_extents, n_chunks;
 };
 
 struct dlfs_inode {
@@ -33,7 +37,7 @@ struct dlfs_extent {
  * lies outside the mapping. */
 int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t inodes, uint64_t dirents,
                  uint64_t names, uint64_t extents, uint64_t n_inodes, uint64_t n_dirents, uint64_t names_size,
-                 uint64_t n_extents);
+                 uint64_t n_extents, uint64_t chunks, uint64_t n_chunks);
 /* 0, or -1 if `ino` is out of range. */
 int dlfs_ix_inode(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *out);
 /* 1 if a directory's entries lie within the dirents section. */
@@ -45,4 +49,6 @@ int dlfs_ix_find(const struct dlfs_ix *ix, const struct dlfs_inode *dir, const c
                  uint32_t *ino);
 /* 0, or -1 if extent i is out of range. */
 int dlfs_ix_extent(const struct dlfs_ix *ix, uint64_t i, struct dlfs_extent *out);
+/* Chunk i's id (DLFS_CHUNK_ID bytes), or NULL if i is out of range. */
+const uint8_t *dlfs_ix_chunk_id(const struct dlfs_ix *ix, uint64_t i);
 #endif

@@ -1,7 +1,9 @@
 /* dlfs._native: the C helper of dlfs. Loaded with RTLD_GLOBAL before pyfuse3 (see dlfs/native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <fcntl.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine.h"
 #include "fusehook.h"
@@ -15,15 +17,16 @@ static PyObject *fuse_hooked(PyObject *self, PyObject *unused)
 int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix *ix)
 {
     PyObject *map;
-    unsigned long long inodes, dirents, names, extents, n_inodes, n_dirents, names_size, n_extents;
-    if (!PyArg_ParseTuple(sections, "OKKKKKKKK;sections must be dlfs.format.index.Sections", &map, &inodes,
-                          &dirents, &names, &extents, &n_inodes, &n_dirents, &names_size, &n_extents))
+    unsigned long long inodes, dirents, names, extents, n_inodes, n_dirents, names_size, n_extents, chunks, n_chunks;
+    if (!PyArg_ParseTuple(sections, "OKKKKKKKKKK;sections must be dlfs.format.index.Sections", &map, &inodes,
+                          &dirents, &names, &extents, &n_inodes, &n_dirents, &names_size, &n_extents, &chunks,
+                          &n_chunks))
         return -1;
     if (PyObject_GetBuffer(map, view, PyBUF_SIMPLE) < 0)
         return -1;
     /* Every section must lie inside the mapping, whatever the caller passed. */
     if (dlfs_ix_init(ix, view->buf, (uint64_t)view->len, inodes, dirents, names, extents, n_inodes, n_dirents,
-                     names_size, n_extents) < 0) {
+                     names_size, n_extents, chunks, n_chunks) < 0) {
         PyBuffer_Release(view);
         PyErr_SetString(PyExc_ValueError, "index sections lie outside the mapping");
         return -1;
@@ -38,10 +41,14 @@ static struct {
     int held;
     PyObject *shared;
     PyObject *xattr_name, *xattr_value; /* bytes; the engine points into them */
-} kept;
+    int local_dir;
+} kept = {.local_dir = -1};
 
 static void release_kept(void)
 {
+    if (kept.local_dir >= 0) /* not handed to the engine yet: ours to close */
+        close(kept.local_dir);
+    kept.local_dir = -1;
     if (kept.held)
         PyBuffer_Release(&kept.index);
     kept.held = 0;
@@ -52,9 +59,14 @@ static void release_kept(void)
 
 /* The serve struct for `sections` and these settings (no shared cache); -1 with an exception. */
 static int serve_from(PyObject *sections, double timeout, unsigned long long blocks, unsigned long long files,
-                      PyObject *xname, PyObject *xvalue, Py_buffer *view, struct dlfs_serve *sv)
+                      PyObject *xname, PyObject *xvalue, PyObject *local_dir, Py_buffer *view, struct dlfs_serve *sv)
 {
     memset(sv, 0, sizeof *sv);
+    sv->local_dir = -1;
+    if (local_dir != Py_None && !PyBytes_Check(local_dir)) {
+        PyErr_SetString(PyExc_TypeError, "local_dir must be bytes (this machine's chunk directory) or None");
+        return -1;
+    }
     if (xname != Py_None && (!PyBytes_Check(xname) || !PyBytes_Check(xvalue) ||
                              memchr(PyBytes_AS_STRING(xname), 0, PyBytes_GET_SIZE(xname)))) {
         PyErr_SetString(PyExc_TypeError, "xattr_name and xattr_value must be bytes (the name without NUL)");
@@ -75,19 +87,27 @@ static int serve_from(PyObject *sections, double timeout, unsigned long long blo
     sv->timeout_ns = (uint32_t)((timeout - (double)sv->timeout_s) * 1e9);
     sv->statfs_blocks = blocks;
     sv->statfs_files = files;
+    if (local_dir != Py_None) {
+        sv->local_dir = open(PyBytes_AS_STRING(local_dir), O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (sv->local_dir < 0) {
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, local_dir);
+            PyBuffer_Release(view);
+            return -1;
+        }
+    }
     return 0;
 }
 
 static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "statfs_blocks",
-                            "statfs_files", "xattr_name", "xattr_value", NULL};
-    PyObject *sections, *shared = Py_None, *xname = Py_None, *xvalue = Py_None;
+                            "statfs_files", "xattr_name", "xattr_value", "local_dir", NULL};
+    PyObject *sections, *shared = Py_None, *xname = Py_None, *xvalue = Py_None, *local_dir = Py_None;
     unsigned long long row = 0, blocks = 0, files = 0;
     double timeout = 0;
     int threads = 1, uring = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipKKOO", names, &PyTuple_Type, &sections, &shared, &row,
-                                     &timeout, &threads, &uring, &blocks, &files, &xname, &xvalue))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipKKOOO", names, &PyTuple_Type, &sections, &shared, &row,
+                                     &timeout, &threads, &uring, &blocks, &files, &xname, &xvalue, &local_dir))
         return NULL;
     if (threads < 1) {
         PyErr_SetString(PyExc_ValueError, "threads must be at least 1");
@@ -98,9 +118,10 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         return NULL;
     }
     struct dlfs_serve sv;
-    if (serve_from(sections, timeout, blocks, files, xname, xvalue, &kept.index, &sv) < 0)
+    if (serve_from(sections, timeout, blocks, files, xname, xvalue, local_dir, &kept.index, &sv) < 0)
         return NULL;
     kept.held = 1;
+    kept.local_dir = sv.local_dir; /* ours until the engine has started, then the engine's */
     if (shared != Py_None) {
         struct dlfs_shm *shm;
         struct dlfs_consume *consume;
@@ -133,6 +154,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    kept.local_dir = -1;
     Py_RETURN_TRUE;
 }
 
@@ -140,17 +162,17 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"sections", "request", "timeout", "statfs_blocks", "statfs_files", "xattr_name",
-                            "xattr_value", NULL};
-    PyObject *sections, *xname = Py_None, *xvalue = Py_None;
+                            "xattr_value", "local_dir", NULL};
+    PyObject *sections, *xname = Py_None, *xvalue = Py_None, *local_dir = Py_None;
     Py_buffer req;
     double timeout = 1.0;
     unsigned long long blocks = 0, files = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dKKOO", names, &PyTuple_Type, &sections, &req, &timeout,
-                                     &blocks, &files, &xname, &xvalue))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dKKOOO", names, &PyTuple_Type, &sections, &req, &timeout,
+                                     &blocks, &files, &xname, &xvalue, &local_dir))
         return NULL;
     Py_buffer view;
     struct dlfs_serve sv;
-    if (serve_from(sections, timeout, blocks, files, xname, xvalue, &view, &sv) < 0) {
+    if (serve_from(sections, timeout, blocks, files, xname, xvalue, local_dir, &view, &sv) < 0) {
         PyBuffer_Release(&req);
         return NULL;
     }
@@ -161,6 +183,7 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     memset(&c, 0, sizeof c);
     rp.scratch = scratch;
     rp.scratch_size = sizeof scratch;
+    dlfs_local_fds_init(&rp.local);
     const struct fuse_in_header *in = req.buf;
     int r = DLFS_FORWARD, op_len;
     size_t n = (size_t)req.len;
@@ -184,8 +207,19 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     } else {
         out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : "no_reply", "");
     }
+    dlfs_local_fds_close(&rp.local);
+    if (sv.local_dir >= 0)
+        close(sv.local_dir);
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
+    if (out) { /* what the request cost, for tests of the counters */
+        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K}", "block_reads", c.block_reads, "block_bytes", c.block_bytes,
+                                         "block_failures", c.block_failures);
+        PyObject *both = counts ? PyTuple_Pack(3, PyTuple_GET_ITEM(out, 0), PyTuple_GET_ITEM(out, 1), counts) : NULL;
+        Py_XDECREF(counts);
+        Py_DECREF(out);
+        out = both;
+    }
     return out;
 }
 
@@ -196,7 +230,9 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}", "requests", s.c.requests,
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}", "requests",
+        s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
+        s.c.block_failures,
         "answered", s.c.answered, "forwarded", s.c.forwarded, "lookups", s.c.lookups, "getattrs", s.c.getattrs,
         "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",

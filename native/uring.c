@@ -289,6 +289,7 @@ static void *queue_main(void *arg)
         return NULL;
     }
     q->has_ring = 1;
+    dlfs_local_fds_init(&q->reply.local);
     int tries = 0;
     prep_wake(q);
     for (int i = 0; i < ENTRIES; i++)
@@ -334,6 +335,7 @@ static void *queue_main(void *arg)
         __atomic_store_n(q->r.cq_head, head, __ATOMIC_RELEASE);
     }
 out:
+    dlfs_local_fds_close(&q->reply.local);
     pthread_mutex_lock(&q->lock);
     q->alive = 0; /* replies for its entries are dropped from now on */
     pthread_mutex_unlock(&q->lock);

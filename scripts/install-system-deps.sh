@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs the Debian packages dlfs needs (FUSE, its headers for pyfuse3, the RDMA verbs bindings,
+# Installs the Debian packages dlfs needs (FUSE, its headers for pyfuse3, xxhash for the C helper, the RDMA verbs bindings,
 # the squashfs baseline tools, and Slurm for the deploy/slurm tests), only those missing; apt-get
 # update runs only if needed.
 set -euo pipefail
-PKGS=(fuse3 libfuse3-dev pkg-config python3-venv python3-dev python3-pyverbs squashfs-tools squashfuse iproute2 psmisc)
+PKGS=(fuse3 libfuse3-dev libxxhash-dev pkg-config python3-venv python3-dev python3-pyverbs squashfs-tools squashfuse iproute2 psmisc)
 # A one-node Slurm that the tests start themselves, for deploy/slurm (their daemons, not systemd's).
 PKGS+=(slurmctld slurmd slurm-client munge)
 missing=()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import errno
 import io
 import os
+import random
 import stat
 from pathlib import Path
 
 import fusewire as fw
 import pytest
 
+from dlfs.data.store import chunk_path
 from dlfs.format.chunk import ChunkWriter
 from dlfs.format.index import DIRENT, INODE, Index, IndexWriter
 from dlfs.native import native
@@ -55,7 +57,7 @@ def index(tmp_path: Path) -> Index:
 
 
 def ask(index: Index, req: bytes, **kw: object) -> fw.Reply | str:
-    kind, raw = native.answer(index.sections(), req, timeout=TIMEOUT, **kw)
+    kind, raw, _ = native.answer(index.sections(), req, timeout=TIMEOUT, **kw)
     return fw.reply(raw) if kind == "answered" else kind
 
 
@@ -187,3 +189,57 @@ def test_crafted_offsets_give_eio_for_that_request_alone(tmp_path: Path, damage:
             assert e != errno.EIO, (damage, i, errors)
     # INODE layout agrees between the writer and C: every field of inode 1 came back above.
     assert INODE.size == 48
+
+
+def test_random_reads_of_local_chunks_are_read_and_checked_block_by_block(tmp_path: Path) -> None:
+    # A random read inside a big record of a chunk this machine holds is read here, its 4 KiB blocks
+    # alone, and checked against the record's sums; anything else (too big to be random, a bad block, a chunk held
+    # elsewhere, a read across records) goes to Python, which fetches it its own way.
+    rng = random.Random(4)
+    big = [rng.randbytes(300_000), rng.randbytes(400_000)]  # both carry block sums (>= 256 KiB)
+    c = ChunkWriter(1 << 20)
+    recs = [c.add(b, compress=False) for b in big]
+    assert all(r.has_block_sums for r in recs)
+    cid, data = c.finish()
+    chunks = tmp_path / "chunks"
+    path = chunk_path(chunks, cid)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bytes(data))
+    w = IndexWriter(2, 1 << 20)
+    w.add_extent(0, recs[0])
+    w.add_extent(0, recs[1])
+    w.add_chunk(cid, len(data), 0, 2)
+    ref, n = w.add_dirents([(b"f", 2)])
+    w.set_inode(1, DIR, 0, 0, 2, 0, 0, ref, n, 1)
+    w.set_inode(2, REG, 0, 0, 1, 700_000, 0, 0, 2, 1)
+    ix = write_index(tmp_path / "b.idx", w)
+    local = os.fsencode(chunks)
+    whole = big[0] + big[1]
+
+    def read(off: int, size: int, where: bytes | None = local) -> tuple[str, bytes, dict[str, int]]:
+        kind, raw, counts = native.answer(ix.sections(), fw.request(fw.READ, 2, fw.read_in(off, size)),
+                                          local_dir=where)
+        return kind, fw.reply(raw).body if kind == "answered" else b"", counts
+
+    for off in (0, 4096 * 17, 299_000 - 4096, 300_000, 300_000 + 4096 * 50, 700_000 - 100):
+        kind, body, counts = read(off, 4096)
+        assert kind == "answered" and body == whole[off : off + 4096], off
+        rec = big[off >= 300_000]
+        start = off - (300_000 if off >= 300_000 else 0)
+        first, last = start // 4096, (min(start + 4096, len(rec)) - 1) // 4096
+        span = min((last + 1) * 4096, len(rec)) - first * 4096  # whole blocks, the record's last one short
+        # The record's whole sum table is read the first time (a serving thread keeps it): 8 B a block.
+        assert counts == {"block_reads": 1, "block_bytes": span + 8 * -(-len(rec) // 4096), "block_failures": 0}
+    assert read(1000, 64 << 10)[0] == "answered"
+    assert read(1000, (64 << 10) + 1)[0] == "forward"  # read-ahead size: Python fetches windows
+    assert read(299_000, 4096)[0] == "forward"  # across two records
+    assert read(4096, 4096, None)[0] == "forward"  # no local chunk files
+    # A flipped byte in block 3 of record 0: that block's reads go to Python; the others are still read here.
+    blob = bytearray(path.read_bytes())
+    blob[recs[0].offset + 3 * 4096 + 10] ^= 1
+    path.write_bytes(bytes(blob))
+    kind, _, counts = read(3 * 4096, 4096)
+    assert kind == "forward" and counts["block_failures"] == 1 and counts["block_reads"] == 0
+    assert read(5 * 4096, 4096)[1] == whole[5 * 4096 : 6 * 4096]
+    path.unlink()  # the chunk is held elsewhere
+    assert read(5 * 4096, 4096)[0] == "forward"

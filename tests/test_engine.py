@@ -217,3 +217,56 @@ def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tre
         assert "with FUSE over io_uring" in node.mount_log("t").read_text()
     finally:
         URING_PARAM.write_text(before)
+
+
+@pytest.mark.timeout(90)
+def test_random_reads_in_a_big_file_read_their_blocks_from_local_chunks(node: Node, tmp_path: Path) -> None:
+    # Random 4 KiB preads inside a big file: the engine reads their blocks from this machine's chunk
+    # files and checks them against the block sums; the mount reads about what it serves. A flipped
+    # byte costs the reads of its block EIO (one replica), and nothing else.
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(8).randbytes(12 << 20)
+    (src / "big.npy").write_bytes(data)
+    node.ingest(src, "big")
+    mnt = node.mount("big", tmp_path / "mnt")
+    rng = random.Random(2)
+    offsets = [rng.randrange(len(data) // 4096) * 4096 for _ in range(400)]
+    fd = os.open(mnt / "big.npy", os.O_RDONLY | os.O_DIRECT)  # every pread reaches the mount as it is
+    buf = bytearray(4096)
+    try:
+        for off in offsets:
+            assert os.preadv(fd, [buf], off) == 4096 and buf == data[off : off + 4096], off
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + 5  # the counters are written once a second
+    while (s := stats(node, mnt))["engine"]["block_reads"] < 400 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s["engine"]["block_reads"] == 400 and s["python_reads"] == 0, s["engine"]
+    assert s["fetched_bytes"] <= 2 * 400 * 4096 + (64 << 10), s["fetched_bytes"]  # blocks, and the sum tables
+    # Damage: one byte of block 1000 of the file, in the chunk file itself.
+    from dlfs.data.store import chunk_path
+    from dlfs.format.index import Index
+
+    idx = Index(next((node.home / "meta" / "index" / "big").glob("*.idx")))
+    try:
+        ext = idx.extent(idx.inode(idx.lookup(1, b"big.npy")).ref)  # the first record holds the first 4 MiB
+        chunk = chunk_path(node.home / "data" / "chunks", idx.chunk(ext.chunk).id)
+    finally:
+        idx.close()
+    blob = bytearray(chunk.read_bytes())
+    blob[ext.record.offset + 1000 * 4096 + 7] ^= 0xFF
+    os.chmod(chunk, 0o644)
+    chunk.write_bytes(bytes(blob))
+    node.umount(mnt)
+    mnt = node.mount("big", tmp_path / "mnt")
+    fd = os.open(mnt / "big.npy", os.O_RDONLY | os.O_DIRECT)
+    try:
+        with pytest.raises(OSError) as bad:
+            os.preadv(fd, [buf], 1000 * 4096)
+        assert bad.value.errno == errno.EIO
+        for off in (999 * 4096, 1001 * 4096, 5 << 20):
+            assert os.preadv(fd, [buf], off) == 4096 and buf == data[off : off + 4096], off
+    finally:
+        os.close(fd)
+    assert "block 1000: checksum mismatch" in node.mount_log("big").read_text()

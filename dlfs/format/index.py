@@ -108,6 +108,8 @@ class Sections(NamedTuple):
     n_dirents: int
     names_size: int
     n_extents: int
+    chunks: int
+    n_chunks: int
 
 
 class IndexWriter:
@@ -255,7 +257,7 @@ class Index:
         """Where each section lies in the mapping: what the C helper reads in place."""
         t = self.totals
         return Sections(self._map, self._inodes, self._dirents, self._names, self._extents, t.inodes, t.dirents,
-                        t.names_size, t.extents)
+                        t.names_size, t.extents, self._chunks, t.chunks)
 
     def _bad(self, what: str) -> CorruptData:
         return CorruptData(f"index {self.path}: {what}")

@@ -204,8 +204,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
 
         stack.callback(unmount)  # pyfuse3.close stops the engine and lets go of the index before index.close
         uring = want_io_uring(opts.io_uring)
+        local_dir = os.fsencode(cache.local.chunk_dir) if cache.local is not None else None
         if start_engine(index, cache.shared, ENGINE_ROW, TIMEOUT, opts.threads, uring, ops.control_path,
-                        CONTROL_XATTR):
+                        CONTROL_XATTR, local_dir):
             log.info("%s: %d native threads serve the mount%s; misses go to Python", label, opts.threads,
                      ", with FUSE over io_uring" if uring else "")
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))

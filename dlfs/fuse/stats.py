@@ -47,11 +47,19 @@ class MountStats:
 
     def snapshot(self) -> dict[str, Any]:
         ops, c = self.ops, self.cache
-        nodes = sorted(set(c.fetched_by_node) | set(c.fetches_by_node))
         # READs answered by the native engine come from the cache's slabs: each is a hit; the Python
         # handlers' own (misses and what is not in a slab) are counted and timed by them.
         eng = engine_stats()
         native_reads = eng.get("reads", 0)
+        # Random reads the engine served from this machine's chunk files are fetches from it too.
+        blocks, block_bytes = eng.get("block_reads", 0), eng.get("block_bytes", 0)
+        local = c.local.node if c.local is not None else None
+        fetches_by = dict(c.fetches_by_node)
+        fetched_by = dict(c.fetched_by_node)
+        if local is not None and blocks:
+            fetches_by[local] = fetches_by.get(local, 0) + blocks
+            fetched_by[local] = fetched_by.get(local, 0) + block_bytes
+        nodes = sorted(set(fetched_by) | set(fetches_by))
         return {
             "format": STATS_FORMAT, "time": time.time(), "pid": os.getpid(), "started": self.started,
             "dataset": self.label, "mountpoint": str(self.mountpoint),
@@ -61,9 +69,9 @@ class MountStats:
             "python_reads": ops.reads, "engine": eng,
             "cache_hits": c.hits + native_reads, "cache_misses": c.misses, "cache_evictions": c.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
-            "fetches": c.fetches, "fetched_bytes": c.fetched_bytes, "fetch_seconds": c.fetch_seconds.to_dict(),
-            "by_node": {n: {"fetches": c.fetches_by_node.get(n, 0), "bytes": c.fetched_by_node.get(n, 0)}
-                        for n in nodes},
+            "fetches": c.fetches + blocks, "fetched_bytes": c.fetched_bytes + block_bytes,
+            "fetch_seconds": c.fetch_seconds.to_dict(),
+            "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
             "failovers": c.failovers, "checksum_failures": c.corrupt,
             "failing_nodes": sorted(self.client.health),
             **(self.control.stats() if self.control is not None else {}),
