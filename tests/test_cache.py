@@ -226,3 +226,26 @@ async def test_random_reads_fetch_their_blocks_and_streams_fetch_whole_records(t
             assert bytes(await fresh.read(1, lo, lo + 8192, 0, 2)) == payloads[1][lo : lo + 8192]
         assert fresh.block_reads == 2 and 1 in fresh
         n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_local_windows_come_from_the_disk_straight_into_slabs(tmp_path: Path) -> None:
+    # A big window of a local chunk is read O_DIRECT into its slab: page-aligned, so its bytes may
+    # start a little into the slab; what is published (where the engine and dlfs.direct read) must
+    # point at each record's bytes exactly.
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(13, [5_000, 300_000, 123_457, 70_000])])
+        cache = ChunkCache(index, client, capacity=8 << 20, readahead=1 << 20, prefetch=False)
+        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        assert bytes(await cache.record(1)) == payloads[1]
+        if not cache.local.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert cache.local.direct_reads == 1 and index.extent(0).record.offset % 4096 != 0
+        for ext, want in enumerate(payloads):
+            where = cache.where(ext)
+            assert where is not None, ext
+            slab, off = where
+            at = slab * cache.slab_size + off
+            assert bytes(cache.arena[at : at + len(want)]) == want, ext
+        n.cancel_scope.cancel()

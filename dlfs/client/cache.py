@@ -29,6 +29,7 @@ down, or whose bytes fail their checksum, is passed over for the next one.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import math
 import mmap
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.local import THREAD_BYTES, LocalChunks
+from dlfs.client.local import DIRECT_ALIGN, THREAD_BYTES, LocalChunks
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.format.chunk import BLOCK_SIZE, FLAG_BLOCK_SUMS, block_range, decode_record, verify_blocks
@@ -60,6 +61,16 @@ ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin throu
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
 STREAMS = 4096  # records whose last read is remembered, to tell sequential reads from random ones
 SEQUENTIAL_AFTER = 2  # reads continuing the one before, after which a stream fetches whole records
+STREAM_CHUNKS = 3  # chunks queued ahead of a file read in order
+
+
+def _address(buf: memoryview) -> int:
+    """Where a writable view's first byte is in memory (to tell where in its slab a fetch landed)."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # its export would pin the buffer
 
 
 def auto_cache_size() -> int:
@@ -87,8 +98,10 @@ class ChunkCache:
                  readahead: int = 4 << 20, prefetch: bool = True) -> None:
         self.index = index
         self.client = client
-        # No fetch spans chunks: a slab bigger than the dataset's chunks would be memory never used.
-        self.slab_size = max(min(readahead, index.totals.chunk_size or readahead), 64 << 10)
+        # No fetch spans chunks: a window bigger than the dataset's chunks would be memory never used.
+        # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk).
+        self.window = max(min(readahead, index.totals.chunk_size or readahead), 64 << 10)
+        self.slab_size = self.window + DIRECT_ALIGN * 2
         nslabs = max(capacity // self.slab_size, 4)
         self.capacity = nslabs * self.slab_size
         # A memfd, lazily touched: a large cache costs address space, not memory, until used; the
@@ -131,6 +144,7 @@ class ChunkCache:
         self.local: LocalChunks | None = None  # this machine's chunk files, read in place when set
         self._queued: set[int] = set()
         self._streams: OrderedDict[int, tuple[int, int]] = OrderedDict()  # ext -> (end of last read, run)
+        self._streaming: dict[int, int] = {}  # chunk queued for a file read in order -> the file's extents' end
         self._windows: dict[int, list[int]] = {}  # chunk -> first extent of each of its windows, then its end
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
@@ -294,10 +308,8 @@ class ChunkCache:
         if readahead:
             ci = self.index.extent(ext).chunk
             self._queue_chunk(ci)
-            chunk = self.index.chunk(ci)
-            after = chunk.first_extent + chunk.n_extents
-            if file_end is not None and after < file_end:  # a big file read in order: its next chunk too
-                self._queue_chunk(self.index.extent(after).chunk)
+            if file_end is not None:  # a big file read in order: its next chunks too
+                self._stream_ahead(ci, file_end)
         data = await self._fetch(self._run(ext) if readahead else [ext], ext)
         assert data is not None
         return data
@@ -333,6 +345,11 @@ class ChunkCache:
         self._unpublish(ext)
         self._done[ext] = 1
         self.consumed += 1
+        if self._streaming:
+            ci = self.index.extent(ext).chunk
+            file_end = self._streaming.pop(ci, None)
+            if file_end is not None:  # a streamed chunk is being read: keep the stream ahead of it
+                self._stream_ahead(ci, file_end)
         b = self._blocks[hit[1]]
         b.live.discard(ext)
         if not b.live:
@@ -363,7 +380,7 @@ class ChunkCache:
             starts, base = [], -1
             for i in range(chunk.first_extent, chunk.first_extent + chunk.n_extents):
                 rec = self.index.extent(i).record
-                if base < 0 or rec.offset + rec.stored_len - base > self.slab_size:
+                if base < 0 or rec.offset + rec.stored_len - base > self.window:
                     starts.append(i)
                     base = rec.offset
             starts.append(chunk.first_extent + chunk.n_extents)
@@ -426,7 +443,7 @@ class ChunkCache:
         chunk = self.index.chunk(extents[0].chunk)
         base = extents[0].record.offset
         length = extents[-1].record.offset + extents[-1].record.stored_len - base
-        slab = self._take_slab() if length <= self.slab_size else NO_SLAB
+        slab = self._take_slab() if length <= self.window else NO_SLAB
         into = self._mem[slab * self.slab_size : (slab + 1) * self.slab_size] if slab != NO_SLAB else None
         done = trio.Event()
         for i in run:
@@ -437,9 +454,11 @@ class ChunkCache:
         async def keep(got: Sequence[Buffer], node: str) -> bytes | memoryview | None:
             nonlocal slab_kept
             data = got[0]
-            # RDMA may land elsewhere (its own registered memory): then the slab holds nothing.
+            # RDMA may land elsewhere (its own registered memory): then the slab holds nothing; a direct
+            # read of the local disk may start the bytes a little into the slab.
             in_slab = slab != NO_SLAB and isinstance(data, memoryview) and data.obj is self.arena
-            raw = await self._keep(run, extents, chunk.id, base, data, node, need, slab if in_slab else NO_SLAB)
+            at = _address(data) - _address(into) if isinstance(data, memoryview) and in_slab and into else 0
+            raw = await self._keep(run, extents, chunk.id, base, data, node, need, slab if in_slab else NO_SLAB, at)
             slab_kept = in_slab
             if need is None:
                 self.prefetched_bytes += len(data)
@@ -475,20 +494,21 @@ class ChunkCache:
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,
-                    slab: int) -> bytes | memoryview | None:
-        """Verify the fetched records and keep them as one block; returns `need`'s, or raises
-        CorruptData if it is bad (keeping nothing: the next replica's copy replaces them all)."""
+                    slab: int, at: int = 0) -> bytes | memoryview | None:
+        """Verify the fetched records and keep them as one block (its bytes `at` bytes into `slab`);
+        returns `need`'s, or raises CorruptData if it is bad (keeping nothing: the next replica's copy
+        replaces them all)."""
         if len(data) >= THREAD_BYTES:  # checksums (and lz4) of a big range: off the event loop
             kept, in_slab, nbytes = await trio.to_thread.run_sync(
-                self._verify, run, extents, cid, base, data, node, need, slab)
+                self._verify, run, extents, cid, base, data, node, need, slab, at)
         else:
-            kept, in_slab, nbytes = self._verify(run, extents, cid, base, data, node, need, slab)
+            kept, in_slab, nbytes = self._verify(run, extents, cid, base, data, node, need, slab, at)
         self._add_block(slab, nbytes, kept, in_slab)
         return kept[need] if need is not None else None
 
     def _verify(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                 data: bytes | bytearray | memoryview, node: str, need: int | None,
-                slab: int) -> tuple[dict[int, bytes | memoryview], dict[int, int], int]:
+                slab: int, at: int = 0) -> tuple[dict[int, bytes | memoryview], dict[int, int], int]:
         """(good records, those lying whole in the slab by offset, bytes the block holds); CorruptData
         if `need`'s is bad or none is good. Touches nothing shared: it may run in a thread."""
         view = memoryview(data)
@@ -507,7 +527,7 @@ class ChunkCache:
             if raw is not piece:
                 nbytes += len(raw)  # decompressed: its own memory
             elif slab != NO_SLAB:
-                in_slab[i] = rec.offset - base
+                in_slab[i] = at + rec.offset - base
             kept[i] = raw
         if not kept:
             raise CorruptData(f"chunk {cid.hex()} (from {node}): no record of the range is good")
@@ -531,6 +551,20 @@ class ChunkCache:
             self._fresh = target
 
     # --- prefetch ---
+
+    def _stream_ahead(self, ci: int, file_end: int) -> None:
+        """A file whose extents end before `file_end` is read in order, now in chunk `ci`: keep its next
+        STREAM_CHUNKS chunks queued. The serving threads answer the reads of what arrived without a word
+        to Python, so it is each consumed record of a chunk read this way that moves the stream on."""
+        for _ in range(STREAM_CHUNKS):
+            chunk = self.index.chunk(ci)
+            after = chunk.first_extent + chunk.n_extents
+            if after >= file_end:
+                return
+            ci = self.index.extent(after).chunk
+            if ci not in self._streaming:
+                self._streaming[ci] = file_end
+                self._queue_chunk(ci)
 
     def _queue_chunk(self, chunk: int) -> None:
         if self._prefetch and chunk not in self._queued:

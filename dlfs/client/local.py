@@ -25,6 +25,8 @@ from dlfs.wire.protocol import Msg
 log = logging.getLogger(__name__)
 OPEN_FILES = 256
 THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker thread: not on the event loop
+DIRECT_MIN = 256 << 10  # windows this big go from the disk straight to their slab (O_DIRECT)
+DIRECT_ALIGN = 4096  # O_DIRECT's alignment of offset, length and memory (a page covers every device's)
 
 
 def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
@@ -49,8 +51,10 @@ class LocalChunks:
         self.chunk_dir = chunk_dir
         self.node = node
         self._fds: OrderedDict[bytes, int] = OrderedDict()
+        self._direct_fds: OrderedDict[bytes, int] = OrderedDict()
         self._absent: set[bytes] = set()
-        self.reads = self.bytes = self.fallbacks = 0
+        self.direct = True  # O_DIRECT works on this file system (until it says otherwise)
+        self.reads = self.bytes = self.fallbacks = self.direct_reads = 0
 
     def _fd(self, cid: bytes) -> int | None:
         fd = self._fds.get(cid)
@@ -69,14 +73,77 @@ class LocalChunks:
             os.close(self._fds.popitem(last=False)[1])
         return fd
 
+    def _direct_fd(self, cid: bytes) -> int | None:
+        fd = self._direct_fds.get(cid)
+        if fd is not None:
+            self._direct_fds.move_to_end(cid)
+            return fd
+        try:
+            fd = os.open(chunk_path(self.chunk_dir, cid), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                self.direct = False
+                log.info("no O_DIRECT on %s: windows are read through the page cache", self.chunk_dir)
+            return None
+        self._direct_fds[cid] = fd
+        if len(self._direct_fds) > OPEN_FILES:
+            os.close(self._direct_fds.popitem(last=False)[1])
+        return fd
+
+    async def _read_direct(self, cid: bytes, off: int, n: int, into: memoryview) -> memoryview | None:
+        """Bytes [off, off+n) of the chunk read from the disk straight into `into` (page-aligned: the
+        range is widened to whole 4 KiB pages, so the bytes start a little into it); None if that
+        cannot be done here. A window read this way costs no page cache: no copy, no second memory."""
+        lo = off - off % DIRECT_ALIGN
+        hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        fd = self._direct_fd(cid) if hi - lo <= len(into) else None
+        if fd is None:
+            return None
+        dup = os.dup(fd)  # its own descriptor: no eviction here can close it under the thread
+        try:
+            got = await trio.to_thread.run_sync(os.preadv, dup, [into[: hi - lo]], lo)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.direct = False  # this file system takes O_DIRECT opens but not their reads
+            return None
+        finally:
+            os.close(dup)
+        if got < off + n - lo:  # a chunk file shorter than the index says: the caller's fallback
+            return memoryview(b"")
+        self.direct_reads += 1
+        return into[off - lo : off - lo + n]
+
     async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
                           into: memoryview | None = None) -> list[memoryview] | None:
         """The (offset, length) ranges of the chunk (the first into `into` when given), if this machine
-        holds its chunk and they are all there; else None. Unchecked: the caller verifies them. What the
-        page cache has is copied at once; the rest is read from disk in one worker thread."""
+        holds its chunk and they are all there; else None. Unchecked: the caller verifies them. A big
+        first range with `into` comes from the disk straight into it (O_DIRECT; it may then start a
+        little into `into`); otherwise what the page cache has is copied at once, and the rest is read
+        from disk in one worker thread."""
         fd = self._fd(cid)
         if fd is None:
             return None
+        if into is not None and self.direct and ranges[0][1] >= DIRECT_MIN:
+            try:
+                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], into)
+            except OSError as exc:
+                self.fallbacks += 1
+                log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
+                            cid.hex(), self.node, ranges[0][0], exc)
+                return None
+            if first is not None and len(first) < ranges[0][1]:
+                self.fallbacks += 1
+                log.warning("chunk %s (local copy of %s) is short at offset %d; reading it from the replicas",
+                            cid.hex(), self.node, ranges[0][0])
+                return None
+            if first is not None:
+                others = await self.read_ranges(cid, ranges[1:]) if len(ranges) > 1 else []
+                if others is None:
+                    return None
+                self.reads += 1
+                self.bytes += ranges[0][1]
+                return [first, *others]
         bufs = [into[:n] if i == 0 and into is not None else memoryview(bytearray(n)) for i, (_, n) in enumerate(ranges)]
         try:
             # A big range goes to the thread even from the page cache: its copy would stall the loop.
@@ -107,12 +174,14 @@ class LocalChunks:
         return bufs
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._direct_fds.values()]:
             os.close(fd)
         self._fds.clear()
+        self._direct_fds.clear()
 
     def stats(self) -> dict[str, int]:
-        return {"local_reads": self.reads, "local_bytes": self.bytes, "local_fallbacks": self.fallbacks}
+        return {"local_reads": self.reads, "local_bytes": self.bytes, "local_fallbacks": self.fallbacks,
+                "local_direct_reads": self.direct_reads}
 
 
 async def open_local_chunks(client: ClusterClient) -> LocalChunks | None:
