@@ -555,7 +555,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dlfs.bench.run import bench_options, check_plotting, format_report, run_bench, write_plot
 
     _setup_logging(args)
-    opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick, args.transport)
+    opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick, args.transport,
+                         args.io_uring)
     if args.plot:
         check_plotting()
     t0 = time.monotonic()
@@ -694,6 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="files in the synthetic indexes (default 100000,1000000; --quick 10000,100000)")
     sp.add_argument("--json", metavar="FILE", help="write every raw figure here")
     sp.add_argument("--plot", metavar="FILE", help="draw a PNG bar chart here (needs matplotlib: dlfs[bench])")
+    sp.add_argument("--io-uring", choices=("auto", "on", "off"),
+                    help="the dlfs mounts' --io-uring (default: theirs, auto); off measures /dev/fuse alone")
 
     sp = add("doctor", cmd_doctor, "Check this node and its cluster (FUSE, memlock, RDMA and the transport, the "
              "cluster file and key, every daemon's reachability, key and clock, free space); exits 1 if a check "

@@ -252,9 +252,10 @@ class KernelSquashfs(System):
 class DlfsNode:
     """The embedded one-node cluster under a private DLFS_HOME, and the CLI pointed at it."""
 
-    def __init__(self, home: Path, transport: str | None = None) -> None:
+    def __init__(self, home: Path, transport: str | None = None, io_uring: str | None = None) -> None:
         self.home = home
         self.transport = transport  # passed on to `dlfs node` and `dlfs mount`
+        self.io_uring = io_uring  # passed on to `dlfs mount` (None: its default)
         self.proc: subprocess.Popen[bytes] | None = None
         self.env = dict(os.environ, DLFS_HOME=str(home))
         self.env.pop("DLFS_CLUSTER", None)
@@ -294,6 +295,9 @@ class DlfsNode:
 
     def transport_args(self) -> list[str]:
         return [f"--transport={self.transport}"] if self.transport else []
+
+    def mount_args(self) -> list[str]:
+        return [*self.transport_args(), *([f"--io-uring={self.io_uring}"] if self.io_uring else [])]
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -393,10 +397,23 @@ class DlfsMount(System):
         raise DlfsError(missing_file or f"the dlfs mount at {self.root} kept fetching for {timeout:.0f} s "
                         "after a workload ended")
 
+    def engine(self, timeout: float = STATS_TIMEOUT) -> dict[str, Any]:
+        """The mount's serving engine as its published stats say (threads, io_uring); {} without one."""
+        from dlfs.stats import read_sample
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return dict(read_sample(self.node.home, self.root.absolute()).get("engine") or {})
+            except NotFound:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def mount(self) -> None:
         """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""
         t0 = time.perf_counter()
-        self.node.cli("mount", *self.node.transport_args(), self.dataset, str(self.root), timeout=300)
+        self.node.cli("mount", *self.node.mount_args(), self.dataset, str(self.root), timeout=300)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True
         self._pid = self.node.mount_pid(self.root)

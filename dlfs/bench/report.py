@@ -132,6 +132,8 @@ def format_report(out: dict[str, Any]) -> str:
         f"machine:  {m['nproc']} CPUs ({m['cpu'] or 'unknown model'}), {m['memory_bytes'] / 2**30:.1f} GiB memory, "
         f"{m['system']} {m['kernel']}",
         f"dataset:  {d['files']:,} files, {d['bytes'] / 1e9:.2f} GB ({where}: {d['src']})",
+        *([f"dlfs:     {e['threads']} native serving threads, FUSE over io_uring {e['io_uring']}"]
+          if (e := out.get("engine")) else ["dlfs:     served by Python alone (no native engine)"]),
         "reads:",
         *(f"  {k:<15} {v}" for k, v in out["reads"].items()),
         "passes:",

@@ -50,7 +50,7 @@ from dlfs.errors import StorageFull, UsageError
 __all__ = ["BenchOptions", "bench_options", "check_plotting", "format_report", "run_bench", "write_plot"]
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # of the JSON report: 2 added epoch["warm_raw"], each epoch row's read and CPU per file, and bigfiles
+FORMAT = 2  # of the JSON report: 2 added epoch["warm_raw"], each epoch row's read and CPU per file, bigfiles, engine
 DATASET = "bench"
 BIG_DATASET = "bench-shards"
 MEAN_SIZE = 110_000
@@ -99,6 +99,7 @@ class BenchOptions:
     quick: bool = False
     mean_size: int = MEAN_SIZE
     transport: str | None = None  # the node's and the mounts' --transport (None: auto)
+    io_uring: str | None = None  # the mounts' --io-uring (None: their default)
     big_files: int = BIG_FILES
     big_file_size: int = BIG_FILE_SIZE
     preads: int = PREADS
@@ -116,7 +117,7 @@ def parse_counts(text: str, what: str) -> list[int]:
 
 
 def bench_options(work_dir: str, src: str | None, files: int | None, readers: str | None, scale_sizes: str | None,
-                  quick: bool, transport: str | None = None) -> BenchOptions:
+                  quick: bool, transport: str | None = None, io_uring: str | None = None) -> BenchOptions:
     """The options of a run, from the command line's; --quick changes only the defaults."""
     if src is not None and files is not None:
         raise UsageError("--files sizes the generated sample; with --src the source decides")
@@ -128,7 +129,7 @@ def bench_options(work_dir: str, src: str | None, files: int | None, readers: st
     return BenchOptions(Path(work_dir), Path(src) if src else None, files or default_files,
                         parse_counts(readers or default_readers, "--readers"),
                         parse_counts(scale_sizes or default_scale, "--scale"), quick, transport=transport,
-                        big_files=big_files, big_file_size=big_file_size)
+                        big_files=big_files, big_file_size=big_file_size, io_uring=io_uring)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
     work = opts.work_dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
     mnt_base, image, big_image = work / "mnt", work / "squash.img", work / "shards.img"
-    node = DlfsNode(work / "home", opts.transport)
+    node = DlfsNode(work / "home", opts.transport, opts.io_uring)
     # What an interrupted earlier run may have left: its mounts, its node, its state and images.
     unmount_all_under(mnt_base)
     node.stop_leftover()
@@ -179,6 +180,8 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
         say("dlfs correctness: reading every file of both datasets through dlfs and comparing it with the source "
             "(untimed)")
         out["verify"] = verify_system(dlfs, str(src), relpaths)
+        assert isinstance(dlfs, DlfsMount)
+        out["engine"] = {k: v for k, v in dlfs.engine().items() if k in ("threads", "io_uring")}
         out["bigfiles"] = {"dataset": {"src": str(big_src), "files": len(big_relpaths), "bytes": big_total,
                                        "file_bytes": opts.big_file_size, "image_bytes": big_image.stat().st_size,
                                        "content": "incompressible random bytes"},
