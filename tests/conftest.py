@@ -237,6 +237,25 @@ def mounted(node: Node, tmp_path: Path) -> Iterator[Callable[..., Path]]:
             force_unmount(mnt)
 
 
+def mount_stats(home: Path, mountpoint: Path, until: Callable[[dict], bool] = lambda s: True,
+                timeout: float = 5.0) -> dict:
+    """The counters a mount publishes (dlfs/fuse/stats.py), once `until` holds of them or `timeout` has
+    passed (the mount writes them once a second)."""
+    from dlfs.fuse.stats import stats_file
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            doc = json.loads(stats_file(home, mountpoint).read_text())
+        except (OSError, ValueError):  # not written yet
+            doc = None
+        if doc is not None and (until(doc) or time.monotonic() > deadline):
+            return doc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no stats from the mount at {mountpoint} within {timeout} s")
+        time.sleep(0.1)
+
+
 def mount_pids(home: Path) -> list[int]:
     """Pids of the mount processes recorded under a home."""
     pids = []

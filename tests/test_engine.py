@@ -5,7 +5,6 @@ under load and cleared by `dlfs umount`; FUSE over io_uring where the kernel has
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import re
@@ -16,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Node, mount_pids, needs_fuse, pid_alive
+from conftest import Node, mount_pids, mount_stats, needs_fuse, pid_alive
 
 from dlfs import direct
 from dlfs.errors import MountError
@@ -43,11 +42,6 @@ def tree(node: Node, tmp_path: Path) -> Iterator[dict[str, bytes]]:
     files = make_tree(tmp_path / "src")
     node.ingest(tmp_path / "src", "t", "--chunk-size", "64K")
     yield files
-
-
-def stats(node: Node, mnt: Path) -> dict:
-    path = next((node.home / "run" / "mounts").glob(f"*{mnt.name}.stats"))
-    return json.loads(path.read_text())
 
 
 def read_and_drop(path: Path) -> bytes:
@@ -142,7 +136,7 @@ def test_threads_misses_evictions_and_pins_in_a_tiny_cache(node: Node, tmp_path:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert bad == []
-    s = stats(node, mnt)
+    s = mount_stats(node.home, mnt)
     node.umount(mnt)
     assert s["engine"]["threads"] == 4 and s["engine"]["reads"] > 0 and s["engine"]["read_misses"] > 0
     assert s["python_reads"] > 0 and s["engine"]["corrupt"] == 0 and s["engine"]["write_errors"] == 0
@@ -209,9 +203,7 @@ def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tre
         for rel, data in tree.items():
             assert read_and_drop(mnt / rel) == data, rel
         assert sorted(os.listdir(mnt)) == sorted({rel.split("/")[0] for rel in tree})
-        deadline = time.monotonic() + 5  # the counters are written once a second
-        while (s := stats(node, mnt))["engine"]["io_uring"] != "serving" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        s = mount_stats(node.home, mnt, lambda s: s["engine"]["io_uring"] == "serving")
         assert s["engine"]["io_uring"] == "serving" and s["engine"]["uring_queues"] >= 1, s["engine"]
         node.umount(mnt)
         assert "with FUSE over io_uring" in node.mount_log("t").read_text()
@@ -239,9 +231,7 @@ def test_random_reads_in_a_big_file_read_their_blocks_from_local_chunks(node: No
             assert os.preadv(fd, [buf], off) == 4096 and buf == data[off : off + 4096], off
     finally:
         os.close(fd)
-    deadline = time.monotonic() + 5  # the counters are written once a second
-    while (s := stats(node, mnt))["engine"]["block_reads"] < 400 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    s = mount_stats(node.home, mnt, lambda s: s["engine"]["block_reads"] >= 400)
     assert s["engine"]["block_reads"] == 400 and s["python_reads"] == 0, s["engine"]
     assert s["fetched_bytes"] <= 2 * 400 * 4096 + (64 << 10), s["fetched_bytes"]  # blocks, and the sum tables
     # Damage: one byte of block 1000 of the file, in the chunk file itself.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Node, needs_fuse, running_cluster, running_node
+from conftest import Node, mount_stats, needs_fuse, running_cluster, running_node
 from damage import damaged_dataset
 from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
 
@@ -308,10 +308,7 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
             assert _errno(os.getxattr, m / "text/small.txt", "user.x") == errno.ENODATA
             assert os.listxattr(m) == []
             assert os.statvfs(m)[:8] == os.statvfs(py_mnt)[:8]
-        stats = next((edge.node.home / "run" / "mounts").glob("*mnt-native.stats"))
-        deadline = time.monotonic() + 5  # the mount writes its counters once a second
-        while (engine := json.loads(stats.read_text())["engine"])["ioctls"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        engine = mount_stats(edge.node.home, c_mnt, lambda s: s["engine"]["ioctls"] > 0)["engine"]
         assert engine["reads"] > 0 and engine["lookups"] + engine["readdirs"] > 0
         assert engine["ioctls"] > 0  # open(path, "rb") asks isatty() of every file
     finally:
