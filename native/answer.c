@@ -313,11 +313,7 @@ void dlfs_local_fds_init(struct dlfs_local_fds *l)
         l->chunk[i] = -1;
         l->fd[i] = -1;
     }
-    for (int i = 0; i < DLFS_SUMS_KEPT; i++) {
-        l->sums_ext[i] = -1;
-        l->sums[i] = NULL;
-    }
-    l->next = l->sums_next = 0;
+    l->next = 0;
 }
 
 void dlfs_local_fds_close(struct dlfs_local_fds *l)
@@ -325,9 +321,71 @@ void dlfs_local_fds_close(struct dlfs_local_fds *l)
     for (int i = 0; i < DLFS_LOCAL_FDS; i++)
         if (l->fd[i] >= 0)
             close(l->fd[i]);
-    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
-        free(l->sums[i]);
     dlfs_local_fds_init(l);
+}
+
+void dlfs_sums_init(struct dlfs_sums *s)
+{
+    memset(s, 0, sizeof *s);
+    pthread_mutex_init(&s->lock, NULL);
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
+        s->ext[i] = -1;
+}
+
+void dlfs_sums_free(struct dlfs_sums *s)
+{
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
+        free(s->table[i]);
+    pthread_mutex_destroy(&s->lock);
+}
+
+/* Copy sums [first, first + n) of extent `ext` to `out` if its table is kept; 1 if it was. */
+static int sums_lookup(struct dlfs_sums *s, uint64_t ext, uint64_t first, uint64_t n, uint64_t *out)
+{
+    int found = 0;
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++) {
+        if (s->ext[i] == (int64_t)ext) {
+            if (first + n <= s->count[i]) {
+                memcpy(out, s->table[i] + first, n * sizeof *out);
+                s->used[i] = 1;
+                found = 1;
+            }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    return found;
+}
+
+/* Keep `table` (malloc'd, `count` sums; taken over) for extent `ext`, in place of a table not looked
+ * at since the clock's hand last passed it. */
+static void sums_keep(struct dlfs_sums *s, uint64_t ext, uint64_t *table, uint32_t count)
+{
+    pthread_mutex_lock(&s->lock);
+    unsigned i;
+    for (;;) {
+        i = s->hand++ % DLFS_SUMS_KEPT;
+        if (!s->used[i])
+            break;
+        s->used[i] = 0;
+    }
+    free(s->table[i]);
+    s->table[i] = table;
+    s->ext[i] = (int64_t)ext;
+    s->count[i] = count;
+    s->used[i] = 1;
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* Forget extent `ext`'s table (one of its blocks failed: the table may be what is bad). */
+static void sums_forget(struct dlfs_sums *s, uint64_t ext)
+{
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
+        if (s->ext[i] == (int64_t)ext)
+            s->ext[i] = -1;
+    pthread_mutex_unlock(&s->lock);
 }
 
 /* This machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is not here. */
@@ -367,34 +425,24 @@ static int pread_all(int fd, char *buf, size_t len, off_t off)
     return 0;
 }
 
-/* The whole block sum table of extent `ext` (record `e`), read once from its chunk file and kept; NULL
- * if it cannot be read. */
-static const uint64_t *record_sums(struct dlfs_local_fds *l, int fd, uint64_t ext, const struct dlfs_extent *e,
-                                   struct dlfs_counters *c)
+/* Sums [first, first + n) of extent `ext` (record `e`) into `out`: from the engine's kept tables, or
+ * its whole table read once from the chunk file and kept; -1 if it cannot be read. */
+static int record_sums(const struct dlfs_serve *sv, int fd, uint64_t ext, const struct dlfs_extent *e, uint64_t first,
+                       uint64_t n, uint64_t *out, struct dlfs_counters *c)
 {
-    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
-        if (l->sums_ext[i] == (int64_t)ext)
-            return l->sums[i];
-    size_t bytes = ((size_t)e->stored_len + DLFS_BLOCK_SIZE - 1) / DLFS_BLOCK_SIZE * sizeof(uint64_t);
-    uint64_t *table = malloc(bytes);
-    if (!table || pread_all(fd, (char *)table, bytes, (off_t)e->offset + (off_t)e->stored_len) < 0) {
+    if (sums_lookup(sv->sums, ext, first, n, out))
+        return 0;
+    uint32_t count = (uint32_t)(((uint64_t)e->stored_len + DLFS_BLOCK_SIZE - 1) / DLFS_BLOCK_SIZE);
+    uint64_t *table = malloc((size_t)count * sizeof *table);
+    if (!table || first + n > count ||
+        pread_all(fd, (char *)table, (size_t)count * sizeof *table, (off_t)e->offset + (off_t)e->stored_len) < 0) {
         free(table);
-        return NULL;
+        return -1;
     }
-    c->block_bytes += bytes;
-    unsigned slot = l->sums_next++ % DLFS_SUMS_KEPT;
-    free(l->sums[slot]);
-    l->sums[slot] = table;
-    l->sums_ext[slot] = (int64_t)ext;
-    return table;
-}
-
-/* Forget extent `ext`'s kept sums (one of its blocks failed: they may be what is bad). */
-static void forget_sums(struct dlfs_local_fds *l, uint64_t ext)
-{
-    for (int i = 0; i < DLFS_SUMS_KEPT; i++)
-        if (l->sums_ext[i] == (int64_t)ext)
-            l->sums_ext[i] = -1;
+    c->block_bytes += (uint64_t)count * sizeof *table;
+    memcpy(out, table + first, n * sizeof *out);
+    sums_keep(sv->sums, ext, table, count);
+    return 0;
 }
 
 /* A random read inside one record with block sums, from this machine's chunk file: the 4 KiB blocks
@@ -405,22 +453,23 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
 {
     uint64_t first = lo / DLFS_BLOCK_SIZE, end = (hi - 1) / DLFS_BLOCK_SIZE + 1, n = end - first;
     uint64_t start = first * DLFS_BLOCK_SIZE, stop = end * DLFS_BLOCK_SIZE < e->raw_len ? end * DLFS_BLOCK_SIZE : e->raw_len;
-    if (stop - start > rp->scratch_size)
+    uint64_t sums[DLFS_RANDOM_READ_MAX / DLFS_BLOCK_SIZE + 2];
+    if (stop - start > rp->scratch_size || n > sizeof sums / sizeof *sums)
         return -1;
     int fd = local_fd(sv, &rp->local, e->chunk);
     if (fd < 0)
         return -1;
-    const uint64_t *sums = record_sums(&rp->local, fd, ext, e, c);
     char *data = rp->scratch;
-    if (!sums || pread_all(fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
+    if (record_sums(sv, fd, ext, e, first, n, sums, c) < 0 ||
+        pread_all(fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
         c->block_failures++;
         return -1;
     }
     for (uint64_t b = 0; b < n; b++) {
         size_t len = b + 1 < n ? DLFS_BLOCK_SIZE : stop - start - b * DLFS_BLOCK_SIZE;
-        if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[first + b])) {
+        if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
             c->block_failures++; /* Python reads it again, from the replicas, and says which block */
-            forget_sums(&rp->local, ext);
+            sums_forget(sv->sums, ext);
             return -1;
         }
     }
@@ -455,7 +504,7 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
                 !dlfs_shm_pin(sv->shm, sv->row, i, e.raw_len, &buf, &slab)) {
                 /* Not in the cache: a random read inside one big record of a local chunk is read here,
                  * its blocks alone; anything else (read-ahead, remote chunks) is Python's to fetch. */
-                if (rp->npins == 0 && sv->local_dir >= 0 && r->size <= DLFS_RANDOM_READ_MAX && off >= pos &&
+                if (rp->npins == 0 && sv->local_dir >= 0 && sv->sums && r->size <= DLFS_RANDOM_READ_MAX && off >= pos &&
                     end <= next && e.flags & DLFS_RECORD_BLOCK_SUMS && !(e.flags & DLFS_RECORD_LZ4) &&
                     e.stored_len == e.raw_len && read_blocks(sv, rp, i, &e, off - pos, end - pos, c) == 0) {
                     c->reads++;

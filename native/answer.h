@@ -4,6 +4,7 @@
  * io_uring): metadata from the mmap'd index, trivial requests at once, and READ from records that sit
  * in the shared cache's slabs. What cannot be answered here goes to Python (pyfuse3), unchanged. */
 #include <linux/fuse.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/uio.h>
 
@@ -30,18 +31,28 @@ struct dlfs_counters {
     uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
 };
 
-#define DLFS_SUMS_KEPT 32 /* records whose block sums each serving thread keeps (8 KiB for 4 MiB each) */
+#define DLFS_SUMS_KEPT 1024 /* records whose block sums the engine keeps: 8 KiB for a 4 MiB record */
 
-/* A serving thread's open chunk files (this machine's own), by chunk number, and the block sums of the
- * records it read at random lately: a random read then costs one read of the disk, not two. */
+/* A serving thread's open chunk files (this machine's own), by chunk number. */
 struct dlfs_local_fds {
     int64_t chunk[DLFS_LOCAL_FDS]; /* -1: empty; the fd is -1 for a chunk that is not here */
     int fd[DLFS_LOCAL_FDS];
     unsigned next;
-    int64_t sums_ext[DLFS_SUMS_KEPT]; /* -1: empty */
-    uint64_t *sums[DLFS_SUMS_KEPT];    /* the record's whole table, as stored (little-endian) */
-    unsigned sums_next;
 };
+
+/* The block sum tables of the records read at random lately, shared by the serving threads: a random
+ * read then costs one read of the disk, not two (the data, and its sums at the record's end). */
+struct dlfs_sums {
+    pthread_mutex_t lock;
+    int64_t ext[DLFS_SUMS_KEPT]; /* -1: empty */
+    uint64_t *table[DLFS_SUMS_KEPT]; /* the record's whole table, as stored (little-endian) */
+    uint32_t count[DLFS_SUMS_KEPT];
+    unsigned char used[DLFS_SUMS_KEPT]; /* the clock's bit: looked at since it last passed */
+    unsigned hand;
+};
+
+void dlfs_sums_init(struct dlfs_sums *s);
+void dlfs_sums_free(struct dlfs_sums *s);
 
 /* A reply being built: iov[0] is the header; the pins are released once it has been sent. */
 struct dlfs_reply {
@@ -72,6 +83,7 @@ struct dlfs_serve {
     struct dlfs_consume *consume;
     uint64_t row; /* the serving threads' row of the pin table */
     int local_dir; /* this machine's chunk directory (read in place), or -1 */
+    struct dlfs_sums *sums; /* with local_dir: the sums kept (the one mutable part, locked) */
 };
 
 enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2 };

@@ -423,6 +423,10 @@ void dlfs_engine_release(void)
     close(E.wake_fd);
     if (E.serve.local_dir >= 0)
         close(E.serve.local_dir);
+    if (E.serve.sums) {
+        dlfs_sums_free(E.serve.sums);
+        free(E.serve.sums);
+    }
     E.devfd = E.wake_fd = -1;
     E.attached = 0;
     E.serving = 0;

@@ -42,13 +42,25 @@ static struct {
     PyObject *shared;
     PyObject *xattr_name, *xattr_value; /* bytes; the engine points into them */
     int local_dir;
+    struct dlfs_sums *sums;
 } kept = {.local_dir = -1};
+
+/* Let go of what serve_from opened for local reads. */
+static void serve_local_free(int local_dir, struct dlfs_sums *sums)
+{
+    if (local_dir >= 0)
+        close(local_dir);
+    if (sums) {
+        dlfs_sums_free(sums);
+        free(sums);
+    }
+}
 
 static void release_kept(void)
 {
-    if (kept.local_dir >= 0) /* not handed to the engine yet: ours to close */
-        close(kept.local_dir);
+    serve_local_free(kept.local_dir, kept.sums); /* not handed to the engine yet: ours to close */
     kept.local_dir = -1;
+    kept.sums = NULL;
     if (kept.held)
         PyBuffer_Release(&kept.index);
     kept.held = 0;
@@ -89,11 +101,18 @@ static int serve_from(PyObject *sections, double timeout, unsigned long long blo
     sv->statfs_files = files;
     if (local_dir != Py_None) {
         sv->local_dir = open(PyBytes_AS_STRING(local_dir), O_PATH | O_DIRECTORY | O_CLOEXEC);
-        if (sv->local_dir < 0) {
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, local_dir);
+        sv->sums = sv->local_dir >= 0 ? malloc(sizeof *sv->sums) : NULL;
+        if (!sv->sums) {
+            if (sv->local_dir >= 0) {
+                close(sv->local_dir);
+                PyErr_NoMemory();
+            } else {
+                PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, local_dir);
+            }
             PyBuffer_Release(view);
             return -1;
         }
+        dlfs_sums_init(sv->sums);
     }
     return 0;
 }
@@ -122,6 +141,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         return NULL;
     kept.held = 1;
     kept.local_dir = sv.local_dir; /* ours until the engine has started, then the engine's */
+    kept.sums = sv.sums;
     if (shared != Py_None) {
         struct dlfs_shm *shm;
         struct dlfs_consume *consume;
@@ -155,6 +175,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     kept.local_dir = -1;
+    kept.sums = NULL;
     Py_RETURN_TRUE;
 }
 
@@ -208,8 +229,7 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
         out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : "no_reply", "");
     }
     dlfs_local_fds_close(&rp.local);
-    if (sv.local_dir >= 0)
-        close(sv.local_dir);
+    serve_local_free(sv.local_dir, sv.sums);
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
     if (out) { /* what the request cost, for tests of the counters */
@@ -264,10 +284,20 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "dlfs._native", "The C helper of dlfs.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
+/* The index layout as C reads it, for a test to hold against dlfs/format/index.py and chunk.py. */
+static int add_layout(PyObject *m)
+{
+    PyObject *layout = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "chunk", DLFS_CHUNK_SIZE, "chunk_id",
+                                     DLFS_CHUNK_ID, "inode", DLFS_INODE_SIZE, "dirent", DLFS_DIRENT_SIZE, "extent",
+                                     DLFS_EXTENT_SIZE, "flag_lz4", DLFS_RECORD_LZ4, "flag_block_sums",
+                                     DLFS_RECORD_BLOCK_SUMS, "block_size", DLFS_BLOCK_SIZE);
+    return layout ? PyModule_AddObject(m, "INDEX_LAYOUT", layout) : -1;
+}
+
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && dlfs_direct_add_types(m) < 0)
+    if (m && (dlfs_direct_add_types(m) < 0 || add_layout(m) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);
     return m;

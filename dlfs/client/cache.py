@@ -1,28 +1,32 @@
 """The mount's chunk cache: verified, decoded records in memory, fetched by ranges of a chunk.
 
-Memory is one arena of fixed-size slabs (the read-ahead size), mapped once: a fetch is received
-straight into a free slab and its records are views into it, so no buffer is allocated or copied
-per fetch, and slabs freed are reused most-recent first (this VM's first touch of fresh memory
-costs 1-2 s per GB). Records bigger than a slab get memory of their own.
+Memory is one arena of fixed-size slabs (a read-ahead window, and the slack of reading it page-
+aligned), mapped once: a fetch is received straight into a free slab and its records are views into
+it, so no buffer is allocated or copied per fetch, and slabs freed are reused most-recent first (this
+VM's first touch of fresh memory costs 1-2 s per GB). Records bigger than a slab get memory of their own.
 
-Shared: the arena is a memfd that dlfs.direct clients map read-only (native/direct.c), and every
-record that sits whole in a slab is published there, so a client pins and reads it with no request
-at all. A slab is reused only once no client holds a pin on it: one that is still pinned when its
-records are dropped waits, retired, until its pins are released (or its clients are gone).
+Shared: the arena is a memfd that dlfs.direct clients and the mount's native serving threads read
+(native/shm.h), and every record that sits whole in a slab is published there, so they pin and read it
+with no Python at all. A slab is reused only once nothing holds a pin on it: one that is still pinned
+when its records are dropped waits, retired, until its pins are released (or its clients are gone).
 
 What a record is kept for: the FUSE mount runs in no_open mode, so the kernel keeps the pages of
-every file it has read; once all of a record's bytes have gone to the kernel the record is
-*consumed* and dropped here, and a slab whose records are all consumed is free again. The cache
-therefore holds read-ahead that has not been used yet, not a second copy of the page cache.
+every file it has read; once all of a record's bytes have gone to the kernel (counted in native/shm.c
+by whoever sent them: a serving thread or the Python handlers) the record is *consumed* and dropped
+here, and a slab whose records are all consumed is free again. The cache therefore holds read-ahead
+that has not been used yet, not a second copy of the page cache.
 
-Fetching: each chunk is cut into fixed windows of up to a slab; a miss fetches what of its window
-is not here yet (one request, one slab), and queues the rest of the chunk for background prefetch
-workers, so the daemon streams a dataset in large pieces while the mount serves what has arrived.
+One fetch pipeline (_from_sources): this machine's chunk files first (a window straight from the disk
+into its slab), then each replica over TCP or RDMA (into the slab too); checks, failover and the
+counts of what each node gave live there. Each chunk is cut into fixed windows of up to a slab; a miss
+that is part of a stream (see read) fetches what of its window is not here yet (one request, one
+slab) and queues the rest of the chunk, and of the file, for background prefetch workers; a random
+read fetches what it asks: a small record alone, or the 4 KiB blocks of a big one.
 
 Scan resistant (CoorDL's no-thrash idea): blocks stay resident until used; once the resident part
 is full, misses fetch just their own record (no read-ahead, no prefetch) into a small LRU scratch
 area, so an epoch over a dataset larger than the cache costs one fetch per missed file while the
-resident part keeps hitting. Concurrent misses of one record share one fetch. A replica that is
+resident part keeps hitting. Concurrent misses of one window share one fetch. A replica that is
 down, or whose bytes fail their checksum, is passed over for the next one.
 """
 
