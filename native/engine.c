@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -219,6 +220,9 @@ static void *reader_main(void *arg)
     sigfillset(&only_stop);
     sigdelset(&only_stop, stop_signal());
     pthread_sigmask(SIG_SETMASK, &only_stop, NULL); /* Python's signals go to Python's thread */
+    char name[16];
+    snprintf(name, sizeof name, "dlfs-serve-%d", (int)(w - E.workers));
+    pthread_setname_np(pthread_self(), name); /* for top -H and the like */
     if (w->cpu >= 0) {
         /* A thread that stays on its CPU answers that CPU's readers without migrating: measured on
          * 2 vCPUs, warm epochs of 2 readers went from 22k to 31-37k files/s. */

@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -278,6 +279,9 @@ static void *queue_main(void *arg)
     CPU_ZERO(&cpu);
     CPU_SET(q->qid, &cpu);
     pthread_setaffinity_np(pthread_self(), sizeof cpu, &cpu); /* may fail in a cpuset: it still serves */
+    char name[16];
+    snprintf(name, sizeof name, "dlfs-uring-%d", q->qid);
+    pthread_setname_np(pthread_self(), name);
     /* Here, not in the starting thread: a SINGLE_ISSUER ring belongs to the task that made it. */
     int rc = ring_setup(&q->r, 2 * ENTRIES + 2);
     if (rc < 0) {

@@ -230,14 +230,18 @@ async def test_random_reads_fetch_their_blocks_and_streams_fetch_whole_records(t
 
 @pytest.mark.timeout(60)
 async def test_local_windows_come_from_the_disk_straight_into_slabs(tmp_path: Path) -> None:
-    # A big window of a local chunk is read O_DIRECT into its slab: page-aligned, so its bytes may
-    # start a little into the slab; what is published (where the engine and dlfs.direct read) must
-    # point at each record's bytes exactly.
+    # A big window of a local chunk that the page cache does not hold is read O_DIRECT into its slab:
+    # page-aligned, so its bytes may start a little into the slab; what is published (where the engine
+    # and dlfs.direct read) must point at each record's bytes exactly. From the page cache, a copy.
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
         index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(13, [5_000, 300_000, 123_457, 70_000])])
         cache = ChunkCache(index, client, capacity=8 << 20, readahead=1 << 20, prefetch=False)
         cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        path = chunk_path(tmp_path / "home" / "data" / "chunks", index.chunk(0).id)
+        with open(path, "rb") as f:  # out of the page cache (the store just wrote it): from the disk
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         assert bytes(await cache.record(1)) == payloads[1]
         if not cache.local.direct:
             pytest.skip("this file system refuses O_DIRECT")
@@ -248,4 +252,29 @@ async def test_local_windows_come_from_the_disk_straight_into_slabs(tmp_path: Pa
             slab, off = where
             at = slab * cache.slab_size + off
             assert bytes(cache.arena[at : at + len(want)]) == want, ext
+        again = ChunkCache(index, client, capacity=8 << 20, readahead=1 << 20, prefetch=False)
+        again.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        with open(path, "rb") as f:
+            f.read()  # now in the page cache
+        assert bytes(await again.record(1)) == payloads[1] and again.local.direct_reads == 0
+        assert again.where(0) is not None and again.where(0)[1] == 0  # copied to the slab's start
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_records_the_kernel_had_come_back_a_window_at_a_time(tmp_path: Path) -> None:
+    # Once the kernel has had every record (a FUSE epoch), a dlfs.direct client asks for them again:
+    # each miss fetches its whole window, not one slab per record.
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=2, records=8, size=20_000)
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB, prefetch=False)
+        for ext in range(len(payloads)):
+            got = await cache.record(ext)
+            cache.consume(ext, len(got))
+        first = cache.fetches
+        assert cache.stats()["cached_bytes"] == 0
+        for ext in range(len(payloads)):
+            assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
+        assert cache.fetches - first == first, (first, cache.fetches)  # the same windows, once each
         n.cancel_scope.cancel()

@@ -290,12 +290,15 @@ class ChunkCache:
             self._streams.popitem(last=False)
         return (lo == 0 and ext == first) or run >= SEQUENTIAL_AFTER
 
-    async def record(self, ext: int, file_end: int | None = None, ahead: bool = True) -> bytes | bytearray | memoryview:
+    async def record(self, ext: int, file_end: int | None = None, ahead: bool = True,
+                     direct: bool = False) -> bytes | bytearray | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes. Whatever
         the source (this machine's chunk files, a data daemon), the record lands in the cache and stays
         until the kernel (or a dlfs.direct client) has it. With `ahead`, a miss fetches the record's
         window and queues the rest of its chunk (and, given `file_end`, the end of the file's extents,
-        the file's next chunk); without, the record alone."""
+        the file's next chunk); without, the record alone. For a `direct` client, a window brings the
+        records the kernel already had too: the client reads them again, and a slab per record would
+        fill the cache."""
         while True:
             hit = self._records.get(ext)
             if hit is not None:
@@ -314,7 +317,8 @@ class ChunkCache:
             self._queue_chunk(ci)
             if file_end is not None:  # a big file read in order: its next chunks too
                 self._stream_ahead(ci, file_end)
-        data = await self._fetch(self._run(ext) if readahead else [ext], ext)
+        self._done[ext] = 0  # asked again: the kernel no longer has it, if it ever did
+        data = await self._fetch(self._run(ext, done=not direct) if readahead else [ext], ext)
         assert data is not None
         return data
 
@@ -368,9 +372,10 @@ class ChunkCache:
             for ext in self.shared.take_consumed():
                 self._consumed(ext)
 
-    def _here(self, i: int) -> bool:
-        """Whether extent i needs no fetch: cached, being fetched, or already with the kernel."""
-        return bool(self._done[i]) or i in self._records or i in self._inflight
+    def _here(self, i: int, done: bool = True) -> bool:
+        """Whether extent i needs no fetch: cached, being fetched, or (with `done`) already sent whole
+        to the kernel, which keeps it unless it runs short of memory."""
+        return (done and bool(self._done[i])) or i in self._records or i in self._inflight
 
     def _window(self, ext: int) -> tuple[int, int]:
         """[first, end) extents of the window of ext's chunk that holds it. A chunk's windows are
@@ -392,10 +397,11 @@ class ChunkCache:
         k = bisect.bisect_right(starts, ext) - 1
         return starts[k], starts[k + 1]
 
-    def _run(self, ext: int) -> list[int]:
-        """`ext` and the other extents of its window that are not here (one range covers them)."""
+    def _run(self, ext: int, done: bool = True) -> list[int]:
+        """`ext` and the other extents of its window that are not here (one range covers them); with
+        `done=False` the records the kernel was once sent too (a dlfs.direct client reads them again)."""
         lo, hi = self._window(ext)
-        return [i for i in range(lo, hi) if i == ext or not self._here(i)]
+        return [i for i in range(lo, hi) if i == ext or not self._here(i, done)]
 
     async def _from_sources(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
                             check: Callable[[Sequence[Buffer], str], Awaitable[T]]) -> T:

@@ -46,6 +46,21 @@ def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
     return [os.preadv(fd, [buf], off) for buf, off in pieces]
 
 
+def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int,
+                 into: memoryview) -> tuple[int, int, bool]:
+    """Bytes [off, off+n) into `into`: (where they start in it, how many of them were read, whether
+    from the disk). From the page cache (`fd`) if it holds them all, else the aligned [lo, hi) from the
+    disk (`dfd`, O_DIRECT)."""
+    try:
+        if os.preadv(fd, [into[:n]], off, os.RWF_NOWAIT) == n:
+            return 0, n, False
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    got = os.preadv(dfd, [into[: hi - lo]], lo)
+    return off - lo, max(0, got - (off - lo)), True
+
+
 class LocalChunks:
     def __init__(self, chunk_dir: Path, node: str) -> None:
         self.chunk_dir = chunk_dir
@@ -91,28 +106,31 @@ class LocalChunks:
         return fd
 
     async def _read_direct(self, cid: bytes, off: int, n: int, into: memoryview) -> memoryview | None:
-        """Bytes [off, off+n) of the chunk read from the disk straight into `into` (page-aligned: the
-        range is widened to whole 4 KiB pages, so the bytes start a little into it); None if that
-        cannot be done here. A window read this way costs no page cache: no copy, no second memory."""
+        """Bytes [off, off+n) of the chunk in `into`: copied from the page cache if it has them all,
+        else read from the disk straight into `into` (O_DIRECT, the range widened to whole 4 KiB pages,
+        so the bytes start a little into it: no copy, and no page cache kept of them); None if that
+        cannot be done here."""
         lo = off - off % DIRECT_ALIGN
         hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
-        fd = self._direct_fd(cid) if hi - lo <= len(into) else None
-        if fd is None:
+        fd, dfd = self._fd(cid), (self._direct_fd(cid) if hi - lo <= len(into) else None)
+        if fd is None or dfd is None:
             return None
-        dup = os.dup(fd)  # its own descriptor: no eviction here can close it under the thread
+        # Their own descriptors: no eviction here can close them under the thread.
+        fd, dfd = os.dup(fd), os.dup(dfd)
         try:
-            got = await trio.to_thread.run_sync(os.preadv, dup, [into[: hi - lo]], lo)
+            start, got, from_disk = await trio.to_thread.run_sync(_read_window, fd, dfd, off, n, lo, hi, into)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             self.direct = False  # this file system takes O_DIRECT opens but not their reads
             return None
         finally:
-            os.close(dup)
-        if got < off + n - lo:  # a chunk file shorter than the index says: the caller's fallback
+            os.close(fd)
+            os.close(dfd)
+        if got < n:  # a chunk file shorter than the index says: the caller's fallback
             return memoryview(b"")
-        self.direct_reads += 1
-        return into[off - lo : off - lo + n]
+        self.direct_reads += from_disk
+        return into[start : start + n]
 
     async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
                           into: memoryview | None = None) -> list[memoryview] | None:

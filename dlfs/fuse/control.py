@@ -167,7 +167,7 @@ class ControlServer:
             async with limit:
                 for i in sorted(positions, key=lambda i: exts[i]):  # in chunk order: one read-ahead serves many
                     try:
-                        raw = await self.cache.record(exts[i])
+                        raw = await self.cache.record(exts[i], direct=True)
                     except DlfsError as exc:
                         errors.append([i, status_of(exc), exc.message])
                         continue
