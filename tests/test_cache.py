@@ -14,7 +14,7 @@ from test_services import make_chunk, make_index, running_node
 
 from dlfs.client.cache import ChunkCache
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.local import LocalChunks
+from dlfs.client.local import LocalChunks, _all_cached
 from dlfs.config import Cluster, NodeSpec, key_path
 from dlfs.data.store import chunk_path
 from dlfs.format.chunk import ChunkWriter, Record
@@ -235,10 +235,7 @@ def _uncache(path: Path) -> None:
         os.fsync(f.fileno())
         for _ in range(50):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            try:
-                if os.preadv(f.fileno(), [bytearray(4096)], 0, os.RWF_NOWAIT) < 4096:
-                    return
-            except BlockingIOError:
+            if not _all_cached(f.fileno(), 0, 4096):
                 return
             time.sleep(0.02)
     pytest.skip(f"the page cache keeps {path} whatever it is told")

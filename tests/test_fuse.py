@@ -309,7 +309,8 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
             assert os.listxattr(m) == []
             assert os.statvfs(m)[:8] == os.statvfs(py_mnt)[:8]
         engine = mount_stats(edge.node.home, c_mnt, lambda s: s["engine"]["ioctls"] > 0)["engine"]
-        assert engine["reads"] > 0 and engine["lookups"] + engine["readdirs"] > 0
+        # (Whether a READ finds its record in a slab depends on timing here: lz4 records never do.)
+        assert engine["answered"] > 0 and engine["lookups"] + engine["readdirs"] > 0
         assert engine["ioctls"] > 0  # open(path, "rb") asks isatty() of every file
     finally:
         edge.node.umount(py_mnt)

@@ -9,6 +9,7 @@ read from the replicas as usual (the caller's fallback).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -27,6 +28,7 @@ OPEN_FILES = 256
 THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker thread: not on the event loop
 DIRECT_MIN = 256 << 10  # windows this big go from the disk straight to their slab (O_DIRECT)
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of offset, length and memory (a page covers every device's)
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
@@ -46,17 +48,37 @@ def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
     return [os.preadv(fd, [buf], off) for buf, off in pieces]
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(os.uname().machine)  # Linux 6.5+
+
+
+def _all_cached(fd: int, off: int, n: int) -> bool:
+    """Whether the page cache holds every page of [off, off+n) of `fd`, asked without reading (a read
+    with RWF_NOWAIT would start the read-ahead it declines to wait for); False where the kernel cannot say."""
+    if _CACHESTAT is None:
+        return False
+    rng, st = _CachestatRange(off, n), _Cachestat()
+    if _libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        return False
+    return st.nr_cache >= (off + n - 1) // PAGE - off // PAGE + 1
+
+
 def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int,
                  into: memoryview) -> tuple[int, int, bool]:
     """Bytes [off, off+n) into `into`: (where they start in it, how many of them were read, whether
-    from the disk). From the page cache (`fd`) if it holds them all, else the aligned [lo, hi) from the
-    disk (`dfd`, O_DIRECT)."""
-    try:
-        if os.preadv(fd, [into[:n]], off, os.RWF_NOWAIT) == n:
-            return 0, n, False
-    except OSError as exc:
-        if exc.errno not in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
-            raise
+    from the disk). Copied from the page cache (`fd`) if it holds them all, else the aligned [lo, hi)
+    read from the disk (`dfd`, O_DIRECT)."""
+    if _all_cached(fd, off, n):
+        return 0, os.preadv(fd, [into[:n]], off), False
     got = os.preadv(dfd, [into[: hi - lo]], lo)
     return off - lo, max(0, got - (off - lo)), True
 
