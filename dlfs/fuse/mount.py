@@ -224,6 +224,11 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             stack.callback(record.unlink, missing_ok=True)
             log.info("mounted %s at %s (%d files, %d bytes)", label, opts.mountpoint, info.files, info.bytes)
             ready(f"mounted {label} at {opts.mountpoint} ({info.files} files, {human_bytes(info.bytes)})")
+            if uring:  # rings are registered once INIT is answered; a kernel that refuses says so at once
+                await trio.sleep(0.2)
+                state = engine_stats().get("io_uring")
+                if state not in ("registering", "serving"):
+                    log.warning("%s: FUSE over io_uring did not start (%s): serving from /dev/fuse", label, state)
 
         async def on_signal() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
