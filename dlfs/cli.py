@@ -18,8 +18,10 @@ import trio
 from dlfs import __version__
 from dlfs.config import ROLES, check_dataset_name, home_dir, load_cluster, parse_cluster_file
 from dlfs.errors import Conflict, DlfsError, MountError, Unreachable, UsageError
+from dlfs.procs import give_freed_memory_back
 from dlfs.tasks import leaves, open_nursery
 from dlfs.units import human_bytes, parse_size
+from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 
 log = logging.getLogger("dlfs")
 EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
@@ -74,12 +76,16 @@ def cmd_node(args: argparse.Namespace) -> int:
     from dlfs.node import NodeOptions, run_node
 
     _setup_logging(args, "INFO")
+    give_freed_memory_back()
     home = home_dir(args.home)
     cluster_file = args.cluster or os.environ.get("DLFS_CLUSTER")
     cluster = parse_cluster_file(Path(cluster_file)) if cluster_file else None
+    memory = auto_node_memory() if args.memory == "auto" else parse_size(args.memory)
+    if memory < MIN_NODE_MEMORY:
+        raise UsageError(f"--memory must be at least {MIN_NODE_MEMORY >> 20}M")
     opts = NodeOptions(home, cluster, args.name, args.host, args.meta_port, args.data_port,
                        ROLES[args.role] if args.role else None, args.transport, _metrics_address(args),
-                       args.replica_check)
+                       args.replica_check, memory)
     trio.run(run_node, opts)
     return 0
 
@@ -423,6 +429,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.cgroup import memory_limit
     from dlfs.client.cache import auto_cache_size
     from dlfs.fuse.mount import MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
     from dlfs.sdnotify import notify
@@ -431,7 +438,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     name, version = parse_dataset_ref(args.dataset)
     mountpoint = Path(args.mountpoint).absolute()
     check_mountpoint(mountpoint)
-    cache_size = auto_cache_size() if args.cache_size == "auto" else parse_size(args.cache_size)
+    limit = memory_limit()
+    cache_size = auto_cache_size(limit) if args.cache_size == "auto" else parse_size(args.cache_size)
     readahead = parse_size(args.readahead)
     metrics = _metrics_address(args)
     # Here, not in the background process: its errors would reach the user only through its log.
@@ -439,6 +447,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not args.foreground:
         return _mount_background(args, home, name, mountpoint)
     _setup_logging(args, "INFO")
+    give_freed_memory_back()
+    how = "auto: a quarter of that" if args.cache_size == "auto" else "--cache-size"
+    log.info("memory: %s; cache %s (%s)", limit.describe(), human_bytes(cache_size), how)
+    if limit.limited and cache_size > limit.effective // 2:
+        log.warning("--cache-size %s is over half the memory cgroup's limit (%s): the cache's pages cannot be "
+                    "reclaimed, so the readers may be OOM-killed", human_bytes(cache_size), human_bytes(limit.effective))
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
                         args.short_circuit, threads=args.threads, io_uring=args.io_uring)
     ready_fd = args.ready_fd
@@ -556,7 +570,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     _setup_logging(args)
     opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick, args.transport,
-                         args.io_uring)
+                         args.io_uring, args.memory_limit, args.memory, args.only)
+    if args.plot and opts.only:
+        raise UsageError("--plot draws the epochs and the metadata walk, which --only leaves out")
     if args.plot:
         check_plotting()
     t0 = time.monotonic()
@@ -622,6 +638,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve Prometheus metrics at http://HOST:PORT/metrics (:PORT: every interface)")
     sp.add_argument("--replica-check", type=float, default=60.0, metavar="SECONDS",
                     help="with --metrics: count chunks short of replicas at most this often (default 60)")
+    sp.add_argument("--memory", default="auto", metavar="SIZE",
+                    help="most bytes the daemons hold for requests in flight, over all connections (default auto: "
+                         f"an eighth of the memory the node may use, its memory cgroup's limit where there is one, "
+                         f"between {MIN_NODE_MEMORY >> 20}M and {NODE_MEMORY >> 20}M); a request that does not fit "
+                         "waits, and no chunk bigger than it can be stored")
 
     sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.", moves_chunks=True)
     sp.add_argument("src", metavar="SRC", help="directory to ingest")
@@ -640,8 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
     sp.add_argument("--foreground", action="store_true", help="stay attached and serve until unmounted or interrupted")
     sp.add_argument("--cache-size", default="auto", metavar="SIZE",
-                    help="most memory for file data fetched but not yet read (default auto: a quarter of "
-                         "physical memory, at least 1G); data already read lives in the page cache")
+                    help="most memory for file data fetched but not yet read (default auto: a quarter of the "
+                         "memory the mount may use: its memory cgroup's limit where there is one, else physical "
+                         "memory; at least 64M); data already read lives in the page cache")
     sp.add_argument("--readahead", default="4M", metavar="SIZE", help="bytes fetched per miss within a chunk (default 4M)")
     sp.add_argument("--allow-other", dest="allow_other", action="store_true", default=os.geteuid() == 0,
                     help="let other users read the mount (default when run as root)")
@@ -697,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plot", metavar="FILE", help="draw a PNG bar chart here (needs matplotlib: dlfs[bench])")
     sp.add_argument("--io-uring", choices=("auto", "on", "off"),
                     help="the dlfs mounts' --io-uring (default: theirs, auto); off measures /dev/fuse alone")
+    sp.add_argument("--memory-limit", metavar="SIZE",
+                    help="the memory cgroup of the bigger-than-memory section, whose dataset is 2-3x this "
+                         "(default 1G; --quick 256M)")
+    sp.add_argument("--no-memory", dest="memory", action="store_false",
+                    help="leave out the bigger-than-memory section")
+    sp.add_argument("--only", metavar="SECTION", help="run only this section: memory (the bigger-than-memory one)")
 
     sp = add("doctor", cmd_doctor, "Check this node and its cluster (FUSE, memlock, RDMA and the transport, the "
              "cluster file and key, every daemon's reachability, key and clock, free space); exits 1 if a check "

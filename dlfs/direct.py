@@ -36,6 +36,7 @@ from dlfs.format.index import Index
 from dlfs.native import native
 from dlfs.wire.protocol import (
     DIRECT_BATCH,
+    DIRECT_REQUEST_BYTES,
     HEADER,
     MAX_DATA,
     MAX_META,
@@ -50,8 +51,7 @@ from dlfs.wire.protocol import (
 
 log = logging.getLogger(__name__)
 CONTROL_XATTR = "user.dlfs.control"
-REQUEST_BYTES = 64 << 20  # raw bytes asked for in one DIRECT_READ (any of them may come inline)
-BIG_RECORD = 32 << 20  # files with a record this big are read through the kernel instead
+BIG_RECORD = DIRECT_REQUEST_BYTES  # files with a record bigger than a request can ask are read through the kernel
 TIMEOUT = 120.0  # seconds a request may wait for the mount (it fails over replicas meanwhile)
 Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
@@ -348,7 +348,7 @@ class DirectReader:
             end, size = start, 0
             while end < len(exts) and end - start < DIRECT_BATCH:
                 size += self.index.extent(exts[end]).record.raw_len
-                if size > REQUEST_BYTES and end > start:
+                if size > DIRECT_REQUEST_BYTES and end > start:
                     break
                 end += 1
             out += self._fetch_batch(exts[start:end], path_of)

@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
 from dlfs.errors import AuthError, DlfsError, ProtocolError, TransportUnavailable, Unreachable
 from dlfs.units import human_bytes
@@ -30,6 +31,7 @@ PASS, WARN, FAIL, INFO = "pass", "warn", "FAIL", "info"
 NODE_TIMEOUT = 3.0  # per daemon: connect, handshake and one request
 SKEW_WARN, SKEW_FAIL = 0.5, 5.0  # seconds
 FREE_FAIL = 1 << 30
+MIN_USEFUL_MEMORY = 512 << 20  # a node, a mount (64 MiB cache and its overhead) and two readers
 
 
 @dataclass
@@ -133,6 +135,19 @@ def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring"))
                  "often wakes a thread on another CPU)",
                  f"echo Y > {param} (root; `options fuse enable_uring=1` in /etc/modprobe.d keeps it), or "
                  "dlfs mount --io-uring on")
+
+
+def check_memory(limit: MemoryLimit | None = None) -> Check:
+    """The memory a mount may use here, and the cache `--cache-size auto` gets from it."""
+    from dlfs.client.cache import auto_cache_size
+
+    limit = limit or memory_limit()
+    cache = auto_cache_size(limit)
+    text = f"{limit.describe()}; a mount's cache gets {human_bytes(cache)} by default (a quarter)"
+    if limit.limited and limit.effective < MIN_USEFUL_MEMORY:
+        return Check("memory", WARN, text, f"give the job at least {human_bytes(MIN_USEFUL_MEMORY)} "
+                     "(node, mount and readers share its limit)")
+    return Check("memory", PASS, text)
 
 
 # --- RDMA --------------------------------------------------------------------------------------
@@ -296,7 +311,8 @@ def check_state_dir(home: Path) -> Check:
 
 # --- all of it ---------------------------------------------------------------------------------
 def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> list[Check]:
-    rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native(), check_engine()]
+    rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native(), check_engine(),
+            check_memory()]
     cluster, cluster_rows = load_for_doctor(cluster_file, home)
     rows += check_rdma(transport or (cluster.transport if cluster else "auto"), cluster)
     rows += cluster_rows

@@ -84,6 +84,21 @@ class NodeCollector:
                 received.add_metric(values, s.bytes_in)
                 _add_histogram(latency, values, s.latency)
         yield from (requests, errors, sent, received, latency)
+        if self.services:  # a node's daemons share one budget (node.py)
+            memory = self.services[0].memory
+            yield _gauge("dlfs_request_memory_bytes", "Bytes held now for requests in flight (frames, index pieces)",
+                         self.node, memory.reserved)
+            yield _gauge("dlfs_request_memory_limit_bytes", "The most bytes requests in flight may hold",
+                         self.node, memory.total)
+            waits = CounterMetricFamily("dlfs_request_memory_waits", "Requests that waited for memory to be freed",
+                                        labels=["node"])
+            waits.add_metric([self.node], memory.waits)
+            refusals = CounterMetricFamily("dlfs_request_memory_refusals",
+                                           "Requests refused for memory: over the per-connection cap, or busy "
+                                           "(no room within the wait bound)", labels=["node", "reason"])
+            refusals.add_metric([self.node, "over_cap"], memory.refused)
+            refusals.add_metric([self.node, "busy"], memory.busy)
+            yield from (waits, refusals)
         if self.store is not None:
             free, total = self.store.disk()
             for name, doc, value in (

@@ -25,6 +25,8 @@ from dlfs.sdnotify import notify
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.verbs import Memlock, TransportChoice, choose_transport
+from dlfs.units import human_bytes
+from dlfs.wire.budget import NODE_MEMORY, MemoryBudget
 from dlfs.wire.rpc import Service, serve
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ class NodeOptions:
     transport: str | None = None  # auto | tcp | rdma; None: the cluster file's, else auto
     metrics: Address | None = None  # serve Prometheus metrics here
     replica_check: float = 60.0  # seconds between the metrics' counts of chunks short of replicas
+    memory: int = NODE_MEMORY  # bytes both daemons together hold for requests in flight
 
 
 def pin_budget(limits: Memlock) -> int:
@@ -157,6 +160,9 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
         log.info("node %s: state in %s, %d chunks (%d bytes), %d dataset versions",
                  name, home, chunks.count, chunks.bytes, len(meta_store.datasets()))
         rdma: RdmaResponder | None = None
+        memory = MemoryBudget(f"node {name}", opts.memory)  # one process: one bound for both daemons
+        log.info("node %s: requests in flight hold at most %s (%s on one connection)", name,
+                 human_bytes(memory.total), human_bytes(memory.per_connection))
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
@@ -166,7 +172,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                     if rdma is not None:
                         nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
                 if "data" in roles:
-                    data_service = DataService(chunks, key, name, rdma, choice.reason if choice else "")
+                    data_service = DataService(chunks, key, name, rdma, choice.reason if choice else "", memory)
                     services.append(data_service)
                     data_bound = await _listen(nursery, data_service, data_addr, data_fallback)
                 if opts.cluster is None:
@@ -176,7 +182,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 meta_bound = meta_addr
                 if "meta" in roles:
                     ledger = ClusterClient(cluster, nursery)
-                    meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes)
+                    meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes, memory)
                     services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
                     nursery.start_soon(meta_service.sync.run, name="dlfs-catalog-sync")

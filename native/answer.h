@@ -13,6 +13,9 @@
 
 #define DLFS_REPLY_IOV 32 /* header + pieces of a READ spanning several records */
 #define DLFS_LOCAL_FDS 16 /* chunk files each serving thread keeps open */
+/* A serving thread's buffer for encoded replies and records read from chunk files: every record
+ * without block sums (smaller than dlfs/format/chunk.py's BLOCK_SUMS_MIN) fits. */
+#define DLFS_REPLY_SCRATCH (256 << 10)
 #define DLFS_RANDOM_READ_MAX (64 << 10) /* READs this small are the kernel's random reads, not read-ahead */
 
 /* One request: its header, the opcode's fixed argument struct, and what follows it (a name). */
@@ -29,6 +32,7 @@ struct dlfs_counters {
     uint64_t requests, answered, forwarded, lookups, getattrs, readdirs, ioctls, opens;
     uint64_t reads, read_bytes, read_misses, corrupt;
     uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
+    uint64_t record_reads, record_bytes, record_failures; /* whole small records read there, in scan mode */
 };
 
 #define DLFS_SUMS_KEPT 1024 /* records whose block sums the engine keeps: 8 KiB for a 4 MiB record */
@@ -87,6 +91,12 @@ struct dlfs_serve {
 };
 
 enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2 };
+
+/* Scan mode, set by the mount's cache when its read-ahead has no room (an epoch over more than the
+ * cache holds): a READ of a whole small record of this machine's chunks that is not in the cache is
+ * read from the chunk file and checked here, with no slab and no word to Python (which would fetch
+ * it alone anyway). */
+void dlfs_set_scan(int on);
 
 /* The size of `opcode`'s fixed argument struct, or -1 if it is not one answered here. */
 int dlfs_op_len(uint32_t opcode);

@@ -24,7 +24,7 @@
 #include "engine.h"
 
 #define DEV_BUF ((1 << 20) + 4096) /* max_write (1 MiB) + headers: the kernel refuses smaller reads */
-#define SCRATCH (128 << 10)        /* encoded replies: READDIRPLUS asks for a page or a few */
+#define SCRATCH DLFS_REPLY_SCRATCH
 #define MAX_THREADS 256
 
 struct worker {

@@ -40,7 +40,11 @@ int dlfs_engine_running(void);
 const struct dlfs_serve *dlfs_engine_serve(void);
 void dlfs_engine_forward(const void *request, uint32_t len);
 
-/* io_uring transport (uring.c): per-CPU queues beside the /dev/fuse readers. */
+/* io_uring transport (uring.c): per-CPU queues beside the /dev/fuse readers. Each queue holds
+ * DLFS_URING_ENTRIES requests at once, each with a payload buffer the kernel requires to fit its
+ * largest payload (max_write, max_pages): memory the mount holds per CPU, touched as replies use it. */
+#define DLFS_URING_ENTRIES 4
+#define DLFS_URING_PAYLOAD ((1 << 20) + 4096)
 int dlfs_uring_start(int devfd);
 void dlfs_uring_stop(void);
 int dlfs_uring_state(void);

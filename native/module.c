@@ -197,7 +197,7 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
         PyBuffer_Release(&req);
         return NULL;
     }
-    static char scratch[128 << 10];
+    static char scratch[DLFS_REPLY_SCRATCH];
     struct dlfs_reply rp;
     struct dlfs_counters c;
     memset(&rp, 0, sizeof rp);
@@ -233,14 +233,25 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
     if (out) { /* what the request cost, for tests of the counters */
-        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K}", "block_reads", c.block_reads, "block_bytes", c.block_bytes,
-                                         "block_failures", c.block_failures);
+        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "block_reads", c.block_reads, "block_bytes",
+                                         c.block_bytes, "block_failures", c.block_failures, "record_reads",
+                                         c.record_reads, "record_bytes", c.record_bytes, "record_failures",
+                                         c.record_failures);
         PyObject *both = counts ? PyTuple_Pack(3, PyTuple_GET_ITEM(out, 0), PyTuple_GET_ITEM(out, 1), counts) : NULL;
         Py_XDECREF(counts);
         Py_DECREF(out);
         out = both;
     }
     return out;
+}
+
+static PyObject *set_scan(PyObject *self, PyObject *on)
+{
+    int v = PyObject_IsTrue(on);
+    if (v < 0)
+        return NULL;
+    dlfs_set_scan(v);
+    Py_RETURN_NONE;
 }
 
 static PyObject *engine_stats(PyObject *self, PyObject *unused)
@@ -250,9 +261,10 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}", "requests",
-        s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
-        s.c.block_failures,
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}",
+        "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
+        s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
+        s.c.record_failures,
         "answered", s.c.answered, "forwarded", s.c.forwarded, "lookups", s.c.lookups, "getattrs", s.c.getattrs,
         "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
@@ -274,6 +286,7 @@ static PyMethodDef methods[] = {
      "answer(sections, request, *, timeout, statfs_blocks, statfs_files, xattr_name, xattr_value) -> "
      "(kind, reply): one FUSE request as the serving threads answer it (kind: answered, forward, no_reply)."},
     {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
+    {"set_scan", set_scan, METH_O, "Scan mode on or off: serving threads read whole small local records themselves."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
     {"fuse_hooked", fuse_hooked, METH_NOARGS,
      "True once pyfuse3's session was created through the hook, so READ carries the inode as fh."},
@@ -297,7 +310,8 @@ static int add_layout(PyObject *m)
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && (dlfs_direct_add_types(m) < 0 || add_layout(m) < 0))
+    if (m && (dlfs_direct_add_types(m) < 0 || add_layout(m) < 0 ||
+              PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);
     return m;

@@ -48,9 +48,9 @@ struct uring_cmd_req {
 };
 enum { CMD_REGISTER = 1, CMD_COMMIT_AND_FETCH = 2 };
 
-#define ENTRIES 4                       /* requests one CPU's queue holds at once */
-#define PAYLOAD ((1 << 20) + 4096)      /* >= the kernel's max payload (max_write, max_pages) */
-#define SCRATCH (128 << 10)
+#define ENTRIES DLFS_URING_ENTRIES
+#define PAYLOAD DLFS_URING_PAYLOAD
+#define SCRATCH DLFS_REPLY_SCRATCH
 #define WAKE_TAG 0xffffffffu            /* user_data of the eventfd read */
 #define REGISTER_TRIES 10000            /* 1 ms apart: INIT must be answered first */
 

@@ -16,7 +16,7 @@ import fusewire as fw
 import pytest
 
 from dlfs.data.store import chunk_path
-from dlfs.format.chunk import ChunkWriter
+from dlfs.format.chunk import FLAG_LZ4, ChunkWriter
 from dlfs.format.index import DIRENT, Index, IndexWriter
 from dlfs.native import native
 
@@ -227,7 +227,8 @@ def test_random_reads_of_local_chunks_are_read_and_checked_block_by_block(tmp_pa
         first, last = start // 4096, (min(start + 4096, len(rec)) - 1) // 4096
         span = min((last + 1) * 4096, len(rec)) - first * 4096  # whole blocks, the record's last one short
         # The record's whole sum table is read the first time (a serving thread keeps it): 8 B a block.
-        assert counts == {"block_reads": 1, "block_bytes": span + 8 * -(-len(rec) // 4096), "block_failures": 0}
+        assert counts == {"block_reads": 1, "block_bytes": span + 8 * -(-len(rec) // 4096), "block_failures": 0,
+                          "record_reads": 0, "record_bytes": 0, "record_failures": 0}
     assert read(1000, 64 << 10)[0] == "answered"
     assert read(1000, (64 << 10) + 1)[0] == "forward"  # read-ahead size: Python fetches windows
     assert read(299_000, 4096)[0] == "forward"  # across two records
@@ -241,6 +242,56 @@ def test_random_reads_of_local_chunks_are_read_and_checked_block_by_block(tmp_pa
     assert read(5 * 4096, 4096)[1] == whole[5 * 4096 : 6 * 4096]
     path.unlink()  # the chunk is held elsewhere
     assert read(5 * 4096, 4096)[0] == "forward"
+
+
+def test_scan_mode_reads_whole_small_local_records_and_checks_them(tmp_path: Path) -> None:
+    # With read-ahead out of room (scan mode), a READ of a whole small file of a local chunk is read from
+    # the chunk file and checked against the record's checksum here; otherwise, or when the bytes are
+    # bad, a read of part of the file, or a compressed record, it goes to Python.
+    rng = random.Random(5)
+    small = [rng.randbytes(100_000), rng.randbytes(200_000), b"z" * 50_000]
+    c = ChunkWriter(1 << 20)
+    recs = [c.add(small[0], compress=False), c.add(small[1], compress=False), c.add(small[2], compress=True)]
+    assert not any(r.has_block_sums for r in recs) and recs[2].flags & FLAG_LZ4
+    cid, data = c.finish()
+    chunks = tmp_path / "chunks"
+    path = chunk_path(chunks, cid)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bytes(data))
+    w = IndexWriter(4, 1 << 20)
+    for r in recs:
+        w.add_extent(0, r)
+    w.add_chunk(cid, len(data), 0, 3)
+    ref, n = w.add_dirents([(b"a", 2), (b"b", 3), (b"c", 4)])
+    w.set_inode(1, DIR, 0, 0, 2, 0, 0, ref, n, 1)
+    for ino, (i, blob) in zip((2, 3, 4), enumerate(small)):
+        w.set_inode(ino, REG, 0, 0, 1, len(blob), 0, i, 1, 1)
+    ix = write_index(tmp_path / "s.idx", w)
+
+    def read(ino: int, off: int, size: int) -> tuple[str, bytes, dict[str, int]]:
+        kind, raw, counts = native.answer(ix.sections(), fw.request(fw.READ, ino, fw.read_in(off, size)),
+                                          local_dir=os.fsencode(chunks))
+        return kind, fw.reply(raw).body if kind == "answered" else b"", counts
+
+    try:
+        native.set_scan(False)
+        assert read(2, 0, 128 << 10)[0] == "forward"  # read-ahead has room: Python fetches the window
+        native.set_scan(True)
+        kind, body, counts = read(2, 0, 128 << 10)
+        assert kind == "answered" and body == small[0]
+        assert (counts["record_reads"], counts["record_bytes"]) == (1, 100_000)
+        assert read(3, 0, 256 << 10)[1] == small[1]
+        assert read(3, 0, 128 << 10)[0] == "forward"  # part of the record: its checksum covers it all
+        assert read(2, 4096, 128 << 10)[0] == "forward"
+        assert read(4, 0, 128 << 10)[0] == "forward"  # compressed: Python decodes it
+        blob = bytearray(path.read_bytes())
+        blob[recs[0].offset + 77_777] ^= 1
+        path.write_bytes(bytes(blob))
+        kind, _, counts = read(2, 0, 128 << 10)
+        assert kind == "forward" and counts["record_failures"] == 1 and counts["record_reads"] == 0
+        assert read(3, 0, 256 << 10)[1] == small[1]  # the damage is record 0's alone
+    finally:
+        native.set_scan(False)
 
 
 def test_c_reads_the_layout_python_writes() -> None:

@@ -13,10 +13,20 @@ from pathlib import Path
 import pytest
 from conftest import DLFS, REPO, dlfs_env
 
-from dlfs.bench import baselines, scale
+from dlfs.bench import baselines, memory, scale
 from dlfs.bench.baselines import mounts_under
-from dlfs.bench.report import bigfile_targets, epoch_targets, format_report, format_targets, target
+from dlfs.bench.report import (
+    bigfile_targets,
+    epoch_targets,
+    format_memory,
+    format_report,
+    format_targets,
+    memory_targets,
+    target,
+    targets,
+)
 from dlfs.bench.run import FORMAT, PASSES, bench_options, check_space, parse_counts
+from dlfs.cgroup import MemoryGroup
 from dlfs.errors import StorageFull, UsageError
 from dlfs.format.index import ROOT_INO, Index
 from dlfs.procs import running
@@ -125,7 +135,7 @@ def test_epoch_targets_of_reader_counts_not_run_are_not_measured() -> None:
     rows = epoch_targets(_epochs(["1"], dlfs_warm=20_000, dlfs_cold=2000, dlfs_cpu=50.0))
     assert [(t["value"], t["met"]) for t in rows] == [(None, None), (None, None), (None, None), (0.5, True)]
     lines = format_targets(rows + [target("something else", 3.0, 1.0, "x", op="<=")])
-    assert lines[1].startswith("TARGETS (issues 4, 5, 12)")
+    assert lines[1].startswith("TARGETS (issues 4, 5, 12, 13)")
     assert sum("n/a (not measured)" in line for line in lines) == 3
     assert lines[-2].endswith("FAIL") and lines[-3].endswith("pass")
     assert lines[-1] == "  1 of 2 targets met; 3 not measured in this run (see --readers)"
@@ -150,12 +160,14 @@ def test_bigfile_targets_are_issue_12s() -> None:
 def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_path: Path) -> None:
     work, report = tmp_path / "work", tmp_path / "out.json"
     proc = subprocess.run([*DLFS, "bench", "--quick", "--files", "300", "--readers", "1", "--scale", "2000,5000",
-                           "--dir", str(work), "--json", str(report)], env=dlfs_env(tmp_path / "unused-home"),
+                           "--no-memory", "--dir", str(work), "--json", str(report)],
+                          env=dlfs_env(tmp_path / "unused-home"),
                           capture_output=True, text=True, timeout=170, cwd=REPO, check=False)
     try:
         assert proc.returncode == 0, proc.stderr
         out = json.loads(report.read_text())
-        assert out["format"] == FORMAT == 2 and out["passes"] == PASSES
+        assert out["format"] == FORMAT == 3 and out["passes"] == PASSES
+        assert "memory" not in out  # --no-memory
         assert set(out["reads"]) == {"open", "raw"}
         assert out["dataset"]["files"] == 300 and out["dataset"]["generated"]
         assert out["verify"] == {"files": 300, "bytes": out["dataset"]["bytes"], "errors": 0}
@@ -209,7 +221,7 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         assert isinstance(by_name["mount CPU per cold file, 1 reader: dlfs / squashfuse_ll"]["met"], bool)
         # The printed report is the JSON's, every figure of it.
         assert proc.stdout.rstrip("\n") == format_report(out)
-        for title in ("TARGETS (issues 4, 5, 12)", "EPOCH", "CPU µs/file", "BIG FILES", "DIRECT",
+        for title in ("TARGETS (issues 4, 5, 12, 13)", "EPOCH", "CPU µs/file", "BIG FILES", "DIRECT",
                       "warm, raw, 1 reader"):
             assert title in proc.stdout, title
     finally:
@@ -244,3 +256,227 @@ def check_bigfiles(big: dict) -> None:
     mount = big["pread"]["dlfs"]
     assert mount["mount_read_bytes"] >= mount["bytes_served"] > 0 and mount["mount_fetches"] > 0
     assert mount["mount_read_ratio"] == mount["mount_read_bytes"] / mount["bytes_served"]
+
+
+# --- bigger than memory (issue 13) ---------------------------------------------------------------------------
+MiB = 1 << 20
+MEMORY_TARGETS = ["bigger than memory: FUSE epoch, 2 readers: completes, no OOM kill",
+                  "bigger than memory: FUSE epoch, 2 readers: dlfs / local disk, same cgroup",
+                  "bigger than memory: dlfs.direct random: completes, no OOM kill, bytes ok",
+                  "bigger than memory: dlfs.direct + chunk-local sampler / local disk",
+                  "bigger than memory: mount's peak anon+shmem / (cache + 64 MiB + index)"]
+
+
+def test_memory_options_and_their_errors() -> None:
+    full, quick = (bench_options(".bench", None, None, None, None, quick=q) for q in (False, True))
+    assert (full.memory, full.memory_limit, full.only) == (True, 1 << 30, None)
+    assert (quick.memory, quick.memory_limit) == (True, 256 * MiB)
+    mine = bench_options(".bench", None, None, None, None, quick=True, memory_limit="512M", only="memory")
+    assert (mine.memory_limit, mine.only) == (512 * MiB, ["memory"])
+    assert not bench_options(".bench", None, None, None, None, quick=False, memory=False).memory
+    with pytest.raises(UsageError, match="--memory-limit must be at least 128 MiB"):
+        bench_options(".bench", None, None, None, None, quick=False, memory_limit="64M")
+    with pytest.raises(UsageError, match="not a size"):
+        bench_options(".bench", None, None, None, None, quick=False, memory_limit="lots")
+    with pytest.raises(UsageError, match="--only takes memory"):
+        bench_options(".bench", None, None, None, None, quick=False, only="epoch")
+    with pytest.raises(UsageError, match="--no-memory"):
+        bench_options(".bench", None, None, None, None, quick=False, memory=False, only="memory")
+
+
+def _row(key: str, files_per_s: float | None, *, oom: int = 0, bad: int = 0, status: str = "ok",
+         peak: float | None = None, bound: int = 320 * MiB) -> dict:
+    """One row as the section records it: 22,450 files of 2.47 GB; `files_per_s` None for a pass that did not
+    complete; `peak` the mount's anon+shmem peak as a fraction of `bound` (dlfs rows)."""
+    completed = files_per_s is not None
+    mount = None
+    if key in memory.DLFS_ROWS:
+        mount = {"pid": 4242, "peak_anon": int(0.1 * (peak or 0) * bound), "peak_shmem": int(0.9 * (peak or 0) * bound),
+                 "peak_anon_shmem": int((peak or 0) * bound), "samples": 300, "exited": not completed,
+                 "alive": completed, "bound_bytes": bound, "vs_bound": peak}
+    elif key == "squashfuse_ll":
+        mount = {"pid": 4241, "peak_anon": 1 * MiB, "peak_shmem": 0, "peak_anon_shmem": 1 * MiB, "samples": 300,
+                 "exited": False, "alive": True}
+    return {"label": memory.ROWS[key], "how": memory.HOW[key], "completed": completed, "status": status,
+            "files": 22_450 if completed else 900, "bytes": 2_470_000_000 if completed else 99_000_000,
+            "seconds": 22_450 / files_per_s if files_per_s else None, "files_per_s": files_per_s,
+            "mb_per_s": 2470 / (22_450 / files_per_s) if files_per_s else None,
+            "vs_local": files_per_s / 2000 if files_per_s else None, "oom_kills": oom,
+            "bytes_ok": bad == 0, "bad_files": bad, "bad_examples": ["train/n1/n1_7.JPEG"] if bad else [],
+            "errors": 0, "error_examples": [], "hash_s": 0.2, "mount": mount, "group_peak_unreclaimable": 400 * MiB}
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of a row of format_memory's table (fixed widths)."""
+    cells, at = [], 2
+    for width in (25, 27, 9, 9, 10, 11, 26, 18, 10):
+        cells.append(line[at : at + width].strip())
+        at += width
+    return cells
+
+
+def _memory(rows: dict[str, dict]) -> dict:
+    return {"limit_bytes": 1 << 30, "readers": 2, "batch": 256, "mount_slack_bytes": 64 * MiB,
+            "group": "/sys/fs/cgroup/memory/dlfs-bench-memory", "cgroup_version": 1,
+            "dataset": {"src": "/b/memory-sample", "files": 22_450, "bytes": 2_470_000_000, "ratio": 2.3,
+                        "generated": True},
+            "cache_bytes": 252 * MiB, "cache_from": "as the mount publishes it", "index_bytes": 4 * MiB,
+            "bound_bytes": 320 * MiB, "rows": rows, "wall_s": 190.0}
+
+
+def test_memory_targets_pass_on_a_good_run_and_the_table_shows_it() -> None:
+    mem = _memory({"local": _row("local", 2000.0), "squashfuse_ll": _row("squashfuse_ll", 900.0),
+                   "fuse": _row("fuse", 1700.0, peak=0.9), "direct_random": _row("direct_random", 1500.0, peak=0.95),
+                   "direct_chunk": _row("direct_chunk", 4200.0, peak=1.0)})
+    rows = memory_targets(mem)
+    assert [t["target"] for t in rows] == MEMORY_TARGETS
+    assert [(t["value"], t["met"]) for t in rows] == [(True, True), (0.85, True), (True, True), (2.1, True),
+                                                      (1.0, True)]
+    assert [t["op"] for t in rows] == ["==", ">=", "==", ">=", "<="]
+    lines = format_memory(mem)
+    assert lines[1] == ("BIGGER THAN MEMORY (1 GiB cgroup, dataset 2.47 GB = 2.30x the limit: 22,450 files, "
+                        "generated in /b/memory-sample)")
+    assert lines[3] == "  mount bound: cache 252 MiB (as the mount publishes it) + 64 MiB + index 4.2 MB = 320 MiB"
+    table = lines[5:10]
+    assert [line[2:27].rstrip() for line in table] == list(memory.ROWS.values())
+    assert _cells(table[2]) == ["dlfs FUSE", 'open(p, "rb"), 2 readers', "1,700", "187.0", "0.85x", "0",
+                                "288 / 320 MiB (0.90x)", "400 MiB", "yes"]
+    assert _cells(table[0])[4:] == ["1.00x", "0", "-", "400 MiB", "yes"]  # local disk: no mount
+    assert _cells(table[1])[4:7] == ["0.45x", "0", "1 MiB"]  # squashfuse_ll: its memory, no bound
+    assert _cells(table[4])[2:7] == ["4,200", "462.1", "2.10x", "0", "320 / 320 MiB (1.00x)"]
+    assert not any(line.startswith("  dlfs") and ": " in line for line in lines[10:])  # no failure notes
+    # In a whole report of --only memory, with its targets.
+    out = {"date": "2026-12-03T16:37:08+00:00", "quick": False, "only": ["memory"],
+           "machine": {"nproc": 2, "cpu": "AMD EPYC", "memory_bytes": 24 << 30, "system": "Linux", "kernel": "6.18"},
+           "passes": {"memory": PASSES["memory"]}, "memory": mem, "wall_s": 190.0}
+    out["targets"] = targets(out)
+    assert out["targets"] == rows  # only the memory section's
+    report = format_report(out)
+    assert report.startswith("dlfs bench  2026-12-03T16:37:08+00:00  (--only memory)\n")
+    assert "\n".join(lines) in report and "  5 of 5 targets met" in report
+
+
+def test_memory_targets_fail_on_oom_kills_wrong_bytes_and_slow_or_big_mounts() -> None:
+    died = "a reader died (exit -9) (1 OOM kill in the group)"
+    mem = _memory({"local": _row("local", 2000.0), "squashfuse_ll": _row("squashfuse_ll", 900.0),
+                   "fuse": _row("fuse", None, oom=1, status=died, peak=0.8),
+                   "direct_random": _row("direct_random", 1500.0, bad=3, peak=0.9,
+                                         status="wrong bytes in 3 files, e.g. train/n1/n1_7.JPEG"),
+                   "direct_chunk": _row("direct_chunk", 3900.0, peak=1.1)})
+    rows = memory_targets(mem)
+    # The FUSE pass did not complete: its ratio is 0 (it reached nothing), not "not measured".
+    assert [(t["value"], t["met"]) for t in rows] == [(False, False), (0.0, False), (False, False), (1.95, False),
+                                                      (1.1, False)]
+    lines = format_memory(mem)
+    assert f"  dlfs FUSE: {died}" in lines
+    assert "  dlfs.direct random: wrong bytes in 3 files, e.g. train/n1/n1_7.JPEG" in lines
+    fuse = _cells(next(line for line in lines if line.startswith("  dlfs FUSE ")))
+    assert fuse[2:7] == ["-", "-", "-", "1", "256 / 320 MiB (0.80x)"]  # no rate for a pass that did not finish
+    assert _cells(next(line for line in lines if line.startswith("  dlfs.direct random ")))[-1] == "NO (3)"
+    printed = format_targets(rows)
+    assert sum(line.endswith("FAIL") for line in printed) == 5 and printed[-1] == "  0 of 5 targets met"
+    assert printed[2].split()[-3:] == ["no", "yes", "FAIL"]
+    # A direct pass OOM-killed but with the right bytes so far still fails its target; so does a chunk-local one.
+    mem["rows"]["direct_random"] = _row("direct_random", None, oom=1, status="the mount died (1 OOM kill in the group)")
+    assert memory_targets(mem)[2]["met"] is False
+    # Without a local disk figure the ratios are not measured.
+    mem["rows"]["local"] = _row("local", None, status="timed out after 368 s")
+    assert [t["met"] for t in memory_targets(mem)] == [False, None, False, None, False]
+
+
+def test_memory_section_skipped_or_failed_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    out = memory.run_bigger_than_memory(tmp_path, 1 << 30, said.append)
+    assert out["skipped"] == "needs root to make a memory cgroup"
+
+    def refuse(cls: type, name: str, limit: int) -> MemoryGroup:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(MemoryGroup, "create", classmethod(refuse))
+    out = memory.run_bigger_than_memory(tmp_path, 256 * MiB, said.append)
+    assert out == {"limit_bytes": 256 * MiB, "readers": 2, "batch": 256, "mount_slack_bytes": 64 * MiB,
+                   "skipped": "no memory cgroup could be made here: Permission denied"}
+    assert said == ["memory: skipped, no memory cgroup could be made here: Permission denied"]
+    assert [(t["value"], t["met"]) for t in memory_targets(out)] == [(None, None)] * 5
+    assert format_memory(out) == ["", "BIGGER THAN MEMORY (256 MiB cgroup)",
+                                  "  skipped: no memory cgroup could be made here: Permission denied"]
+    failed = {**_memory({"local": _row("local", 2000.0)}), "error": "DlfsError: `dlfs ingest` exited 7: disk full"}
+    assert [t["met"] for t in memory_targets(failed)] == [None] * 5
+    lines = format_memory(failed)
+    assert "  failed: DlfsError: `dlfs ingest` exited 7: disk full" in lines
+    assert any(line.startswith("  local disk ") for line in lines)  # what was measured before the failure
+
+
+def _cgroup_reason() -> str | None:
+    """Why no memory cgroup can be made here, or None where one can."""
+    if not CAN_BENCH:
+        return "needs root, /dev/fuse, mksquashfs, squashfuse_ll and fusermount3"
+    try:
+        MemoryGroup.create("dlfs-test-probe", 192 * MiB).remove()
+    except OSError as exc:
+        return f"no memory cgroup can be made here: {exc}"
+    return None
+
+
+@pytest.mark.timeout(150)
+def test_memory_section_runs_in_a_small_cgroup_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    reason = _cgroup_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    work, report = tmp_path / "work", tmp_path / "out.json"
+    proc = subprocess.run([*DLFS, "bench", "--only", "memory", "--memory-limit", "160M", "--dir", str(work),
+                           "--json", str(report)], env=dlfs_env(tmp_path / "unused-home"),
+                          capture_output=True, text=True, timeout=140, cwd=REPO, check=False)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(report.read_text())
+        assert out["format"] == FORMAT and out["only"] == ["memory"] and set(out["passes"]) == {"memory"}
+        assert not {"epoch", "metadata", "bigfiles", "direct"} & set(out)
+        mem = out["memory"]
+        assert "error" not in mem and "skipped" not in mem, mem
+        assert mem["limit_bytes"] == 160 * MiB and mem["cgroup_version"] in (1, 2)
+        d = mem["dataset"]
+        assert d["generated"] and d["src"] == str(work / "memory-sample-160mib") and 2.0 <= d["ratio"] <= 3.0
+        assert d["bytes"] == sum(os.path.getsize(work / "memory-sample-160mib" / r) for r in memory.list_files(d["src"]))
+        # The mount's bound: its cache (default options: a quarter of the group's limit, at least 64 MiB), 64 MiB
+        # and its index.
+        assert 56 * MiB <= mem["cache_bytes"] <= 64 * MiB and 0 < mem["index_bytes"] < 2 * MiB
+        assert mem["bound_bytes"] == mem["cache_bytes"] + 64 * MiB + mem["index_bytes"]
+        rows = mem["rows"]
+        assert list(rows) == list(memory.ROWS)
+        local = rows["local"]
+        assert (local["completed"], local["status"], local["oom_kills"], local["bytes_ok"]) == (True, "ok", 0, True)
+        assert local["vs_local"] == 1.0 and local["mount"] is None
+        for key, r in rows.items():
+            assert r["label"] == memory.ROWS[key]
+            if r["completed"]:  # every file, the right bytes, a rate
+                assert (r["files"], r["bytes"], r["errors"]) == (d["files"], d["bytes"], 0), key
+                assert r["files_per_s"] > 0 and r["vs_local"] == pytest.approx(r["files_per_s"] / local["files_per_s"])
+                assert r["bytes_ok"] and r["status"] == ("ok" if r["oom_kills"] == 0 else r["status"]), key
+            else:  # a reason, and no rate
+                assert r["status"] != "ok" and r["files_per_s"] is None and r["vs_local"] is None, key
+            if r["oom_kills"]:
+                assert "OOM kill" in r["status"], key
+            if key != "local":  # the serving process was watched all along
+                m = r["mount"]
+                assert m["samples"] > 0 and m["peak_anon_shmem"] >= max(m["peak_anon"], m["peak_shmem"]) > 0, key
+                assert m["alive"] == (not m["exited"]) or not r["completed"], key
+                assert (m.get("bound_bytes") == mem["bound_bytes"]) == (key in memory.DLFS_ROWS), key
+            assert r["group_peak_unreclaimable"] > 0, key
+        assert rows["fuse"]["mount"]["peak_shmem"] > 0  # the cache's memfd, mapped by the mount
+        names = [t["target"] for t in out["targets"]]
+        assert names == MEMORY_TARGETS and all(isinstance(t["met"], bool) for t in out["targets"])
+        assert proc.stdout.rstrip("\n") == format_report(out)
+        assert "BIGGER THAN MEMORY (160 MiB cgroup, dataset" in proc.stdout
+    finally:
+        left = mounts_under(tmp_path)
+        for mnt in left:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        node = work / "memory" / "home" / "run" / "node.json"
+        pid = json.loads(node.read_text())["pid"] if node.exists() else 0
+        group = Path(json.loads(report.read_text())["memory"].get("group", "/nonexistent")) if report.exists() else None
+    assert left == [] and not running(pid)
+    assert group is not None and not group.exists()  # the cgroup is removed

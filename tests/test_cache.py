@@ -289,3 +289,80 @@ async def test_records_the_kernel_had_come_back_a_window_at_a_time(tmp_path: Pat
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
         assert cache.fetches - first == first, (first, cache.fetches)  # the same windows, once each
         n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(tmp_path: Path, monkeypatch) -> None:
+    # A dlfs.direct batch that pins every slab: the next misses fetch their record alone into memory of
+    # its own, and what the cache keeps of that stays under OWN_MEMORY (it once grew to the whole cache).
+    import dlfs.client.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "OWN_MEMORY", 3 * 20_000)
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(30 + i, [20_000] * 8) for i in range(8)])
+        cache = ChunkCache(index, client, capacity=4 * SLAB, readahead=SLAB, prefetch=False)
+        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)  # lands in slabs
+        assert cache.shared is not None, "needs dlfs's C helper"
+        for ext in range(0, 4 * 8, 8):  # one record of each of 4 chunks: a window, a slab each
+            assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
+            where = cache.where(ext)
+            assert where is not None
+            cache.shared.pin_for(0, where[0])
+        most = 0
+        for ext in range(4 * 8, len(payloads)):
+            assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
+            most = max(most, cache.stats()["own_bytes"])
+        assert 0 < most <= 3 * 20_000, most
+        assert cache.fetches == 4 + len(payloads) - 4 * 8, "pinned: each record alone, no window"
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_free_slabs_go_back_to_the_kernel_and_pressure_sheds_read_ahead(tmp_path: Path) -> None:
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(40 + i, [20_000] * 8) for i in range(6)])
+        cache = ChunkCache(index, client, capacity=16 * SLAB, readahead=SLAB, prefetch=False)
+        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)  # lands in slabs
+        for ext in range(len(payloads)):  # every window fetched, then the kernel has it all
+            got = await cache.record(ext)
+            cache.consume(ext, len(got))
+        assert cache.stats()["cached_bytes"] == 0
+
+        def allocated() -> int:  # the memfd's pages, whoever maps them
+            assert cache.arena_fd is not None
+            return os.fstat(cache.arena_fd).st_blocks * 512
+
+        before = allocated()
+        given = cache.trim()
+        assert before >= 60_000 and given >= before and cache.trim() == 0  # nothing left to give the second time
+        assert allocated() == 0, (before, given)
+        # Memory pressure: read-ahead not yet read is dropped, and its slabs go back too.
+        for ext in range(0, len(payloads), 8):
+            assert bytes(await cache.record(ext)) == payloads[ext]
+        held = cache.stats()["cached_bytes"]
+        assert held > 0
+        assert cache.shed(held) >= held and cache.stats()["cached_bytes"] == 0
+        assert bytes(await cache.record(1)) == payloads[1]  # a slab given back is used again, faulted in afresh
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_window_once(tmp_path: Path) -> None:
+    # dlfs.direct clients read records without consuming them: a miss makes room by dropping the oldest
+    # windows, rather than sending its window to the small scratch area where it was dropped before its
+    # records were asked for.
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(50 + i, [20_000] * 8) for i in range(12)])
+        cache = ChunkCache(index, client, capacity=8 * SLAB, readahead=SLAB, prefetch=False)
+        windows = {cache._window(e) for e in range(len(payloads))}
+        rng = random.Random(3)
+        for c in range(0, 12, 2):  # two chunks at a time, their records shuffled (ChunkLocalSampler's way)
+            part = list(range(c * 8, (c + 2) * 8))
+            rng.shuffle(part)
+            for ext in part:
+                assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
+        assert cache.fetches == len(windows), (cache.fetches, len(windows))
+        n.cancel_scope.cancel()

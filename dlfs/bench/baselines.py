@@ -210,10 +210,14 @@ class SquashfuseLL(System):
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def wrap(self, argv: list[str]) -> list[str]:
+        """How the server's command line is run (a subclass may start it inside a memory group)."""
+        return argv
+
     def mount(self) -> None:
         # -f: stays our child, so its pid is known for CPU accounting (and it is multi-threaded as usual).
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(["squashfuse_ll", "-f", str(self.image), str(self.root)],
+            self.proc = subprocess.Popen(self.wrap(["squashfuse_ll", "-f", str(self.image), str(self.root)]),
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
         self.mounted = True
         _wait_mounted(self.root, self.proc, "squashfuse_ll")
@@ -260,10 +264,15 @@ class DlfsNode:
         self.env = dict(os.environ, DLFS_HOME=str(home))
         self.env.pop("DLFS_CLUSTER", None)
 
+    def wrap(self, argv: list[str]) -> list[str]:
+        """How `dlfs node` and `dlfs mount` are run (a subclass may start them inside a memory group)."""
+        return argv
+
     def cli(self, *args: str, timeout: float = CLI_TIMEOUT) -> str:
         """Run `dlfs ARGS` against this node; its stdout, or a DlfsError with its last error line."""
-        proc = subprocess.run([sys.executable, "-m", "dlfs", *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        argv = [sys.executable, "-m", "dlfs", *args]
+        proc = subprocess.run(self.wrap(argv) if args[:1] == ("mount",) else argv, env=self.env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
         if proc.returncode != 0:
             if self.proc is not None and self.proc.poll() is not None:  # the cause, not its symptom
                 raise DlfsError(f"the bench's dlfs node stopped (exit {self.proc.returncode}, was something else "
@@ -275,7 +284,7 @@ class DlfsNode:
     def start(self, timeout: float = 30.0) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         with open(self.home / "node.log", "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dlfs", "node", *self.transport_args()], env=self.env,
+            self.proc = subprocess.Popen(self.wrap([sys.executable, "-m", "dlfs", "node", *self.transport_args()]), env=self.env,
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         runtime = self.home / "run" / "node.json"

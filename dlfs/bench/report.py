@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlfs.bench.memory import DLFS_ROWS, size_text
 from dlfs.errors import UsageError
 
 BASELINES = ("local", "squashfuse_ll", "kernel_squashfs")
 SHORT = {"local": "local", "squashfuse_ll": "sqfs-ll", "kernel_squashfs": "kernel"}
 EPOCH_PASSES = {"cold": "cold", "warm": "warm", "warm_raw": "warm, raw"}
-TESTS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<": operator.lt, "<=": operator.le}
+TESTS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<": operator.lt, "<=": operator.le,
+                                                   "==": operator.eq}
 
 
 # --- targets --------------------------------------------------------------------------------------
@@ -31,6 +33,11 @@ def target(name: str, value: float | None, goal: float, unit: str, op: str = ">=
     """One target: its measured value against its goal; met is None where the value was not measured."""
     return {"target": name, "value": value, "goal": goal, "unit": unit, "op": op,
             "met": None if value is None else TESTS[op](value, goal)}
+
+
+def check(name: str, ok: bool | None) -> dict[str, Any]:
+    """A yes-or-no target (it completed, say); None where it was not measured."""
+    return target(name, ok, True, "", op="==")
 
 
 def _pick(by: dict[str, Any] | None, name: str, key: str) -> float | None:
@@ -97,9 +104,45 @@ def other_targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def memory_targets(mem: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 13's targets: a dataset 2.3 times a memory cgroup's limit, read in that group (n/a where
+    the section could not run, or failed part-way). A ratio of a pass that did not complete is 0: it
+    reached nothing."""
+    rows = mem.get("rows") if "error" not in mem else None
+
+    def ok(key: str, bytes_too: bool = False) -> bool | None:
+        if rows is None:
+            return None
+        r = rows[key]
+        return bool(r["completed"] and r["oom_kills"] == 0 and (r["bytes_ok"] is True or not bytes_too))
+
+    def vs_local(key: str) -> float | None:
+        if rows is None or not rows["local"]["completed"]:
+            return None
+        return rows[key]["vs_local"] if rows[key]["completed"] else 0.0
+
+    peaks = [r["mount"]["vs_bound"] for k in DLFS_ROWS if rows is not None
+             and (r := rows[k])["mount"] is not None and r["mount"]["vs_bound"] is not None]
+    where = "bigger than memory"
+    return [
+        check(f"{where}: FUSE epoch, 2 readers: completes, no OOM kill", ok("fuse")),
+        target(f"{where}: FUSE epoch, 2 readers: dlfs / local disk, same cgroup", vs_local("fuse"), 0.8, "x"),
+        check(f"{where}: dlfs.direct random: completes, no OOM kill, bytes ok", ok("direct_random", bytes_too=True)),
+        target(f"{where}: dlfs.direct + chunk-local sampler / local disk", vs_local("direct_chunk"), 2.0, "x"),
+        target(f"{where}: mount's peak anon+shmem / (cache + 64 MiB + index)", max(peaks, default=None), 1.0,
+               "x", op="<="),
+    ]
+
+
 def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issues 4, 5 and 12's targets: each a measured value, its goal, and whether it is met."""
-    return [*epoch_targets(out["epoch"]), *bigfile_targets(out["bigfiles"]), *other_targets(out)]
+    """Issues 4, 5, 12 and 13's targets: each a measured value, its goal, and whether it is met (those of
+    the sections the run had)."""
+    rows = []
+    if "epoch" in out:
+        rows += [*epoch_targets(out["epoch"]), *bigfile_targets(out["bigfiles"]), *other_targets(out)]
+    if "memory" in out:
+        rows += memory_targets(out["memory"])
+    return rows
 
 
 # --- the printed report -----------------------------------------------------------------------------
@@ -123,14 +166,32 @@ def _vs(by: dict[str, Any], r: dict[str, Any], key: str) -> str:
 
 
 def format_report(out: dict[str, Any]) -> str:
-    """The human report: header, figures with their ratios to each baseline, and the targets."""
-    m, d = out["machine"], out["dataset"]
+    """The human report: header, figures with their ratios to each baseline, and the targets (of the
+    sections the run had: all, or --only memory's)."""
+    m = out["machine"]
+    lines = [
+        f"dlfs bench  {out['date']}{'  (--quick)' if out['quick'] else ''}"
+        f"{'  (--only ' + ','.join(out['only']) + ')' if out.get('only') else ''}",
+        f"machine:  {m['nproc']} CPUs ({m['cpu'] or 'unknown model'}), {m['memory_bytes'] / 2**30:.1f} GiB memory, "
+        f"{m['system']} {m['kernel']}",
+    ]
+    if "epoch" in out:
+        lines += format_main(out)
+    else:
+        lines += ["passes:", *(f"  {k:<15} {v}" for k, v in out["passes"].items())]
+    if "memory" in out:
+        lines += format_memory(out["memory"])
+    lines += format_targets(out["targets"])
+    lines += ["", f"wall time: {out['wall_s']:.0f} s"]
+    return "\n".join(lines)
+
+
+def format_main(out: dict[str, Any]) -> list[str]:
+    """Every section but the memory one: the dataset, reads and passes, then each table."""
+    d = out["dataset"]
     labels: dict[str, str] = out["systems"]
     where = "generated ImageNet-like sample" if d["generated"] else "given source"
     lines = [
-        f"dlfs bench  {out['date']}{'  (--quick)' if out['quick'] else ''}",
-        f"machine:  {m['nproc']} CPUs ({m['cpu'] or 'unknown model'}), {m['memory_bytes'] / 2**30:.1f} GiB memory, "
-        f"{m['system']} {m['kernel']}",
         f"dataset:  {d['files']:,} files, {d['bytes'] / 1e9:.2f} GB ({where}: {d['src']})",
         *([f"dlfs:     {e['threads']} native serving threads, FUSE over io_uring {e['io_uring']}"]
           if (e := out.get("engine")) else ["dlfs:     served by Python alone (no native engine)"]),
@@ -158,9 +219,7 @@ def format_report(out: dict[str, Any]) -> str:
     lines += format_bigfiles(out)
     lines += format_direct(out)
     lines += format_scale(out)
-    lines += format_targets(out["targets"])
-    lines += ["", f"wall time: {out['wall_s']:.0f} s"]
-    return "\n".join(lines)
+    return lines
 
 
 def format_epoch(out: dict[str, Any]) -> list[str]:
@@ -259,13 +318,63 @@ def format_scale(out: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_memory(mem: dict[str, Any]) -> list[str]:
+    """The bigger-than-memory table: each epoch in the group, its rate, OOM kills, the mount's memory
+    against its bound and whether the bytes were right; why a pass failed, or why none ran."""
+    limit = size_text(mem["limit_bytes"])
+    d = mem.get("dataset")
+    if d is None:
+        why = f"skipped: {mem['skipped']}" if "skipped" in mem else f"failed before measuring: {mem.get('error')}"
+        return ["", f"BIGGER THAN MEMORY ({limit} cgroup)", f"  {why}"]
+    lines = ["", f"BIGGER THAN MEMORY ({limit} cgroup, dataset {d['bytes'] / 1e9:.2f} GB = {d['ratio']:.2f}x the "
+             f"limit: {d['files']:,} files, {'generated in' if d['generated'] else 'the bench sample'} {d['src']})",
+             f"  in the group (cgroup v{mem['cgroup_version']}): the dlfs node, each mount (default options), "
+             "squashfuse_ll and every reader; each epoch: page cache dropped, fresh mount"]
+    if mem.get("bound_bytes") is not None:
+        lines.append(f"  mount bound: cache {size_text(mem['cache_bytes'])} ({mem['cache_from']}) + "
+                     f"{size_text(mem['mount_slack_bytes'])} + index {mem['index_bytes'] / 1e6:.1f} MB = "
+                     f"{size_text(mem['bound_bytes'])}")
+    if "error" in mem:
+        lines.append(f"  failed: {mem['error']}")
+    rows = mem.get("rows") or {}
+    lines.append(f"  {'':<25}{'':<27}{'files/s':>9}{'MB/s':>9}{'vs local':>10}{'OOM kills':>11}"
+                 f"{'mount anon+shmem peak':>26}{'group anon+shmem':>18}{'bytes ok':>10}")
+    notes = []
+    for r in rows.values():
+        m = r["mount"]
+        if m is None:
+            peak = "-"
+        elif m.get("bound_bytes"):
+            peak = f"{m['peak_anon_shmem'] / 2**20:.0f} / {m['bound_bytes'] / 2**20:.0f} MiB ({m['vs_bound']:.2f}x)"
+        else:
+            peak = f"{m['peak_anon_shmem'] / 2**20:.0f} MiB"
+        ok = "-" if r["bytes_ok"] is None else "yes" if r["bytes_ok"] else f"NO ({r['bad_files']})"
+        group = r.get("group_peak_unreclaimable")
+        lines.append(f"  {r['label']:<25}{r['how']:<27}{_num(r['files_per_s']):>9}{_num(r['mb_per_s'], 1):>9}"
+                     f"{_x(r['vs_local']):>10}{r['oom_kills']:>11}{peak:>26}"
+                     f"{'-' if group is None else f'{group / 2**20:.0f} MiB':>18}{ok:>10}")
+        if r["status"] != "ok":
+            notes.append(f"  {r['label']}: {r['status']}")
+    lines += notes
+    lines.append("  every file once in a random order (chunk-local: the ChunkLocalSampler's); bytes checked against "
+                 "xxh3 of the source, the hashing left out of the time;")
+    lines.append("  memory sampled every 50 ms: the mount's RssAnon + RssShmem (/proc/PID/status), the group's "
+                 "anon + shmem (memory.stat)")
+    return lines
+
+
 def format_targets(rows: list[dict[str, Any]]) -> list[str]:
     """The targets block: each target's value, goal and result (pass, FAIL, or n/a where not measured)."""
-    lines = ["", f"{'TARGETS (issues 4, 5, 12)':<76}{'measured':>10}{'goal':>9}  result"]
+    lines = ["", f"{'TARGETS (issues 4, 5, 12, 13)':<76}{'measured':>10}{'goal':>9}  result"]
     for t in rows:
-        value = "-" if t["value"] is None else f"{t['value']:.{0 if t['unit'] == 'B' else 2}f}{t['unit']}"
+        if isinstance(t["goal"], bool):  # a yes-or-no target (check())
+            value = "-" if t["value"] is None else ("yes" if t["value"] else "no")
+            goal = "yes"
+        else:
+            value = "-" if t["value"] is None else f"{t['value']:.{0 if t['unit'] == 'B' else 2}f}{t['unit']}"
+            goal = t["op"] + " " + format(t["goal"], "g") + t["unit"]
         result = {True: "pass", False: "FAIL", None: "n/a (not measured)"}[t["met"]]
-        lines.append(f"  {t['target']:<74}{value:>10}{t['op'] + ' ' + format(t['goal'], 'g') + t['unit']:>9}  {result}")
+        lines.append(f"  {t['target']:<74}{value:>10}{goal:>9}  {result}")
     measured = [t for t in rows if t["met"] is not None]
     unmeasured = len(rows) - len(measured)
     lines.append(f"  {sum(t['met'] for t in measured)} of {len(measured)} targets met"

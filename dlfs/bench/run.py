@@ -43,14 +43,18 @@ from dlfs.bench.baselines import (
 from dlfs.bench.bigfiles import PREAD_SIZE, run_bigfiles
 from dlfs.bench.direct import TORCH_KINDS, run_direct
 from dlfs.bench.epoch import MARKER, READS, list_files, timed_epoch, verify_system
+from dlfs.bench.memory import DEFAULT_LIMIT, MIN_LIMIT, QUICK_LIMIT, run_bigger_than_memory, size_text
 from dlfs.bench.report import check_plotting, format_report, targets, write_plot
 from dlfs.bench.sample import make_sample, make_shards
 from dlfs.errors import StorageFull, UsageError
+from dlfs.units import parse_size
 
 __all__ = ["BenchOptions", "bench_options", "check_plotting", "format_report", "run_bench", "write_plot"]
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # of the JSON report: 2 added epoch["warm_raw"], each epoch row's read and CPU per file, bigfiles, engine
+# Of the JSON report: 2 added epoch["warm_raw"], each epoch row's read and CPU per file, bigfiles, engine;
+# 3 added memory (and only, for a run of some sections).
+FORMAT = 3
 DATASET = "bench"
 BIG_DATASET = "bench-shards"
 MEAN_SIZE = 110_000
@@ -85,7 +89,11 @@ PASSES = {
              "views: " + TORCH_KINDS["views"] + "; tensor: " + TORCH_KINDS["tensor"],
     "two_jobs": "two processes, each a whole epoch in its own random order, at once on a fresh mount, "
                 "page cache dropped",
+    "memory": "bigger than memory: a memory cgroup the bench makes (--memory-limit) and a dataset 2-3x its limit; "
+              "the dlfs node, the mounts, squashfuse_ll and the readers all in it; each epoch after the page cache "
+              "was dropped, on a fresh mount; bytes checked against xxh3 of the source",
 }
+SECTIONS = ("memory",)  # what --only can pick
 Say = Callable[[str], None]
 
 
@@ -103,6 +111,9 @@ class BenchOptions:
     big_files: int = BIG_FILES
     big_file_size: int = BIG_FILE_SIZE
     preads: int = PREADS
+    memory: bool = True  # the bigger-than-memory section
+    memory_limit: int = DEFAULT_LIMIT  # its cgroup's limit
+    only: list[str] | None = None  # these sections alone (SECTIONS)
 
 
 def parse_counts(text: str, what: str) -> list[int]:
@@ -117,19 +128,30 @@ def parse_counts(text: str, what: str) -> list[int]:
 
 
 def bench_options(work_dir: str, src: str | None, files: int | None, readers: str | None, scale_sizes: str | None,
-                  quick: bool, transport: str | None = None, io_uring: str | None = None) -> BenchOptions:
+                  quick: bool, transport: str | None = None, io_uring: str | None = None,
+                  memory_limit: str | None = None, memory: bool = True, only: str | None = None) -> BenchOptions:
     """The options of a run, from the command line's; --quick changes only the defaults."""
     if src is not None and files is not None:
         raise UsageError("--files sizes the generated sample; with --src the source decides")
     if files is not None and files < 1:
         raise UsageError("--files must be at least 1")
+    sections = [x.strip() for x in only.split(",") if x.strip()] if only is not None else None
+    if sections is not None and (not sections or any(x not in SECTIONS for x in sections)):
+        raise UsageError(f"--only takes {', '.join(SECTIONS)} (got {only!r})")
+    if sections and "memory" in sections and not memory:
+        raise UsageError("--only memory runs the section that --no-memory leaves out")
+    limit = parse_size(memory_limit) if memory_limit is not None else QUICK_LIMIT if quick else DEFAULT_LIMIT
+    if limit < MIN_LIMIT:
+        raise UsageError(f"--memory-limit must be at least {size_text(MIN_LIMIT)}: a dlfs node, a mount and two "
+                         "Python readers need about that")
     default_files, default_readers, default_scale = ((4000, "1,2", "10000,100000") if quick
                                                      else (DEFAULT_FILES, "1,2,4", "100000,1000000"))
     big_files, big_file_size = (QUICK_BIG_FILES, QUICK_BIG_FILE_SIZE) if quick else (BIG_FILES, BIG_FILE_SIZE)
     return BenchOptions(Path(work_dir), Path(src) if src else None, files or default_files,
                         parse_counts(readers or default_readers, "--readers"),
                         parse_counts(scale_sizes or default_scale, "--scale"), quick, transport=transport,
-                        big_files=big_files, big_file_size=big_file_size, io_uring=io_uring)
+                        big_files=big_files, big_file_size=big_file_size, io_uring=io_uring, memory=memory,
+                        memory_limit=limit, only=sections)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -139,6 +161,8 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
     check_machine()
     work = opts.work_dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
+    if opts.only:
+        return run_sections(opts, work, say, t_start)
     mnt_base, image, big_image = work / "mnt", work / "squash.img", work / "shards.img"
     node = DlfsNode(work / "home", opts.transport, opts.io_uring)
     # What an interrupted earlier run may have left: its mounts, its node, its state and images.
@@ -207,9 +231,43 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
         out["scale"] = {"per_dir": scale.PER_DIR, "points": [p.to_json() for p in points],
                         "rss_bytes_per_file": scale.bytes_per_file(points),
                         "rss_bytes_per_file_remount": scale.bytes_per_file(points, remount=True)}
+    if opts.memory:  # after the main node is gone: nothing else runs beside the group
+        with _sigterm_as_interrupt():
+            out["memory"] = memory_section(opts, work, say, src, total)
     out["targets"] = targets(out)
     out["wall_s"] = time.monotonic() - t_start
     return out
+
+
+def run_sections(opts: BenchOptions, work: Path, say: Say, t_start: float) -> dict[str, Any]:
+    """--only: the sections named, alone (the bench's kept sample is still used where it fits them)."""
+    assert opts.only is not None
+    out: dict[str, Any] = {
+        "format": FORMAT, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(), "passes": {k: PASSES[k] for k in opts.only}, "quick": opts.quick, "only": opts.only,
+    }
+    total: int | None
+    if opts.src is not None:
+        src = opts.src.absolute()
+        if not src.is_dir():
+            raise UsageError(f"--src {opts.src} is not a directory")
+        total = sum(os.lstat(src / r).st_size for r in list_files(str(src)))
+    else:
+        src = work / "sample"
+        total = _kept_sample_bytes(src) or None  # a complete sample of an earlier run, if any
+    if "memory" in opts.only:
+        with _sigterm_as_interrupt():
+            out["memory"] = memory_section(opts, work, say, src, total)
+    out["targets"] = targets(out)
+    out["wall_s"] = time.monotonic() - t_start
+    return out
+
+
+def memory_section(opts: BenchOptions, work: Path, say: Say, src: Path, total: int | None) -> dict[str, Any]:
+    say(f"bigger than memory: a {size_text(opts.memory_limit)} memory cgroup, a dataset 2-3x that, read every way "
+        "in it")
+    return run_bigger_than_memory(work, opts.memory_limit, say, src=src, total=total, mean_size=opts.mean_size,
+                                  transport=opts.transport, io_uring=opts.io_uring)
 
 
 def make_systems(node: DlfsNode, dataset: str, src: Path, image: Path, mnt_base: Path,

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cluster import ClusterClient
 from dlfs.client.local import DIRECT_ALIGN, THREAD_BYTES, LocalChunks
 from dlfs.counters import LatencyHistogram
@@ -66,6 +67,10 @@ PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first u
 STREAMS = 4096  # records whose last read is remembered, to tell sequential reads from random ones
 SEQUENTIAL_AFTER = 2  # reads continuing the one before, after which a stream fetches whole records
 STREAM_CHUNKS = 3  # chunks queued ahead of a file read in order
+# Records held outside the arena at most (decompressed ones, records bigger than a slab, those fetched
+# while every slab is pinned): beside the arena, this bounds what the cache holds.
+OWN_MEMORY = 8 << 20
+MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
 
 
 def _address(buf: memoryview) -> int:
@@ -77,14 +82,13 @@ def _address(buf: memoryview) -> int:
         del anchor  # its export would pin the buffer
 
 
-def auto_cache_size() -> int:
-    """The default cache bound: a quarter of physical memory, at least 1 GiB. It bounds read-ahead
-    not yet read (what was read is the page cache's), so it is only used as far as that needs."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 0
-    return max(1 << 30, total // 4)
+def auto_cache_size(limit: MemoryLimit | None = None) -> int:
+    """The default cache bound: a quarter of the memory this process may use (its memory cgroup's
+    limit where that is below physical memory: a pod, a Slurm job), at least 64 MiB. It bounds
+    read-ahead not yet read (what was read is the page cache's), so it is only used as far as that
+    needs; the memfd's pages are not reclaimable, which is why it must fit the real limit."""
+    limit = limit or memory_limit()
+    return max(MIN_AUTO_CACHE, limit.effective // 4)
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class Block:
     slab: int
     nbytes: int
     resident: bool
+    own: int  # bytes of its memory outside the arena (decompressed records, or all of it without a slab)
     live: set[int] = field(default_factory=set)
 
 
@@ -128,6 +133,9 @@ class ChunkCache:
                                              n_rows=DIRECT_CLIENTS + 1)
         self._free = list(range(nslabs - 1, -1, -1))  # a stack: the most recently freed slab is reused first
         self._retired: list[int] = []  # slabs whose records are gone but that a client still pins
+        self._punched: set[int] = set()  # free slabs whose pages went back to the kernel
+        self._scan = False  # whether the serving threads are in scan mode (see _note_room)
+        self.given_back = 0  # bytes of free slabs returned to the kernel so far
         # Fresh slabs are taken in ascending order (the free stack's bottom); those below _fresh
         # have been faulted in, by prefault_worker or by use.
         self._nslabs, self._fresh, self._taken_high = nslabs, 0, -1
@@ -141,7 +149,7 @@ class ChunkCache:
         self._scratch: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._scratch_cap = self.capacity // 8
         self._resident_cap = self.capacity - self._scratch_cap
-        self._resident_size = self._scratch_size = self._inflight_size = 0
+        self._resident_size = self._scratch_size = self._inflight_size = self._own_size = 0
         self._next_block = 0
         self._inflight: dict[int, trio.Event] = {}
         self._prefetch = prefetch
@@ -173,18 +181,43 @@ class ChunkCache:
         """Whether `more` bytes of read-ahead may join the resident part."""
         return self._resident_size + self._inflight_size + more <= self._resident_cap
 
+    def _make_room(self) -> bool:
+        """Drop the oldest resident blocks until a window fits: for a dlfs.direct miss. Its clients read
+        records without consuming them, so the resident part fills with what they have read; its new
+        windows would otherwise go to the small scratch area and be dropped before their records are
+        asked for (a chunk-local epoch fetched a third of its windows twice)."""
+        while self._resident and not self._room(self.slab_size):
+            self._drop(next(iter(self._resident)), evicted=True)
+        return self._room(self.slab_size)
+
+    def _readahead_room(self) -> bool:
+        """Whether a miss may read ahead, and so whether the serving threads are in scan mode (read
+        whole small records of this machine's chunks themselves: every miss would be fetched alone).
+        Scan mode ends once half the resident part is free again, not at the first slab's room: read
+        ahead in drips, each window would mostly bring records the threads had already read."""
+        if self._scan:
+            room = self._resident_size + self._inflight_size <= self._resident_cap // 2
+        else:
+            room = self._room(self.slab_size)
+        if room == self._scan:
+            self._scan = not room
+            if native is not None and self.shared is not None:
+                native.set_scan(self._scan)
+        return room
+
     def _take_slab(self) -> int:
         """A free slab, evicting scratch blocks (then the oldest resident ones) if none is free;
         NO_SLAB if every slab is being fetched into."""
         if not self._free and self._retired:
             self._reclaim_retired()
         while not self._free:
-            order = self._scratch or self._resident
-            victim = next((b for b in order if self._blocks[b].slab != NO_SLAB), None)
+            victim = next((b for order in (self._scratch, self._resident) for b in order
+                           if self._blocks[b].slab != NO_SLAB), None)
             if victim is None:
                 return NO_SLAB
             self._drop(victim, evicted=True)
         slab = self._free.pop()
+        self._punched.discard(slab)
         if slab > self._taken_high:
             self._taken_high = slab
             if self._fresh - slab <= PREFAULT_AHEAD // 2:
@@ -205,6 +238,7 @@ class ChunkCache:
         else:
             del self._scratch[bid]
             self._scratch_size -= b.nbytes
+        self._own_size -= b.own
         if b.slab != NO_SLAB:
             self._release_slab(b.slab)
 
@@ -223,6 +257,40 @@ class ChunkCache:
             (self._free if self.shared.pinned(slab) == 0 else still).append(slab)
         self._retired = still
 
+    def trim(self) -> int:
+        """Return the pages of every free slab to the kernel (no record is in one, no client pins one);
+        bytes given back. The memfd's pages are reclaimable no other way (there may be no swap), and a
+        slab taken again is faulted in afresh."""
+        if self._retired:
+            self._reclaim_retired()
+        n = 0
+        touched = max(self._fresh, self._taken_high + 1)  # slabs above were never faulted in
+        for slab in self._free:
+            if slab < touched and slab not in self._punched:
+                self.arena.madvise(mmap.MADV_REMOVE, slab * self.slab_size, self.slab_size)
+                self._punched.add(slab)
+                n += self.slab_size
+        self.given_back += n
+        return n
+
+    def shed(self, nbytes: int) -> int:
+        """Drop read-ahead not yet read, least useful first (scratch, then the oldest resident blocks),
+        until `nbytes` of it are gone, then trim(): for memory pressure. Bytes given back."""
+        dropped = 0
+        for order in (self._scratch, self._resident):
+            while order and dropped < nbytes:
+                b = self._blocks[next(iter(order))]
+                dropped += b.nbytes
+                self._drop(next(iter(order)), evicted=True)
+        return self.trim()
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory the cache holds now: slabs not returned to the kernel (of those ever touched) and
+        records outside the arena."""
+        touched = max(self._fresh, self._taken_high + 1)
+        return (touched - len([s for s in self._punched if s < touched])) * self.slab_size + self._own_size
+
     def _unpublish(self, ext: int) -> None:
         if self.shared is not None:
             self.shared.unpublish(ext)
@@ -233,7 +301,9 @@ class ChunkCache:
         bid = self._next_block
         self._next_block += 1
         resident = self._resident_size + nbytes <= self._resident_cap
-        self._blocks[bid] = Block(slab, nbytes, resident, set(records))
+        own = nbytes - (self.slab_size if slab != NO_SLAB else 0)
+        self._blocks[bid] = Block(slab, nbytes, resident, own, set(records))
+        self._own_size += own
         for ext, raw in records.items():
             self._records[ext] = (raw, bid)
         if self.shared is not None:
@@ -245,11 +315,17 @@ class ChunkCache:
         if resident:
             self._resident[bid] = None
             self._resident_size += nbytes
-            return
-        self._scratch[bid] = None
-        self._scratch_size += nbytes
-        while self._scratch_size > self._scratch_cap and len(self._scratch) > 1:
-            self._drop(next(iter(self._scratch)), evicted=True)
+        else:
+            self._scratch[bid] = None
+            self._scratch_size += nbytes
+            while self._scratch_size > self._scratch_cap and len(self._scratch) > 1:
+                self._drop(next(iter(self._scratch)), evicted=True)
+        while self._own_size > OWN_MEMORY:  # least recently used first, this block last
+            victim = next((b for order in (self._scratch, self._resident) for b in order
+                           if b != bid and self._blocks[b].own), bid)
+            self._drop(victim, evicted=True)
+            if victim == bid:
+                break
 
     # --- reads ---
 
@@ -311,14 +387,20 @@ class ChunkCache:
                 break
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
-        readahead = ahead and self._room(self.slab_size)
+        room = self._readahead_room()
+        if not room and direct:
+            room = self._make_room()
+        readahead = ahead and room
         if readahead:
             ci = self.index.extent(ext).chunk
             self._queue_chunk(ci)
             if file_end is not None:  # a big file read in order: its next chunks too
                 self._stream_ahead(ci, file_end)
         self._done[ext] = 0  # asked again: the kernel no longer has it, if it ever did
-        data = await self._fetch(self._run(ext, done=not direct) if readahead else [ext], ext)
+        # A direct client's batch pins what it reads: a slab for each record alone would run out of
+        # slabs, so its miss brings the window even when no read-ahead is queued (into the scratch area).
+        window = readahead or direct
+        data = await self._fetch(self._run(ext, done=not direct) if window else [ext], ext)
         assert data is not None
         return data
 
@@ -371,6 +453,7 @@ class ChunkCache:
             await trio.lowlevel.wait_readable(self.shared.consumed_fd)
             for ext in self.shared.take_consumed():
                 self._consumed(ext)
+            self._readahead_room()
 
     def _here(self, i: int, done: bool = True) -> bool:
         """Whether extent i needs no fetch: cached, being fetched, or (with `done`) already sent whole
@@ -454,6 +537,11 @@ class ChunkCache:
         base = extents[0].record.offset
         length = extents[-1].record.offset + extents[-1].record.stored_len - base
         slab = self._take_slab() if length <= self.window else NO_SLAB
+        if slab == NO_SLAB and length <= self.window:  # every slab pinned or being filled: no read-ahead
+            if need is None:
+                return None
+            run, extents = [need], [self.index.extent(need)]
+            base, length = extents[0].record.offset, extents[0].record.stored_len
         into = self._mem[slab * self.slab_size : (slab + 1) * self.slab_size] if slab != NO_SLAB else None
         done = trio.Event()
         for i in run:
@@ -609,6 +697,7 @@ class ChunkCache:
                "consumed": self.consumed, "evictions": self.evictions,
                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
                "retired_slabs": len(self._retired), "retired_pinned": self.retired_pinned,
+               "own_bytes": self._own_size, "given_back_bytes": self.given_back,
                "tcp_fallbacks": self.client.tcp_fallbacks}
         if self.client.rdma is not None:
             out.update(self.client.rdma.stats())

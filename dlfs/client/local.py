@@ -158,13 +158,16 @@ class LocalChunks:
                           into: memoryview | None = None) -> list[memoryview] | None:
         """The (offset, length) ranges of the chunk (the first into `into` when given), if this machine
         holds its chunk and they are all there; else None. Unchecked: the caller verifies them. A big
-        first range with `into` comes from the disk straight into it (O_DIRECT; it may then start a
-        little into `into`); otherwise what the page cache has is copied at once, and the rest is read
+        first range with `into`, or one the page cache does not hold, comes from the disk straight into
+        it (O_DIRECT; it may then start a little into `into`); otherwise what the page cache has is copied at once, and the rest is read
         from disk in one worker thread."""
         fd = self._fd(cid)
         if fd is None:
             return None
-        if into is not None and self.direct and ranges[0][1] >= DIRECT_MIN:
+        # Not in the page cache: from the disk straight to the slab, exactly the range (a buffered read
+        # would read ahead through the chunk, at random mostly for nothing, and fill a memory cgroup's
+        # page cache with it).
+        if into is not None and self.direct and (ranges[0][1] >= DIRECT_MIN or not _all_cached(fd, *ranges[0])):
             try:
                 first = await self._read_direct(cid, ranges[0][0], ranges[0][1], into)
             except OSError as exc:

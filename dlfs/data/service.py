@@ -9,6 +9,7 @@ import trio
 
 from dlfs.data.store import ChunkStore, boot_id, check_id
 from dlfs.errors import CorruptData, TransportUnavailable
+from dlfs.wire.budget import MemoryBudget
 from dlfs.wire.protocol import MAX_DATA, Msg
 from dlfs.wire.rpc import Reply, Service
 
@@ -22,8 +23,8 @@ class DataService(Service):
     name = "data"
 
     def __init__(self, store: ChunkStore, key: bytes, node: str, rdma: RdmaResponder | None = None,
-                 transport_reason: str = "") -> None:
-        super().__init__(key, node)
+                 transport_reason: str = "", memory: MemoryBudget | None = None) -> None:
+        super().__init__(key, node, memory)
         self.store = store
         self.rdma = rdma  # None: chunks are served over TCP only
         self.transport_reason = transport_reason
@@ -69,7 +70,8 @@ class DataService(Service):
         length = int(meta["length"])
         if length > MAX_DATA:  # the reply could not be sent, and pread would allocate it all first
             raise ValueError(f"length {length} is over the {MAX_DATA}-byte frame limit")
-        # Sent with sendfile: the bytes go from the page cache to the socket, never through here.
+        # Sent with sendfile: the bytes go from the page cache to the socket, never through here,
+        # so unlike an index piece the reply holds none of the node's memory budget.
         out = await trio.to_thread.run_sync(
             self.store.open_range, cid, int(meta["offset"]), length, limiter=self.io
         )

@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import tempfile
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,21 @@ from dlfs.client.cache import DIRECT_CLIENTS, ChunkCache
 from dlfs.errors import Conflict, DlfsError, ProtocolError, UsageError, status_of
 from dlfs.format.index import Index
 from dlfs.tasks import open_nursery
-from dlfs.wire.protocol import DIRECT_BATCH, REQUEST, RESPONSE, Frame, FrameStream, Msg, encode_frame
+from dlfs.wire.protocol import (
+    DIRECT_BATCH,
+    DIRECT_REQUEST_BYTES,
+    REQUEST,
+    RESPONSE,
+    Frame,
+    FrameStream,
+    Msg,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 SUN_PATH_MAX = 107
 FETCH_TASKS = 8  # chunks of one batch fetched at once
+INLINE_ANSWERS = 1  # answers with copies in them (up to DIRECT_REQUEST_BYTES, twice) built at once, all clients
 
 
 def control_socket_path(home: Path, mountpoint: Path) -> Path:
@@ -54,6 +65,7 @@ class ControlServer:
         self._index_fd = os.open(index.path, os.O_RDONLY | os.O_CLOEXEC)
         self.attached = self.attaches = self.requests = self.reclaimed_pins = 0
         self.served_pinned = self.served_inline = 0
+        self._inline = trio.Semaphore(INLINE_ANSWERS)  # bounds the copies, whatever the number of clients
 
     def close(self) -> None:
         os.close(self._index_fd)
@@ -109,7 +121,7 @@ class ControlServer:
                     if row is None:
                         raise Conflict(f"{DIRECT_CLIENTS} dlfs.direct processes are attached to {self.label} "
                                        "already: no room for another")
-                    reply = await self._answer(f, row, pid, stream)
+                    reply = await self._answer(f, row, pid, stream, frames)
                 except DlfsError as exc:
                     reply = Frame(RESPONSE, f.msg, f.req_id, status_of(exc), {"error": exc.message})
                 if reply is not None:
@@ -132,7 +144,9 @@ class ControlServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _answer(self, f: Frame, row: int, pid: int, stream: trio.SocketStream) -> Frame | None:
+    async def _answer(self, f: Frame, row: int, pid: int, stream: trio.SocketStream,
+                      frames: FrameStream) -> Frame | None:
+        """The reply to `f`, or None if it was sent here already."""
         if f.msg == Msg.DIRECT_ATTACH:
             self.attaches += 1
             reply = Frame(RESPONSE, f.msg, f.req_id, 0, {"row": row, "label": self.label,
@@ -143,18 +157,29 @@ class ControlServer:
             log.debug("dlfs.direct client pid %d attached as row %d", pid, row)
             return None
         if f.msg == Msg.DIRECT_READ:
-            return await self._read(f, row)
+            await self._read(f, row, frames)
+            return None
         if f.msg == Msg.DIRECT_STATS:
             return Frame(RESPONSE, f.msg, f.req_id, 0, {**self.cache.stats(), **self.stats(),
                                                          "fetched_by_node": self.cache.fetched_by_node})
         raise ProtocolError(f"message {f.msg} is not spoken on a mount's control socket")
 
-    async def _read(self, f: Frame, row: int) -> Frame:
+    async def _read(self, f: Frame, row: int, frames: FrameStream) -> None:
         exts = f.meta.get("exts")
         n_ext = self.index.totals.extents
         if (not isinstance(exts, list) or len(exts) > DIRECT_BATCH
                 or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < n_ext for e in exts)):
             raise ProtocolError(f"DIRECT_READ takes up to {DIRECT_BATCH} extents of the index, each 0..{n_ext - 1}")
+        asked = sum(self.index.extent(e).record.raw_len for e in exts)
+        if asked > DIRECT_REQUEST_BYTES:
+            raise UsageError(f"DIRECT_READ asked for {asked} bytes: at most {DIRECT_REQUEST_BYTES} in one request")
+        async with AsyncExitStack() as turn:  # to copy: taken by the first record not in a slab, kept until sent
+            meta, data = await self._gather(exts, row, turn)
+            await frames.send(Frame(RESPONSE, f.msg, f.req_id, 0, meta, data))
+
+    async def _gather(self, exts: list[int], row: int, turn: AsyncExitStack) -> tuple[dict[str, Any], bytes]:
+        """Where each record of `exts` is: slabs pinned for `row` where it lies whole in one, else copied
+        inline (once this answer has its turn to copy, entered into `turn`); and the copies, in order."""
         at: list[list[int] | None] = [None] * len(exts)
         inline: dict[int, bytes] = {}
         errors: list[list[Any]] = []
@@ -162,12 +187,17 @@ class ControlServer:
         for i, e in enumerate(exts):
             by_chunk.setdefault(self.index.extent(e).chunk, []).append(i)
         limit = trio.CapacityLimiter(FETCH_TASKS)
+        copying: list[bool] = []  # whether this answer holds its turn to copy
 
         async def fetch(positions: list[int]) -> None:
             async with limit:
                 for i in sorted(positions, key=lambda i: exts[i]):  # in chunk order: one read-ahead serves many
                     try:
                         raw = await self.cache.record(exts[i], direct=True)
+                        if self.cache.where(exts[i]) is None and not copying:
+                            copying.append(True)
+                            await turn.enter_async_context(self._inline)
+                            raw = await self.cache.record(exts[i], direct=True)  # it may have gone meanwhile
                     except DlfsError as exc:
                         errors.append([i, status_of(exc), exc.message])
                         continue
@@ -184,8 +214,7 @@ class ControlServer:
                 nursery.start_soon(fetch, positions)
         self.served_pinned += len(exts) - len(inline) - len(errors)
         self.served_inline += len(inline)
-        return Frame(RESPONSE, f.msg, f.req_id, 0, {"at": at, "errors": errors},
-                     b"".join(inline[i] for i in sorted(inline)))
+        return {"at": at, "errors": errors}, b"".join(inline[i] for i in sorted(inline))
 
 
 async def send_with_fds(stream: trio.SocketStream, data: bytes, fds: array.array[int]) -> None:

@@ -17,9 +17,11 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from dlfs.cgroup import memory_limit
 from dlfs.client.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
 from dlfs.client.local import open_local_chunks
+from dlfs.client.pressure import watch_memory
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
@@ -29,7 +31,7 @@ from dlfs.fuse.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
 from dlfs.fuse.stats import MountStats, stats_file
 from dlfs.logs import set_context
 from dlfs.meta.store import VersionInfo
-from dlfs.native import engine_stats, start_engine
+from dlfs.native import engine_stats, native, start_engine
 from dlfs.procmounts import is_mount_point
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
@@ -87,12 +89,24 @@ def check_mountpoint(path: Path) -> None:
         raise MountError("/dev/fuse is missing: this machine cannot mount FUSE file systems")
 
 
-def want_io_uring(mode: str, param: Path = URING_PARAM) -> bool:
+def uring_memory() -> int:
+    """What FUSE over io_uring holds at most: a queue per CPU, each with its payload buffers."""
+    per_cpu = getattr(native, "URING_BYTES_PER_CPU", 0) if native is not None else 0
+    return per_cpu * (os.cpu_count() or 1)
+
+
+def want_io_uring(mode: str, param: Path = URING_PARAM, cache_size: int | None = None) -> bool:
     """Whether the engine serves through FUSE over io_uring. `auto`: where the kernel has it, switching
     the fuse module's enable_uring on as root if it is off (it only lets daemons that ask use rings,
-    as this one does; without it a request often wakes a thread on another CPU); `on`: the same, or
-    a one-line error; `off`: never."""
+    as this one does; without it a request often wakes a thread on another CPU), unless its buffers
+    would hold more than a quarter of `cache_size` (many CPUs, a small memory limit); `on`: the same,
+    or a one-line error; `off`: never."""
     if mode == "off":
+        return False
+    if mode == "auto" and cache_size is not None and uring_memory() > cache_size // 4:
+        log.info("FUSE over io_uring stays off: its buffers (%s for %d CPUs) would be over a quarter of the "
+                 "cache (%s); serving from /dev/fuse (--io-uring on to use it anyway)",
+                 human_bytes(uring_memory()), os.cpu_count() or 1, human_bytes(cache_size))
         return False
     try:
         if param.read_text().strip() in ("Y", "1"):
@@ -176,6 +190,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
+        nursery.start_soon(watch_memory, cache, memory_limit(), name="dlfs-memory-watch")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
@@ -203,7 +218,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         ended_by_kernel = False
 
         stack.callback(unmount)  # pyfuse3.close stops the engine and lets go of the index before index.close
-        uring = want_io_uring(opts.io_uring)
+        uring = want_io_uring(opts.io_uring, cache_size=opts.cache_size)
         local_dir = os.fsencode(cache.local.chunk_dir) if cache.local is not None else None
         if start_engine(index, cache.shared, ENGINE_ROW, TIMEOUT, opts.threads, uring, ops.control_path,
                         CONTROL_XATTR, local_dir):

@@ -51,8 +51,10 @@ class MountStats:
         # handlers' own (misses and what is not in a slab) are counted and timed by them.
         eng = engine_stats()
         native_reads = eng.get("reads", 0)
-        # Random reads the engine served from this machine's chunk files are fetches from it too.
-        blocks, block_bytes = eng.get("block_reads", 0), eng.get("block_bytes", 0)
+        # What the engine read from this machine's chunk files itself (random blocks, whole records in
+        # scan mode) are misses, and fetches from it too.
+        blocks = eng.get("block_reads", 0) + eng.get("record_reads", 0)
+        block_bytes = eng.get("block_bytes", 0) + eng.get("record_bytes", 0)
         local = c.local.node if c.local is not None else None
         fetches_by = dict(c.fetches_by_node)
         fetched_by = dict(c.fetched_by_node)
@@ -67,8 +69,9 @@ class MountStats:
             "reads": ops.reads + native_reads, "read_bytes": ops.bytes_read + eng.get("read_bytes", 0),
             "read_errors": ops.errors, "read_seconds": ops.read_seconds.to_dict(),
             "python_reads": ops.reads, "engine": eng,
-            "cache_hits": c.hits + native_reads, "cache_misses": c.misses, "cache_evictions": c.evictions,
+            "cache_hits": c.hits + native_reads - blocks, "cache_misses": c.misses + blocks, "cache_evictions": c.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
+            "cache_given_back": c.given_back,
             "fetches": c.fetches + blocks, "fetched_bytes": c.fetched_bytes + block_bytes,
             "fetch_seconds": c.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},

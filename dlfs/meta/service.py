@@ -11,8 +11,9 @@ from dlfs.config import NodeSpec
 from dlfs.errors import Conflict
 from dlfs.meta.store import MetaStore
 from dlfs.meta.sync import CatalogSync
+from dlfs.wire.budget import MemoryBudget
 from dlfs.wire.protocol import Msg
-from dlfs.wire.rpc import Reply, Service
+from dlfs.wire.rpc import Reply, Service, reserve_reply
 
 log = logging.getLogger(__name__)
 MAX_INDEX_PIECE = 16 << 20
@@ -30,8 +31,8 @@ class MetaService(Service):
     name = "meta"
 
     def __init__(self, store: MetaStore, key: bytes, node: str, ledger: ChunkLedger,
-                 peers: list[NodeSpec] | None = None) -> None:
-        super().__init__(key, node)
+                 peers: list[NodeSpec] | None = None, memory: MemoryBudget | None = None) -> None:
+        super().__init__(key, node, memory)
         self.store = store
         self.ledger = ledger
         self.sync = CatalogSync(store, node, peers or [], ledger if peers else None)  # type: ignore[arg-type]
@@ -79,6 +80,7 @@ class MetaService(Service):
 
     async def read_index(self, meta: dict[str, Any], data: bytearray) -> Reply:
         length = min(int(meta["length"]), MAX_INDEX_PIECE)
+        await reserve_reply(length)  # the piece is read into memory and held until it is sent
         piece = await trio.to_thread.run_sync(
             self.store.read_index, str(meta["name"]), int(meta["version"]), int(meta["offset"]), length
         )

@@ -9,7 +9,8 @@ Every frame (little-endian):
     data          raw bytes (chunk contents, index pieces), received straight into one buffer
 
 A frame that does not parse, or breaks a size limit, closes its connection (ProtocolError); the
-peer's other connections and the daemon are unaffected.
+peer's other connections and the daemon are unaffected. A request the daemon has no memory for
+(budget.py) is read past, kept nowhere, and answered with an error; its connection goes on.
 
 RDMA set-up rides on an authenticated data connection (dlfs/data/rdma.py, dlfs/client/rdma.py):
 
@@ -45,7 +46,7 @@ import select
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import trio
@@ -62,6 +63,9 @@ MAX_DATA = 320 << 20
 MAX_DATA_UNAUTHENTICATED = 0
 MAX_META_UNAUTHENTICATED = 4096
 DIRECT_BATCH = 4096  # extents in one DIRECT_READ
+# Raw bytes one DIRECT_READ may ask for: any of them may come back inline, copied in the mount's memory.
+DIRECT_REQUEST_BYTES = 4 << 20
+SKIP_PIECE = 64 << 10  # a frame read past (not served) goes through a scratch buffer this big
 
 
 class Msg(enum.IntEnum):
@@ -161,7 +165,18 @@ def encode_header(f: Frame, meta: bytes) -> bytes:
     return HEADER.pack(MAGIC, VERSION, f.kind, f.msg, f.status, f.req_id, len(meta), len(f.data))
 
 
-def parse_header(head: bytes | bytearray, peer: str, max_meta: int, max_data: int) -> tuple[int, int, int, int, int, int]:
+class Head(NamedTuple):
+    """A parsed frame header: what its meta and data will be."""
+
+    kind: int
+    msg: int
+    status: int
+    req_id: int
+    meta_len: int
+    data_len: int
+
+
+def parse_header(head: bytes | bytearray, peer: str, max_meta: int, max_data: int) -> Head:
     """(kind, msg, status, req_id, meta_len, data_len) of a frame header; ProtocolError if it is bad."""
     magic, version, kind, msg, status, req_id, meta_len, data_len = HEADER.unpack(head)
     if magic != MAGIC:
@@ -172,7 +187,7 @@ def parse_header(head: bytes | bytearray, peer: str, max_meta: int, max_data: in
         raise ProtocolError(f"malformed frame from {peer}: kind {kind}")
     if meta_len > max_meta or data_len > max_data:
         raise ProtocolError(f"frame from {peer} over the size limit (meta {meta_len}, data {data_len})")
-    return kind, msg, status, req_id, meta_len, data_len
+    return Head(kind, msg, status, req_id, meta_len, data_len)
 
 
 def encode_frame(f: Frame) -> bytes:
@@ -276,6 +291,11 @@ class FrameStream:
 
         `sink(req_id, data_len)` may name where the data goes (a view of at least data_len bytes):
         a fetch then lands straight in the cache's memory."""
+        return await self.receive_body(await self.receive_head(), sink)
+
+    async def receive_head(self) -> Head:
+        """The next frame's header (EndOfChannel at a clean end, ProtocolError on garbage); its body
+        comes next, with receive_body or skip_body."""
         head = bytearray(HEADER.size)
         try:
             await self._fill(memoryview(head))
@@ -283,17 +303,33 @@ class FrameStream:
             if self._got:  # a partial header is a broken frame, not a clean end
                 raise ProtocolError(f"connection from {self.peer} ended inside a frame header") from None
             raise
-        kind, msg, status, req_id, meta_len, data_len = parse_header(head, self.peer, self.max_meta, self.max_data)
-        raw_meta = bytearray(meta_len)
-        dest = sink(req_id, data_len) if sink is not None and data_len else None
-        data: bytearray | memoryview = bytearray(data_len) if dest is None else dest[:data_len]
+        return parse_header(head, self.peer, self.max_meta, self.max_data)
+
+    async def receive_body(self, head: Head, sink: Sink | None = None) -> Frame:
+        """The frame whose header is `head`, its meta and data read into buffers of their size."""
+        raw_meta = bytearray(head.meta_len)
+        dest = sink(head.req_id, head.data_len) if sink is not None and head.data_len else None
+        data: bytearray | memoryview = bytearray(head.data_len) if dest is None else dest[:head.data_len]
         try:
             await self._fill(memoryview(raw_meta))
             await self._fill(memoryview(data))
         except trio.EndOfChannel:
             raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
-        meta = unpack_meta(raw_meta) if meta_len else {}
-        return Frame(kind, msg, req_id, status, meta, data)
+        meta = unpack_meta(raw_meta) if head.meta_len else {}
+        return Frame(head.kind, head.msg, head.req_id, head.status, meta, data)
+
+    async def skip_body(self, head: Head) -> None:
+        """Read past the meta and data of a frame that will not be served, keeping none of it: the
+        stream stays in step for the frames after it."""
+        left = head.meta_len + head.data_len
+        scratch = memoryview(bytearray(min(left, SKIP_PIECE)))
+        try:
+            while left:
+                n = min(left, len(scratch))
+                await self._fill(scratch[:n])
+                left -= n
+        except trio.EndOfChannel:
+            raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
 
     async def aclose(self) -> None:
         await self.stream.aclose()

@@ -20,6 +20,7 @@ from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.tcp import TRANSPORT
 from dlfs.wire.auth import client_handshake, server_handshake
+from dlfs.wire.budget import ConnectionShare, MemoryBudget
 from dlfs.wire.protocol import REQUEST, RESPONSE, FileRange, Frame, FrameStream, Msg, Payload
 
 log = logging.getLogger(__name__)
@@ -186,15 +187,42 @@ def current_peer() -> Peer:
     return _PEER.get()
 
 
+@dataclass(eq=False)
+class _Request:
+    """A request being answered, and the bytes it holds in its daemon's memory budget (its frame's,
+    then its reply's too) until its answer is sent."""
+
+    frame: Frame
+    share: ConnectionShare
+    held: int = 0
+    refused: DlfsError | None = None  # not served: its frame found no room (read past, not kept)
+
+
+# Set in each request's own task, for reserve_reply.
+_REQUEST: contextvars.ContextVar[_Request] = contextvars.ContextVar("dlfs_request")
+
+
+async def reserve_reply(nbytes: int) -> None:
+    """Hold `nbytes` of the daemon's memory for the reply being built, until it is sent: for a handler
+    whose reply's size is known before it reads it. Raises the budget's refusal (a DlfsError)."""
+    req = _REQUEST.get(None)
+    if req is None:  # a handler called directly, not by the server: there is no budget to hold
+        return
+    await req.share.reserve(nbytes)
+    req.held += nbytes
+
+
 class Service:
     """A daemon's request handlers by message id; `serve_stream` runs one connection."""
 
     name = "service"
     concurrency = 64
 
-    def __init__(self, key: bytes, node: str) -> None:
+    def __init__(self, key: bytes, node: str, memory: MemoryBudget | None = None) -> None:
         self.key = key
         self.node = node
+        # Bytes held for requests in flight; a node's daemons share one (node.py).
+        self.memory = memory or MemoryBudget(f"node {node}")
         self.handlers: dict[int, Handler] = {Msg.PING: self._ping, Msg.TIME: self._time}
         self.served: dict[int, MessageStats] = {}  # by message id; 0 gathers the unknown ones
 
@@ -222,6 +250,7 @@ class Service:
         fs = FrameStream(stream, peer)
         state = Peer(peer)
         _PEER.set(state)
+        share = self.memory.connection()
         try:
             try:
                 await server_handshake(fs, self.key, self.name, self.node)
@@ -237,18 +266,15 @@ class Service:
             async with open_nursery() as nursery:
                 while True:
                     try:
-                        f = await fs.receive()
+                        req = await self._receive_request(fs, share)
                     except trio.EndOfChannel:
                         break
                     except ProtocolError as exc:
                         log.warning("%s daemon: closing connection from %s: %s", self.name, peer, exc)
                         break
-                    if f.kind != REQUEST:
-                        log.warning("%s daemon: closing connection from %s: a response sent as a request", self.name, peer)
-                        break
                     token = object()
                     await limiter.acquire_on_behalf_of(token)
-                    nursery.start_soon(self._answer, fs, send_lock, limiter, token, f)
+                    nursery.start_soon(self._answer, fs, send_lock, limiter, token, req)
                 nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             log.info("%s daemon: connection from %s dropped (%s)", self.name, peer, type(exc).__name__)
@@ -256,17 +282,37 @@ class Service:
             # Whatever one connection does, the daemon keeps serving the others.
             log.exception("%s daemon: connection from %s failed", self.name, peer)
         finally:
+            share.close()  # a frame whose body never came still held its bytes
             state.close()
             with trio.CancelScope(shield=True):
                 await fs.aclose()
 
+    async def _receive_request(self, fs: FrameStream, share: ConnectionShare) -> _Request:
+        """The next request, its frame's bytes reserved before they are read (waiting for room, the
+        connection reads nothing more); one that gets no room is read past and comes back refused."""
+        head = await fs.receive_head()
+        if head.kind != REQUEST:
+            raise ProtocolError("a response sent as a request")
+        nbytes = head.meta_len + head.data_len
+        try:
+            await share.reserve(nbytes)
+        except DlfsError as exc:
+            await fs.skip_body(head)
+            log.warning("%s daemon: refused %s from %s: %s", self.name, _msg_name(head.msg), fs.peer, exc)
+            return _Request(Frame(REQUEST, head.msg, head.req_id), share, refused=exc)
+        return _Request(await fs.receive_body(head), share, held=nbytes)
+
     async def _answer(self, fs: FrameStream, send_lock: trio.Lock, limiter: trio.CapacityLimiter,
-                      token: object, f: Frame) -> None:
+                      token: object, req: _Request) -> None:
+        _REQUEST.set(req)
+        f = req.frame
         reply: Frame | None = None
         t0 = perf_counter()
         try:
             handler = self.handlers.get(f.msg)
             try:
+                if req.refused is not None:
+                    raise req.refused
                 if handler is None:
                     raise ProtocolError(f"the {self.name} daemon does not handle message {f.msg}")
                 meta, data = await handler(f.meta, f.data)  # type: ignore[arg-type]
@@ -289,6 +335,7 @@ class Service:
         finally:
             if reply is not None and isinstance(reply.data, FileRange):
                 reply.data.close()  # never sent (the connection went first)
+            req.share.release(req.held)
             limiter.release_on_behalf_of(token)
 
 

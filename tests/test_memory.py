@@ -1,0 +1,191 @@
+"""Memory within a container's limit (issue 13): the node, the mount and the readers in one real memory
+cgroup, a dataset 2.3x its limit, read through FUSE and through dlfs.direct; the cache sized from the
+limit, no OOM kill, every byte right, and the mount's memory within its cache and the documented
+overhead."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import CLI_TIMEOUT, DLFS, REPO, dlfs_env, force_unmount, mount_pids, needs_fuse, run_dlfs, stop_node
+
+from dlfs.cgroup import MemoryGroup, memory_limit
+from dlfs.client.cache import MIN_AUTO_CACHE, auto_cache_size
+from dlfs.units import human_bytes
+
+LIMIT = 256 << 20
+FILE_SIZE = 256 << 10
+N_FILES = int(2.3 * LIMIT) // FILE_SIZE
+OVERHEAD = 64 << 20  # what the README promises beyond the cache and the index
+
+READER = """
+import json, os, random, sys, xxhash
+root, want, mode, seed = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], int(sys.argv[4])
+names = sorted(want)
+random.Random(seed).shuffle(names)
+bad = []
+if mode == "fuse":
+    for n in names:
+        with open(os.path.join(root, n), "rb") as f:  # default buffering: the framework way
+            if xxhash.xxh3_64_hexdigest(f.read()) != want[n]:
+                bad.append(n)
+else:
+    from dlfs.direct import connect
+    r = connect(root)
+    assert r.direct, getattr(r, "reason", "")
+    for i in range(0, len(names), 64):
+        part = names[i:i + 64]
+        for n, v in zip(part, r.read_many([os.path.join(root, n) for n in part])):
+            if xxhash.xxh3_64_hexdigest(v) != want[n]:
+                bad.append(n)
+    r.close()
+print(json.dumps({"files": len(names), "bad": bad[:5], "n_bad": len(bad)}))
+"""
+
+
+def _group(name: str, limit: int) -> MemoryGroup:
+    if os.geteuid() != 0:
+        pytest.skip("making a memory cgroup needs root")
+    try:
+        return MemoryGroup.create(name, limit)
+    except OSError as exc:
+        pytest.skip(f"no memory cgroup can be made here: {exc}")
+
+
+def test_the_limit_a_process_lives_under_sizes_the_cache() -> None:
+    g = _group("dlfs-test-limit", 300 << 20)
+    try:
+        code = ("import json; from dlfs.cgroup import memory_limit; from dlfs.client.cache import auto_cache_size; "
+                "l = memory_limit(); print(json.dumps([l.effective, l.limited, auto_cache_size(l), l.describe()]))")
+        out = subprocess.run(g.command([sys.executable, "-c", code]), capture_output=True, text=True, cwd=REPO,
+                             env=dlfs_env(Path("/nonexistent")), timeout=60, check=True).stdout
+        effective, limited, cache, text = json.loads(out)
+        assert effective == 300 << 20 and limited
+        assert cache == (300 << 20) // 4
+        assert str(g.path) in text
+        doctor = subprocess.run(g.command([*DLFS, "doctor"]), capture_output=True, text=True, cwd=REPO,
+                                env=dlfs_env(Path("/nonexistent")), timeout=CLI_TIMEOUT)
+        assert f"memory cgroup limit {human_bytes(300 << 20)}" in re.sub(r"\s*│\s*", " ", doctor.stdout), doctor.stdout
+    finally:
+        g.remove()
+    here = memory_limit()  # outside the group: physical memory unless this job has a limit itself
+    assert auto_cache_size(here) == max(MIN_AUTO_CACHE, here.effective // 4)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Incompressible files 2.3x the group's limit (lz4 would keep them small otherwise), and their digests."""
+    src = tmp_path_factory.mktemp("memsrc")
+    rng = random.Random(13)
+    want = {}
+    for i in range(N_FILES):
+        name = f"d{i % 16:02d}/f{i:05d}.bin"
+        data = rng.randbytes(FILE_SIZE - rng.randrange(0, 4096))
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_bytes(data)
+        want[name] = xxhash.xxh3_64_hexdigest(data)
+    digests = src.parent / f"{src.name}.json"
+    digests.write_text(json.dumps(want))
+    return src, digests
+
+
+class Peak:
+    """The most anonymous and shared memory a process has held, sampled every 20 ms in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.anon, self.shmem, self._stop = pid, 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines())
+            except OSError:
+                return
+            anon, shmem = (int(fields[k].split()[0]) << 10 for k in ("RssAnon", "RssShmem"))
+            self.anon, self.shmem = max(self.anon, anon), max(self.shmem, shmem)
+            self.total = max(getattr(self, "total", 0), anon + shmem)
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture
+def confined(tmp_path: Path, dataset: tuple[Path, Path]) -> Iterator[tuple[MemoryGroup, Path, Path]]:
+    """A node and a mount of the dataset, both started inside one memory cgroup of LIMIT bytes."""
+    group = _group("dlfs-test-confined", LIMIT)
+    home, mnt = tmp_path / "home", tmp_path / "mnt"
+    home.mkdir()
+    mnt.mkdir()
+    log = tmp_path / "node.log"
+    with open(log, "wb") as logf:
+        node = subprocess.Popen(group.command([*DLFS, "node"]), env=dlfs_env(home), stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while run_dlfs(home, "status", check=False, timeout=10).returncode != 0:
+            assert node.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        run_dlfs(home, "ingest", dataset[0], "--name", "big")
+        subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False, timeout=60)
+        subprocess.run(group.command([*DLFS, "mount", "big", str(mnt)]), env=dlfs_env(home), cwd=REPO,
+                       check=True, capture_output=True, timeout=CLI_TIMEOUT)
+        yield group, home, mnt
+    finally:
+        force_unmount(tmp_path)
+        stop_node(node)
+        group.remove()
+
+
+def _epoch(group: MemoryGroup, mnt: Path, digests: Path, mode: str, readers: int) -> list[dict]:
+    procs = [subprocess.Popen(group.command([sys.executable, "-c", READER, str(mnt), str(digests), mode, str(seed)]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=dlfs_env(Path("/nonexistent")))
+             for seed in range(readers)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{mode} reader exited {p.returncode} (-9: OOM-killed?): {stderr[-2000:]}"
+        out.append(json.loads(stdout))
+    return out
+
+
+@needs_fuse
+@pytest.mark.timeout(600)
+def test_epochs_bigger_than_the_limit_stay_within_it(confined: tuple[MemoryGroup, Path, Path],
+                                                      dataset: tuple[Path, Path]) -> None:
+    group, home, mnt = confined
+    (pid,) = mount_pids(home)
+    mount_log = "\n".join(p.read_text() for p in (home / "logs").glob("*.log"))
+    cache = LIMIT // 4
+    said = f"memory: memory cgroup limit {human_bytes(LIMIT)} ({group.path}/"
+    assert said in mount_log and f"; cache {human_bytes(cache)} (auto" in mount_log, mount_log[-3000:]
+    index = sum(p.stat().st_size for p in home.rglob("*.idx"))
+    peak = Peak(pid)
+    try:
+        fuse = _epoch(group, mnt, dataset[1], "fuse", readers=2)
+        direct = _epoch(group, mnt, dataset[1], "direct", readers=1)
+    finally:
+        peak.stop()
+    for r in fuse + direct:
+        assert r["n_bad"] == 0, r
+    assert [r["files"] for r in fuse + direct] == [N_FILES] * 3
+    assert group.oom_kills() == 0
+    assert peak.total <= cache + OVERHEAD + index, (
+        f"mount held {peak.total >> 20} MiB (anon {peak.anon >> 20}, shmem {peak.shmem >> 20}) over a "
+        f"{cache >> 20} MiB cache + {OVERHEAD >> 20} MiB + index {index >> 20} MiB")
+    assert peak.shmem <= cache + (16 << 20), "the shared cache is bounded by --cache-size (and control pages)"
