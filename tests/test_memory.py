@@ -104,7 +104,7 @@ class Peak:
     """The most anonymous and shared memory a process has held, sampled every 20 ms in a thread."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.anon, self.shmem, self._stop = pid, 0, 0, threading.Event()
+        self.pid, self.anon, self.shmem, self.total, self._stop = pid, 0, 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -116,7 +116,7 @@ class Peak:
                 return
             anon, shmem = (int(fields[k].split()[0]) << 10 for k in ("RssAnon", "RssShmem"))
             self.anon, self.shmem = max(self.anon, anon), max(self.shmem, shmem)
-            self.total = max(getattr(self, "total", 0), anon + shmem)
+            self.total = max(self.total, anon + shmem)
             time.sleep(0.02)
 
     def stop(self) -> None:
