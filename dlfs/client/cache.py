@@ -460,6 +460,10 @@ class ChunkCache:
         to the kernel, which keeps it unless it runs short of memory."""
         return (done and bool(self._done[i])) or i in self._records or i in self._inflight
 
+    def window_of(self, ext: int) -> tuple[int, int]:
+        """[first, end) extents of the fixed window holding `ext` (one fetch brings them all)."""
+        return self._window(ext)
+
     def _window(self, ext: int) -> tuple[int, int]:
         """[first, end) extents of the window of ext's chunk that holds it. A chunk's windows are
         fixed, packed from its start to at most a slab each: whatever order the misses come in,

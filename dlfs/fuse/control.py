@@ -42,7 +42,7 @@ from dlfs.wire.protocol import (
 
 log = logging.getLogger(__name__)
 SUN_PATH_MAX = 107
-FETCH_TASKS = 8  # chunks of one batch fetched at once
+FETCH_TASKS = 8  # windows of one batch fetched at once
 INLINE_ANSWERS = 1  # answers with copies in them (up to DIRECT_REQUEST_BYTES, twice) built at once, all clients
 
 
@@ -183,15 +183,15 @@ class ControlServer:
         at: list[list[int] | None] = [None] * len(exts)
         inline: dict[int, bytes] = {}
         errors: list[list[Any]] = []
-        by_chunk: dict[int, list[int]] = {}
+        by_window: dict[tuple[int, int], list[int]] = {}
         for i, e in enumerate(exts):
-            by_chunk.setdefault(self.index.extent(e).chunk, []).append(i)
+            by_window.setdefault(self.cache.window_of(e), []).append(i)
         limit = trio.CapacityLimiter(FETCH_TASKS)
         copying: list[bool] = []  # whether this answer holds its turn to copy
 
         async def fetch(positions: list[int]) -> None:
             async with limit:
-                for i in sorted(positions, key=lambda i: exts[i]):  # in chunk order: one read-ahead serves many
+                for i in sorted(positions, key=lambda i: exts[i]):  # in order: the window comes with the first
                     try:
                         raw = await self.cache.record(exts[i], direct=True)
                         if self.cache.where(exts[i]) is None and not copying:
@@ -210,7 +210,7 @@ class ControlServer:
                         at[i] = list(where)
 
         async with open_nursery() as nursery:
-            for positions in by_chunk.values():
+            for positions in by_window.values():
                 nursery.start_soon(fetch, positions)
         self.served_pinned += len(exts) - len(inline) - len(errors)
         self.served_inline += len(inline)
