@@ -1,45 +1,29 @@
 """The catalog and index files of the metadata daemon, no network.
 
-    catalog.json               every dataset's committed versions (replaced atomically)
+    catalog.db                 every dataset's committed versions (SQLite, dlfs/meta/catalog.py)
     index/<name>/<version>.idx the committed index files, immutable
     staging/<session>.idx      an ingest's index while it uploads; never visible until commit
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dlfs.config import check_dataset_name
 from dlfs.errors import Conflict, CorruptData, DlfsError, NotFound, StorageFull
 from dlfs.format.index import Index, file_checksum
+from dlfs.meta.catalog import Catalog, VersionInfo
+
+__all__ = ["MetaStore", "Session", "VersionInfo"]
 
 log = logging.getLogger(__name__)
 SESSION_IDLE = 3600.0
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    name: str
-    version: int
-    index_size: int
-    index_sum: int
-    files: int
-    bytes: int
-    chunks: int
-    chunk_size: int
-    created: float
-    removed: float = 0.0  # when it was removed: the tombstone stops peers bringing it back
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -63,58 +47,31 @@ class MetaStore:
         self.root = root
         self.index_dir = root / "index"
         self.staging = root / "staging"
-        self.catalog_path = root / "catalog.json"
         self.index_dir.mkdir(parents=True, exist_ok=True)
+        self.catalog = Catalog(root / "catalog.db", legacy=root / "catalog.json")
         # Sessions live only as long as this daemon: an ingest that outlived it starts over.
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
-        self.catalog: dict[str, list[VersionInfo]] = self._load()
         self.sessions: dict[str, Session] = {}
         self._chunk_sets: dict[tuple[str, int], frozenset[bytes]] = {}
 
-    def _load(self) -> dict[str, list[VersionInfo]]:
-        try:
-            doc = json.loads(self.catalog_path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            raise CorruptData(f"catalog {self.catalog_path} does not parse: {exc}") from None
-        try:
-            return {name: [VersionInfo(**v) for v in versions] for name, versions in doc["datasets"].items()}
-        except (KeyError, TypeError, AttributeError) as exc:  # valid JSON, wrong shape: still one clear line
-            raise CorruptData(f"catalog {self.catalog_path} is not a dlfs catalog ({type(exc).__name__}: {exc})") from None
-
-    def _save(self) -> None:
-        doc = {"format": 1, "datasets": {n: [asdict(v) for v in vs] for n, vs in self.catalog.items()}}
-        tmp = self.catalog_path.with_suffix(".tmp")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.catalog_path)
-            _fsync_dir(self.root)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise _os_error(exc, "cannot write the catalog") from None
-
     def all_versions(self) -> list[VersionInfo]:
         """Every version ever committed here, tombstones included (what peers sync from)."""
-        return [v for name in sorted(self.catalog) for v in self.catalog[name]]
+        return self.catalog.all_versions()
 
     def datasets(self) -> list[VersionInfo]:
         return [v for v in self.all_versions() if not v.removed]
 
     def find(self, name: str, version: int) -> VersionInfo | None:
         """A version, live or removed, if this daemon knows it."""
-        return next((v for v in self.catalog.get(name, []) if v.version == version), None)
+        return self.catalog.find(name, version)
 
     def next_version(self, name: str) -> int:
         """Versions are never reused, not even those of removed versions."""
-        return max((v.version for v in self.catalog.get(name, [])), default=0) + 1
+        return self.catalog.next_version(name)
 
     def get(self, name: str, version: int | None = None) -> VersionInfo:
-        versions = [v for v in self.catalog.get(name, []) if not v.removed]
+        versions = [v for v in self.catalog.versions(name) if not v.removed]
         if not versions:
             raise NotFound(f"no dataset named {name!r}")
         if version is None:
@@ -182,52 +139,50 @@ class MetaStore:
         return s, Index(s.path)
 
     def commit(self, sid: str, index: Index, size: int, checksum: int) -> VersionInfo:
-        """Publish a staged index as the dataset's next version (atomic: rename, then catalog)."""
+        """Publish a staged index as the dataset's next version: the number is taken, the index file
+        put in place and the version recorded in one catalog transaction."""
         s = self.session(sid)
-        versions = self.catalog.get(s.name, [])
-        number = self.next_version(s.name)
         t = index.totals
-        info = VersionInfo(s.name, number, size, checksum, t.files, t.bytes, t.chunks, t.chunk_size, time.time())
-        dest = self.index_path(s.name, number)
+        info = VersionInfo(s.name, 0, size, checksum, t.files, t.bytes, t.chunks, t.chunk_size, time.time())
+
+        placed: list[Path] = []
+
+        def publish(number: int) -> None:
+            dest = self.index_path(s.name, number)
+            try:
+                dest.parent.mkdir(exist_ok=True)
+                with open(s.path, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(s.path, dest)
+                placed.append(dest)
+                _fsync_dir(dest.parent)
+            except OSError as exc:
+                raise _os_error(exc, f"cannot commit {s.name}") from None
+
         try:
-            dest.parent.mkdir(exist_ok=True)
-            with open(s.path, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(s.path, dest)
-            _fsync_dir(dest.parent)
-        except OSError as exc:
-            raise _os_error(exc, f"cannot commit {s.name}") from None
-        self.catalog[s.name] = versions + [info]
-        try:
-            self._save()
+            info = self.catalog.add(info, publish)
         except DlfsError:
-            self.catalog[s.name] = versions
-            dest.unlink(missing_ok=True)
+            for dest in placed:  # in place, but the version was not recorded: it never was
+                dest.unlink(missing_ok=True)
             raise
-        self._chunk_sets[(s.name, number)] = frozenset(index.chunk_ids())
+        self._chunk_sets[(s.name, info.version)] = frozenset(index.chunk_ids())
         self.sessions.pop(sid, None)
         return info
 
     def remove(self, name: str, version: int | None = None) -> list[VersionInfo]:
         """Tombstone a dataset (or one version) in the catalog; its index files go."""
-        gone = [self.get(name, version)] if version is not None else [v for v in self.catalog.get(name, []) if not v.removed]
+        gone = [self.get(name, version)] if version is not None else [v for v in self.catalog.versions(name) if not v.removed]
         if not gone:
             raise NotFound(f"no dataset named {name!r}")
         self._tombstone(name, {v.version for v in gone}, time.time())
         return gone
 
     def _tombstone(self, name: str, versions: set[int], when: float) -> None:
-        old = self.catalog[name]
-        self.catalog[name] = [replace(v, removed=when) if v.version in versions else v for v in old]
-        try:
-            self._save()
-        except DlfsError:
-            self.catalog[name] = old
-            raise
+        self.catalog.tombstone(name, versions, when)
         for number in versions:
             self.index_path(name, number).unlink(missing_ok=True)
             self._chunk_sets.pop((name, number), None)
-        if all(v.removed for v in self.catalog[name]):
+        if all(v.removed for v in self.catalog.versions(name)):
             shutil.rmtree(self.index_dir / name, ignore_errors=True)
 
     def apply_peer(self, info: VersionInfo, fetched: Path | None) -> bool:
@@ -238,10 +193,7 @@ class MetaStore:
         mine = self.find(info.name, info.version)
         if info.removed:
             if mine is None:
-                self.catalog.setdefault(info.name, []).append(info)
-                self.catalog[info.name].sort(key=lambda v: v.version)
-                self._save()
-                return True
+                return self.catalog.insert(info)
             if not mine.removed:
                 self._tombstone(info.name, {info.version}, info.removed)
                 return True
@@ -260,10 +212,7 @@ class MetaStore:
         dest.parent.mkdir(exist_ok=True)
         os.replace(fetched, dest)
         _fsync_dir(dest.parent)
-        self.catalog.setdefault(info.name, []).append(info)
-        self.catalog[info.name].sort(key=lambda v: v.version)
-        self._save()
-        return True
+        return self.catalog.insert(info)
 
     def staging_file(self) -> Path:
         return self.staging / f"peer-{secrets.token_hex(8)}.idx"
