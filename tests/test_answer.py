@@ -189,6 +189,15 @@ def test_crafted_offsets_give_eio_for_that_request_alone(tmp_path: Path, damage:
             assert e != errno.EIO, (damage, i, errors)
 
 
+def _chunk_file(tmp_path: Path, cid: bytes, data: bytes | memoryview) -> tuple[Path, Path]:
+    """A chunk file as this machine's data daemon keeps it: (its chunk directory, its path)."""
+    chunks = tmp_path / "chunks"
+    path = chunk_path(chunks, cid)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bytes(data))
+    return chunks, path
+
+
 def test_random_reads_of_local_chunks_are_read_and_checked_block_by_block(tmp_path: Path) -> None:
     # A random read inside a big record of a chunk this machine holds is read here, its 4 KiB blocks
     # alone, and checked against the record's sums; anything else (too big to be random, a bad block, a chunk held
@@ -199,10 +208,7 @@ def test_random_reads_of_local_chunks_are_read_and_checked_block_by_block(tmp_pa
     recs = [c.add(b, compress=False) for b in big]
     assert all(r.has_block_sums for r in recs)
     cid, data = c.finish()
-    chunks = tmp_path / "chunks"
-    path = chunk_path(chunks, cid)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(bytes(data))
+    chunks, path = _chunk_file(tmp_path, cid, data)
     w = IndexWriter(2, 1 << 20)
     w.add_extent(0, recs[0])
     w.add_extent(0, recs[1])
@@ -254,10 +260,7 @@ def test_scan_mode_reads_whole_small_local_records_and_checks_them(tmp_path: Pat
     recs = [c.add(small[0], compress=False), c.add(small[1], compress=False), c.add(small[2], compress=True)]
     assert not any(r.has_block_sums for r in recs) and recs[2].flags & FLAG_LZ4
     cid, data = c.finish()
-    chunks = tmp_path / "chunks"
-    path = chunk_path(chunks, cid)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(bytes(data))
+    chunks, path = _chunk_file(tmp_path, cid, data)
     w = IndexWriter(4, 1 << 20)
     for r in recs:
         w.add_extent(0, r)
