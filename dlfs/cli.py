@@ -454,7 +454,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         log.warning("--cache-size %s is over half the memory cgroup's limit (%s): the cache's pages cannot be "
                     "reclaimed, so the readers may be OOM-killed", human_bytes(cache_size), human_bytes(limit.effective))
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
-                        args.short_circuit, threads=args.threads, io_uring=args.io_uring)
+                        args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:

@@ -507,6 +507,23 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
     return 0;
 }
 
+/* A READ of [lo, hi) of one record not in the cache (`size` asked; `whole_file`: the record is all of
+ * its file), read here from this machine's chunk file: inside a big record with block sums, a random
+ * read (its blocks alone); in scan mode, the whole of a small record. -1: Python's to fetch (read-ahead,
+ * remote or compressed chunks, a failed check). */
+static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t ext, const struct dlfs_extent *e,
+                      uint64_t lo, uint64_t hi, uint32_t size, int whole_file, struct dlfs_counters *c)
+{
+    if (sv->local_dir < 0 || e->flags & DLFS_RECORD_LZ4 || e->stored_len != e->raw_len)
+        return -1;
+    if (e->flags & DLFS_RECORD_BLOCK_SUMS)
+        return sv->sums && size <= DLFS_RANDOM_READ_MAX ? read_blocks(sv, rp, ext, e, lo, hi, c) : -1;
+    if (whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->scratch_size &&
+        __atomic_load_n(&scan_mode, __ATOMIC_RELAXED))
+        return read_record(sv, rp, e, c);
+    return -1;
+}
+
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                  struct dlfs_counters *c)
 {
@@ -530,19 +547,8 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
             uint32_t slab;
             if (e.flags & DLFS_RECORD_LZ4 || rp->n == DLFS_REPLY_IOV || !sv->shm ||
                 !dlfs_shm_pin(sv->shm, sv->row, i, e.raw_len, &buf, &slab)) {
-                /* Not in the cache: a random read inside one big record of a local chunk is read here,
-                 * its blocks alone; anything else (read-ahead, remote chunks) is Python's to fetch. */
-                if (rp->npins == 0 && sv->local_dir >= 0 && sv->sums && r->size <= DLFS_RANDOM_READ_MAX && off >= pos &&
-                    end <= next && e.flags & DLFS_RECORD_BLOCK_SUMS && !(e.flags & DLFS_RECORD_LZ4) &&
-                    e.stored_len == e.raw_len && read_blocks(sv, rp, i, &e, off - pos, end - pos, c) == 0) {
-                    c->reads++;
-                    c->read_bytes += end - off;
-                    return DLFS_ANSWERED;
-                }
-                if (rp->npins == 0 && sv->local_dir >= 0 && n.count == 1 && off == 0 && end == next &&
-                    !(e.flags & (DLFS_RECORD_LZ4 | DLFS_RECORD_BLOCK_SUMS)) && e.stored_len == e.raw_len &&
-                    e.stored_len <= rp->scratch_size && __atomic_load_n(&scan_mode, __ATOMIC_RELAXED) &&
-                    read_record(sv, rp, &e, c) == 0) {
+                if (rp->npins == 0 && off >= pos && end <= next &&
+                    read_local(sv, rp, i, &e, off - pos, end - pos, r->size, n.count == 1, c) == 0) {
                     c->reads++;
                     c->read_bytes += end - off;
                     return DLFS_ANSWERED;

@@ -40,6 +40,17 @@ async def _dataset(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_chun
     return Index(path), payloads, stored
 
 
+async def _local_cache(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_chunks: int, seed: int,
+                       capacity: int) -> tuple[ChunkCache, list[bytes]]:
+    """`n_chunks` chunks of 8 incompressible 20 KB records on the node, and a cache of `capacity` that
+    reads them from its chunk files, into its slabs (as a mount on a data node does)."""
+    chunks = [_big_chunk(seed + i, [20_000] * 8) for i in range(n_chunks)]
+    index, payloads = await _stored(tmp_path, client, [spec], chunks)
+    cache = ChunkCache(index, client, capacity=capacity, readahead=SLAB, prefetch=False)
+    cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+    return cache, payloads
+
+
 @pytest.mark.timeout(60)
 async def test_random_epoch_through_a_small_cache_fetches_each_byte_about_once(tmp_path: Path) -> None:
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
@@ -300,9 +311,7 @@ async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(t
     monkeypatch.setattr(cache_mod, "OWN_MEMORY", 3 * 20_000)
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(30 + i, [20_000] * 8) for i in range(8)])
-        cache = ChunkCache(index, client, capacity=4 * SLAB, readahead=SLAB, prefetch=False)
-        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)  # lands in slabs
+        cache, payloads = await _local_cache(tmp_path, client, spec, 8, 30, 4 * SLAB)
         assert cache.shared is not None, "needs dlfs's C helper"
         for ext in range(0, 4 * 8, 8):  # one record of each of 4 chunks: a window, a slab each
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
@@ -322,9 +331,7 @@ async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(t
 async def test_free_slabs_go_back_to_the_kernel_and_pressure_sheds_read_ahead(tmp_path: Path) -> None:
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(40 + i, [20_000] * 8) for i in range(6)])
-        cache = ChunkCache(index, client, capacity=16 * SLAB, readahead=SLAB, prefetch=False)
-        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)  # lands in slabs
+        cache, payloads = await _local_cache(tmp_path, client, spec, 6, 40, 16 * SLAB)
         for ext in range(len(payloads)):  # every window fetched, then the kernel has it all
             got = await cache.record(ext)
             cache.consume(ext, len(got))
@@ -355,9 +362,8 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
     # records were asked for.
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(50 + i, [20_000] * 8) for i in range(12)])
-        cache = ChunkCache(index, client, capacity=8 * SLAB, readahead=SLAB, prefetch=False)
-        windows = {cache._window(e) for e in range(len(payloads))}
+        cache, payloads = await _local_cache(tmp_path, client, spec, 12, 50, 8 * SLAB)
+        windows = {cache.window_of(e) for e in range(len(payloads))}
         rng = random.Random(3)
         for c in range(0, 12, 2):  # two chunks at a time, their records shuffled (ChunkLocalSampler's way)
             part = list(range(c * 8, (c + 2) * 8))

@@ -11,7 +11,6 @@ import random
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import xxhash
 from conftest import CLI_TIMEOUT, DLFS, REPO, dlfs_env, force_unmount, mount_pids, needs_fuse, run_dlfs, stop_node
 
+from dlfs.bench.memory import PeakMemory
 from dlfs.cgroup import MemoryGroup, memory_limit
 from dlfs.client.cache import MIN_AUTO_CACHE, auto_cache_size
 from dlfs.units import human_bytes
@@ -100,30 +100,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return src, digests
 
 
-class Peak:
-    """The most anonymous and shared memory a process has held, sampled every 20 ms in a thread."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.anon, self.shmem, self.total, self._stop = pid, 0, 0, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines())
-            except OSError:
-                return
-            anon, shmem = (int(fields[k].split()[0]) << 10 for k in ("RssAnon", "RssShmem"))
-            self.anon, self.shmem = max(self.anon, anon), max(self.shmem, shmem)
-            self.total = max(self.total, anon + shmem)
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
 @pytest.fixture
 def confined(tmp_path: Path, dataset: tuple[Path, Path]) -> Iterator[tuple[MemoryGroup, Path, Path]]:
     """A node and a mount of the dataset, both started inside one memory cgroup of LIMIT bytes."""
@@ -175,17 +151,14 @@ def test_epochs_bigger_than_the_limit_stay_within_it(confined: tuple[MemoryGroup
     said = f"memory: memory cgroup limit {human_bytes(LIMIT)} ({group.path}/"
     assert said in mount_log and f"; cache {human_bytes(cache)} (auto" in mount_log, mount_log[-3000:]
     index = sum(p.stat().st_size for p in home.rglob("*.idx"))
-    peak = Peak(pid)
-    try:
+    with PeakMemory(pid, group, period=0.02) as peak:
         fuse = _epoch(group, mnt, dataset[1], "fuse", readers=2)
         direct = _epoch(group, mnt, dataset[1], "direct", readers=1)
-    finally:
-        peak.stop()
     for r in fuse + direct:
         assert r["n_bad"] == 0, r
     assert [r["files"] for r in fuse + direct] == [N_FILES] * 3
     assert group.oom_kills() == 0
-    assert peak.total <= cache + OVERHEAD + index, (
-        f"mount held {peak.total >> 20} MiB (anon {peak.anon >> 20}, shmem {peak.shmem >> 20}) over a "
+    assert peak.peak_anon_shmem <= cache + OVERHEAD + index, (
+        f"mount held {peak.peak_anon_shmem >> 20} MiB (anon {peak.peak_anon >> 20}, shmem {peak.peak_shmem >> 20}) over a "
         f"{cache >> 20} MiB cache + {OVERHEAD >> 20} MiB + index {index >> 20} MiB")
-    assert peak.shmem <= cache + (16 << 20), "the shared cache is bounded by --cache-size (and control pages)"
+    assert peak.peak_shmem <= cache + (16 << 20), "the shared cache is bounded by --cache-size (and control pages)"

@@ -134,7 +134,7 @@ class ChunkCache:
         self._free = list(range(nslabs - 1, -1, -1))  # a stack: the most recently freed slab is reused first
         self._retired: list[int] = []  # slabs whose records are gone but that a client still pins
         self._punched: set[int] = set()  # free slabs whose pages went back to the kernel
-        self._scan = False  # whether the serving threads are in scan mode (see _note_room)
+        self._scan = False  # whether the serving threads are in scan mode (see _readahead_room)
         self.given_back = 0  # bytes of free slabs returned to the kernel so far
         # Fresh slabs are taken in ascending order (the free stack's bottom); those below _fresh
         # have been faulted in, by prefault_worker or by use.
@@ -283,13 +283,6 @@ class ChunkCache:
                 dropped += b.nbytes
                 self._drop(next(iter(order)), evicted=True)
         return self.trim()
-
-    @property
-    def held_bytes(self) -> int:
-        """Memory the cache holds now: slabs not returned to the kernel (of those ever touched) and
-        records outside the arena."""
-        touched = max(self._fresh, self._taken_high + 1)
-        return (touched - len([s for s in self._punched if s < touched])) * self.slab_size + self._own_size
 
     def _unpublish(self, ext: int) -> None:
         if self.shared is not None:
@@ -461,10 +454,6 @@ class ChunkCache:
         return (done and bool(self._done[i])) or i in self._records or i in self._inflight
 
     def window_of(self, ext: int) -> tuple[int, int]:
-        """[first, end) extents of the fixed window holding `ext` (one fetch brings them all)."""
-        return self._window(ext)
-
-    def _window(self, ext: int) -> tuple[int, int]:
         """[first, end) extents of the window of ext's chunk that holds it. A chunk's windows are
         fixed, packed from its start to at most a slab each: whatever order the misses come in,
         each window is fetched once into one slab (runs from each miss would overlap and fill
@@ -487,7 +476,7 @@ class ChunkCache:
     def _run(self, ext: int, done: bool = True) -> list[int]:
         """`ext` and the other extents of its window that are not here (one range covers them); with
         `done=False` the records the kernel was once sent too (a dlfs.direct client reads them again)."""
-        lo, hi = self._window(ext)
+        lo, hi = self.window_of(ext)
         return [i for i in range(lo, hi) if i == ext or not self._here(i, done)]
 
     async def _from_sources(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
@@ -690,7 +679,7 @@ class ChunkCache:
                 except DlfsError as exc:
                     log.debug("prefetch of chunk %s stopped: %s", chunk.id.hex(), exc)
                     break
-                ext = self._window(ext)[1]
+                ext = self.window_of(ext)[1]
 
     def stats(self) -> dict[str, int]:
         if self._retired:

@@ -72,15 +72,15 @@ def _all_cached(fd: int, off: int, n: int) -> bool:
     return st.nr_cache >= (off + n - 1) // PAGE - off // PAGE + 1
 
 
-def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int,
-                 into: memoryview) -> tuple[int, int, bool]:
-    """Bytes [off, off+n) into `into`: (where they start in it, how many of them were read, whether
-    from the disk). Copied from the page cache (`fd`) if it holds them all, else the aligned [lo, hi)
-    read from the disk (`dfd`, O_DIRECT)."""
-    if _all_cached(fd, off, n):
-        return 0, os.preadv(fd, [into[:n]], off), False
+def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int, cached: bool,
+                 into: memoryview) -> tuple[int, int]:
+    """Bytes [off, off+n) into `into`: (where they start in it, how many of them were read). Copied
+    from the page cache (`fd`) if it holds them all (`cached`), else the aligned [lo, hi) read from the
+    disk (`dfd`, O_DIRECT)."""
+    if cached:
+        return 0, os.preadv(fd, [into[:n]], off)
     got = os.preadv(dfd, [into[: hi - lo]], lo)
-    return off - lo, max(0, got - (off - lo)), True
+    return off - lo, max(0, got - (off - lo))
 
 
 class LocalChunks:
@@ -127,11 +127,11 @@ class LocalChunks:
             os.close(self._direct_fds.popitem(last=False)[1])
         return fd
 
-    async def _read_direct(self, cid: bytes, off: int, n: int, into: memoryview) -> memoryview | None:
-        """Bytes [off, off+n) of the chunk in `into`: copied from the page cache if it has them all,
-        else read from the disk straight into `into` (O_DIRECT, the range widened to whole 4 KiB pages,
-        so the bytes start a little into it: no copy, and no page cache kept of them); None if that
-        cannot be done here."""
+    async def _read_direct(self, cid: bytes, off: int, n: int, cached: bool, into: memoryview) -> memoryview | None:
+        """Bytes [off, off+n) of the chunk in `into`: copied from the page cache if it has them all
+        (`cached`), else read from the disk straight into `into` (O_DIRECT, the range widened to whole
+        4 KiB pages, so the bytes start a little into it: no copy, and no page cache kept of them); None
+        if that cannot be done here."""
         lo = off - off % DIRECT_ALIGN
         hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
         fd, dfd = self._fd(cid), (self._direct_fd(cid) if hi - lo <= len(into) else None)
@@ -140,7 +140,7 @@ class LocalChunks:
         # Their own descriptors: no eviction here can close them under the thread.
         fd, dfd = os.dup(fd), os.dup(dfd)
         try:
-            start, got, from_disk = await trio.to_thread.run_sync(_read_window, fd, dfd, off, n, lo, hi, into)
+            start, got = await trio.to_thread.run_sync(_read_window, fd, dfd, off, n, lo, hi, cached, into)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -151,25 +151,27 @@ class LocalChunks:
             os.close(dfd)
         if got < n:  # a chunk file shorter than the index says: the caller's fallback
             return memoryview(b"")
-        self.direct_reads += from_disk
+        self.direct_reads += not cached
         return into[start : start + n]
 
     async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
                           into: memoryview | None = None) -> list[memoryview] | None:
         """The (offset, length) ranges of the chunk (the first into `into` when given), if this machine
-        holds its chunk and they are all there; else None. Unchecked: the caller verifies them. A big
-        first range with `into`, or one the page cache does not hold, comes from the disk straight into
-        it (O_DIRECT; it may then start a little into `into`); otherwise what the page cache has is copied at once, and the rest is read
-        from disk in one worker thread."""
+        holds its chunk and they are all there; else None. Unchecked: the caller verifies them. A first
+        range with `into` that the page cache does not hold comes from the disk straight into it
+        (O_DIRECT; it may then start a little into `into`), and a big one that it holds is copied in a
+        worker thread; otherwise what the page cache has is copied at once, and the rest is read from
+        disk in one worker thread."""
         fd = self._fd(cid)
         if fd is None:
             return None
         # Not in the page cache: from the disk straight to the slab, exactly the range (a buffered read
         # would read ahead through the chunk, at random mostly for nothing, and fill a memory cgroup's
         # page cache with it).
-        if into is not None and self.direct and (ranges[0][1] >= DIRECT_MIN or not _all_cached(fd, *ranges[0])):
+        cached = into is not None and self.direct and _all_cached(fd, *ranges[0])
+        if into is not None and self.direct and (ranges[0][1] >= DIRECT_MIN or not cached):
             try:
-                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], into)
+                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into)
             except OSError as exc:
                 self.fallbacks += 1
                 log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",

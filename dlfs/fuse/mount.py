@@ -17,7 +17,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from dlfs.cgroup import memory_limit
+from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
 from dlfs.client.local import open_local_chunks
@@ -59,6 +59,7 @@ class MountOptions:
     short_circuit: bool = True  # read the local node's chunk files in place
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # native threads serving /dev/fuse
     io_uring: str = "auto"  # auto | on | off: FUSE over io_uring (see want_io_uring)
+    memory: MemoryLimit = field(default_factory=memory_limit)  # what the cache's pressure watch reads
 
 
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
@@ -190,7 +191,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
-        nursery.start_soon(watch_memory, cache, memory_limit(), name="dlfs-memory-watch")
+        nursery.start_soon(watch_memory, cache, opts.memory, name="dlfs-memory-watch")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
         ops = DlfsOperations(index, cache, label)
