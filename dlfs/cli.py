@@ -213,13 +213,20 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
     _setup_logging(args)
     name, version = parse_dataset_ref(args.name)
-    # Removal frees the chunks at once: a mount of the version would fail every read it has not cached.
-    for label, mountpoint in local_mounts(home_dir(args.home)):
-        mounted_name, _, mounted_version = label.rpartition("@")
-        if mounted_name == name and (version is None or mounted_version == str(version)):
-            raise Conflict(f"{label} is mounted at {mountpoint}; unmount it first (dlfs umount {mountpoint})")
+    if _cluster(args).etcd is None:
+        # Embedded: removal frees the chunks at once, and a mount of the version would fail every read
+        # it has not cached. (A cluster's mounts hold leases in etcd, which keep their chunks.)
+        for label, mountpoint in local_mounts(home_dir(args.home)):
+            mounted_name, _, mounted_version = label.rpartition("@")
+            if mounted_name == name and (version is None or mounted_version == str(version)):
+                raise Conflict(f"{label} is mounted at {mountpoint}; unmount it first (dlfs umount {mountpoint})")
     out = trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version})
     versions = ", ".join(str(v["version"]) for v in out["removed"])
+    if out.get("mounts"):
+        print(f"removed {name} (version {versions}); {out['gc_deferred']}")
+        for m in out["mounts"]:
+            print(f"  {name}@{m['version']} mounted on {m['node']} at {m['mountpoint']}")
+        return 0
     print(f"removed {name} (version {versions}); freed {out['freed_chunks']} chunks")
     if out.get("gc_deferred"):
         print(f"its chunks are freed later: {out['gc_deferred']}", file=sys.stderr)
@@ -269,15 +276,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         return out, health
 
     rows, health = trio.run(gather)
+    control = trio.run(_control_view, cluster) if cluster.etcd is not None else None
     down = 0
     print(f"cluster: {cluster.source}")
+    if control is not None:
+        alive = control["nodes"]
+        print(f"etcd: {control['etcd']}" + (f"; nodes with live leases: {', '.join(sorted(alive)) or 'none'}"
+                                             if alive is not None else ""))
     for name, res in rows:
         spec = cluster.node(name)
         roles = "+".join(sorted(spec.roles))
         failed = [r for r in res.values() if isinstance(r, str)]
+        # Liveness is the node's lease in etcd where etcd answers; its daemons' answers say the rest.
+        leased = control is not None and control["nodes"] is not None
+        if control is not None and control["nodes"] is not None and name not in control["nodes"]:
+            down += 1
+            print(f"node {name}: DOWN (no live lease in etcd{'; ' + failed[0] if failed else ''})  roles {roles}")
+            continue
         if failed:
             down += 1
-            print(f"node {name}: DOWN ({failed[0]})  roles {roles}")
+            print(f"node {name}: DOWN ({failed[0]}{'; its lease in etcd is still live' if leased else ''})  roles {roles}")
             continue
         addrs = "".join(f"  {s} {spec.meta if s == 'meta' else spec.data}" for s in ("meta", "data") if s in spec.roles)
         print(f"node {name}: up  roles {roles}{addrs}")
@@ -292,10 +310,30 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise DlfsError(f"node {name} is not reachable: {next(r for r in res.values() if isinstance(r, str))}")
     if health is not None:
         _print_census(health, cluster.replicas)
+    if control is not None and control["mounts"] is not None:
+        mounts = control["mounts"]
+        print(f"mounts (holding leases in etcd): {len(mounts)}")
+        for m in mounts:
+            print(f"  {m.name}@{m.version} on {m.node} at {m.mountpoint}")
     if down:
         print(f"{down} of {len(rows)} nodes are down", file=sys.stderr)
         return 3
     return 0
+
+
+async def _control_view(cluster: Any) -> dict[str, Any]:
+    """What etcd says of the cluster: its endpoints' state, the nodes with live leases, the mounts."""
+    from dlfs.control.plane import ControlPlane
+
+    control = ControlPlane(cluster.etcd)
+    try:
+        nodes = await control.nodes()
+        mounts = await control.mounts()
+        return {"etcd": f"{control.etcd.describe()}: answering", "nodes": nodes, "mounts": mounts}
+    except DlfsError as exc:
+        return {"etcd": f"unavailable ({exc}); liveness from the daemons alone", "nodes": None, "mounts": None}
+    finally:
+        await control.aclose()
 
 
 def _print_census(view: Any, replicas: int, shown: int = 10) -> None:

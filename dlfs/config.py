@@ -15,6 +15,16 @@ and how chunks travel (`--transport` overrides it per command):
     transport = "auto"           # auto | tcp | rdma
     rdma_device = "mlx5_0"       # optional: the RDMA device (default: the first with an active port)
     rdma_port = 1                # optional: its port
+
+and, for more than one node, the etcd cluster that keeps the control state (dlfs/control/):
+
+    [etcd]
+    endpoints = ["http://10.0.0.1:2379", "http://10.0.0.2:2379", "http://10.0.0.3:2379"]
+    prefix = "/dlfs/"            # optional: several dlfs clusters can share one etcd
+    ca_file = "etcd-ca.pem"      # optional TLS (https:// endpoints), relative to this file
+    cert_file = "etcd-client.pem"
+    key_file = "etcd-client-key.pem"
+    lease_ttl = 10               # optional: seconds a node's or mount's lease outlives its last keepalive
 """
 
 from __future__ import annotations
@@ -53,6 +63,18 @@ def check_dataset_name(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class EtcdConfig:
+    """Where the cluster's control state lives (the cluster file's [etcd] section)."""
+
+    endpoints: tuple[str, ...]
+    prefix: str = "/dlfs/"
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    lease_ttl: int = 10
+
+
 ROLES = {"both": frozenset({"meta", "data"}), "meta": frozenset({"meta"}), "data": frozenset({"data"})}
 
 
@@ -78,6 +100,7 @@ class Cluster:
     rdma_device: str | None = None  # None: the first device with an active port
     rdma_port: int | None = None
     key_file: str = ""  # where the key came from (dlfs doctor checks its permissions)
+    etcd: EtcdConfig | None = None  # None: the embedded catalog (one node, SQLite)
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
@@ -213,9 +236,44 @@ def parse_cluster_file(path: Path) -> Cluster:
         raise UsageError(f"cluster file {path}: rdma_device must be a device name such as \"mlx5_0\"")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 255):
         raise UsageError(f"cluster file {path}: rdma_port must be a port number from 1 to 255")
+    etcd = _etcd_section(path, doc.get("etcd"))
+    if etcd is None and len(nodes) > 1:
+        raise UsageError(f"cluster file {path} has {len(nodes)} nodes but no [etcd] section: a cluster of more than "
+                         'one node keeps its catalog in etcd (endpoints = ["http://HOST:2379", ...])')
     local = _local_node(nodes)
     return Cluster(nodes, key, replicas, str(path), local=local, extra=doc, transport=transport,
-                   rdma_device=device, rdma_port=port, key_file=key_file)
+                   rdma_device=device, rdma_port=port, key_file=key_file, etcd=etcd)
+
+
+def _etcd_section(path: Path, raw: object) -> EtcdConfig | None:
+    if raw is None:
+        return None
+    where = f"cluster file {path}: [etcd]"
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where} must be a table")
+    unknown = set(raw) - {"endpoints", "prefix", "ca_file", "cert_file", "key_file", "lease_ttl"}
+    if unknown:
+        raise UsageError(f"{where} has unknown keys: {', '.join(sorted(unknown))}")
+    endpoints = raw.get("endpoints")
+    if (not isinstance(endpoints, list) or not endpoints
+            or not all(isinstance(e, str) and re.fullmatch(r"https?://[^/\s]+/?", e) for e in endpoints)):
+        raise UsageError(f'{where} needs endpoints = ["http://HOST:PORT", ...] (got {endpoints!r})')
+    prefix = raw.get("prefix", "/dlfs/")
+    if not isinstance(prefix, str) or not prefix:
+        raise UsageError(f"{where}: prefix must be a non-empty string")
+    files: dict[str, str | None] = {}
+    for k in ("ca_file", "cert_file", "key_file"):
+        v = raw.get(k)
+        if v is not None and not isinstance(v, str):
+            raise UsageError(f"{where}: {k} must be a path")
+        files[k] = str((path.parent / v).absolute()) if v else None
+    if bool(files["cert_file"]) != bool(files["key_file"]):
+        raise UsageError(f"{where}: cert_file and key_file go together")
+    ttl = raw.get("lease_ttl", 10)
+    if not isinstance(ttl, int) or not 2 <= ttl <= 3600:
+        raise UsageError(f"{where}: lease_ttl must be whole seconds from 2 to 3600")
+    return EtcdConfig(tuple(e.rstrip("/") for e in endpoints), prefix if prefix.endswith("/") else prefix + "/",
+                      files["ca_file"], files["cert_file"], files["key_file"], ttl)
 
 
 def _local_node(nodes: list[NodeSpec]) -> str | None:

@@ -290,6 +290,57 @@ async def check_nodes(cluster: Cluster) -> list[Check]:
     return [row for key in sorted(results, key=lambda k: (k[0], k[1] != "meta")) for row in results[key]]
 
 
+async def check_etcd(cluster: Cluster) -> list[Check]:
+    """Each etcd endpoint: it answers, is in a cluster with a leader, and the TLS files load; then
+    the nodes holding live leases in it."""
+    from dlfs.control.plane import ControlPlane
+
+    if cluster.etcd is None:
+        return [Check("etcd", INFO, "none: a one-node cluster keeps its catalog in SQLite under its state directory")]
+    try:
+        control = ControlPlane(cluster.etcd)
+    except (OSError, ValueError) as exc:  # TLS files that do not load
+        return [Check("etcd", FAIL, f"TLS files of [etcd] do not load: {exc}", "fix ca_file / cert_file / key_file")]
+    rows: list[Check] = []
+    try:
+        for endpoint in cluster.etcd.endpoints:
+            try:
+                st = await control.etcd.status(endpoint)
+            except Exception as exc:  # httpx's errors, DlfsError, a reply that does not parse: all one FAIL row
+                why = _etcd_why(exc)
+                rows.append(Check(f"etcd {endpoint}", FAIL, why,
+                                  "start etcd there (systemctl start etcd), or fix [etcd] endpoints in the cluster file"))
+                continue
+            leader = st.get("leader", "0") not in ("0", 0, None)
+            text = f"etcd {st.get('version', '?')}, " + ("has a leader" if leader else "NO LEADER (quorum lost?)")
+            rows.append(Check(f"etcd {endpoint}", PASS if leader else FAIL, text,
+                              "" if leader else "bring a majority of the etcd members back up"))
+        if any(r.status == PASS for r in rows):
+            try:
+                nodes = await control.nodes()
+                missing = [n.name for n in cluster.nodes if n.name not in nodes]
+                text = f"{len(nodes)} of {len(cluster.nodes)} nodes hold live leases"
+                rows.append(Check("node leases", WARN if missing else PASS,
+                                  text + (f" (none for {', '.join(missing)})" if missing else ""),
+                                  "start `dlfs node` on them" if missing else ""))
+            except DlfsError as exc:
+                rows.append(Check("node leases", FAIL, str(exc)))
+    finally:
+        await control.aclose()
+    return rows
+
+
+def _etcd_why(exc: Exception) -> str:
+    import httpx
+
+    if isinstance(exc, trio.TooSlowError | httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused (nothing listens there?)" if "refused" in str(exc).lower() or \
+            "all attempts" in str(exc) else f"cannot connect: {exc}"
+    return str(exc) or type(exc).__name__
+
+
 def check_state_dir(home: Path) -> Check:
     where = home
     while not where.exists() and where != where.parent:
@@ -318,6 +369,7 @@ def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> l
     rows += cluster_rows
     if cluster is not None:
         rows += trio.run(check_nodes, cluster)
+        rows += trio.run(check_etcd, cluster)
     rows.append(check_state_dir(home))
     return rows
 

@@ -100,6 +100,11 @@ class RdmaFailure(Unreachable):
     timeout); the client reads that range over TCP instead, so a reader never sees it."""
 
 
+class ControlUnavailable(Unreachable):
+    """The cluster's control plane (etcd) cannot be reached or has no quorum; the daemon that says so
+    is fine, so a client does not fail over to another (each would say the same)."""
+
+
 # Wire status codes: errors cross the protocol as (code, message) and are rebuilt on the other side.
 STATUS_OK = 0
 _BY_STATUS: dict[int, type[DlfsError]] = {
@@ -114,6 +119,7 @@ _BY_STATUS: dict[int, type[DlfsError]] = {
     9: AuthError,
     10: Conflict,
     11: MountError,
+    12: ControlUnavailable,
 }
 _STATUS_OF = {cls: code for code, cls in _BY_STATUS.items()}
 

@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ import trio
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
+from dlfs.control.plane import ControlPlane, Lease
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import DlfsError, UsageError
@@ -180,12 +183,24 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 else:
                     cluster = opts.cluster
                 meta_bound = meta_addr
+                control, lease = None, None
+                if cluster.etcd is not None:
+                    control = ControlPlane(cluster.etcd)
+                    lease = Lease(control, f"node {name}", partial(_join, control, name, meta_addr, data_bound, roles))
+                    nursery.start_soon(_leave_at_exit, control, lease, name="dlfs-etcd-leave")
                 if "meta" in roles:
                     ledger = ClusterClient(cluster, nursery)
-                    meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes, memory)
+                    meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes, memory,
+                                               control, lease)
                     services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
-                    nursery.start_soon(meta_service.sync.run, name="dlfs-catalog-sync")
+                    if meta_service.follower is not None:
+                        nursery.start_soon(meta_service.follower.run, name="dlfs-catalog-follower")
+                if lease is not None:
+                    # Membership: the node is alive in etcd while this lease is; etcd being down delays
+                    # it (logged) but never stops the node serving chunks and indexes.
+                    with trio.move_on_after(lease.control.etcd.timeout + 1):
+                        await nursery.start(lease.run, name="dlfs-node-lease")
                 if opts.metrics is not None:
                     await _serve_metrics(nursery, opts, name, services, cluster, meta_store)
                 me = NodeSpec(name, meta_bound, data_bound, roles)
@@ -210,6 +225,24 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
             log.info("node %s: stopped", name)
     finally:
         os.close(lock_fd)
+
+
+async def _join(control: ControlPlane, name: str, meta: Address, data: Address, roles: frozenset[str]) -> int:
+    """This node's membership: a lease, and its key bound to it."""
+    lease = await control.etcd.grant(control.cfg.lease_ttl)
+    doc = {"meta": str(meta), "data": str(data), "roles": sorted(roles), "pid": os.getpid(), "since": time.time()}
+    await control.etcd.put(control.node_key(name), json.dumps(doc), lease)
+    log.info("node %s: joined the cluster in etcd (lease %x, %d s)", name, lease, control.cfg.lease_ttl)
+    return lease
+
+
+async def _leave_at_exit(control: ControlPlane, lease: Lease) -> None:
+    """At shutdown: the node leaves at once (its lease revoked: its open ingests' pins go with it)."""
+    try:
+        await trio.sleep_forever()
+    finally:
+        await lease.revoke()
+        await control.aclose()
 
 
 def _forget_runtime(path: Path) -> None:

@@ -4,6 +4,8 @@
 # update runs only if needed.
 set -euo pipefail
 PKGS=(fuse3 libfuse3-dev libxxhash-dev pkg-config python3-venv python3-dev python3-pyverbs squashfs-tools squashfuse iproute2 psmisc)
+# etcd: the control plane of clusters of more than one node (the tests start their own members).
+PKGS+=(etcd-server etcd-client)
 # A one-node Slurm that the tests start themselves, for deploy/slurm (their daemons, not systemd's).
 PKGS+=(slurmctld slurmd slurm-client munge)
 missing=()

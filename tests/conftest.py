@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from etcdlab import local_etcd
 
 from dlfs.procmounts import mounts_under as table_mounts_under
 
@@ -195,8 +196,9 @@ def running_cluster(base: Path, n: int = 2, replicas: int = 2,
     for i in range(n):
         lines += ["[[node]]", f'name = "n{i + 1}"', 'address = "127.0.0.1"',
                   f"meta_port = {ports[2 * i]}", f"data_port = {ports[2 * i + 1]}"]
+    etcd = local_etcd(base) if n > 1 else None  # more than one node: the catalog lives in etcd
     cluster = base / "cluster.toml"
-    cluster.write_text("\n".join(lines) + "\n")
+    cluster.write_text("\n".join(lines) + "\n" + (etcd.toml() if etcd else ""))
     nodes: list[Node] = []
     try:
         for i in range(n):
@@ -211,6 +213,8 @@ def running_cluster(base: Path, n: int = 2, replicas: int = 2,
         force_unmount(base)
         for node in nodes:
             node.stop()
+        if etcd is not None:
+            etcd.stop()
 
 
 @pytest.fixture

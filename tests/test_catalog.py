@@ -4,11 +4,14 @@ catalog.json imported, damage as one clear error."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import DLFS, REPO, dlfs_env, needs_fuse, wait_for_node
 from test_services import make_chunk, make_index
 
 from dlfs.errors import CorruptData, DlfsError
@@ -117,3 +120,42 @@ def file_checksum_of(blob: bytes, where: Path) -> int:
     p = where / "blob.idx"
     p.write_bytes(blob)
     return file_checksum(p)
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_the_one_node_default_needs_no_etcd(tmp_path: Path) -> None:
+    """No etcd on the PATH (only fusermount3 is): node, ingest, mount, read, rm all work."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fusermount = shutil.which("fusermount3")
+    assert fusermount
+    (bin_dir / "fusermount3").symlink_to(fusermount)
+    env = {**dlfs_env(tmp_path / "home"), "PATH": str(bin_dir)}
+    node = subprocess.Popen([*DLFS, "node"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_node(tmp_path / "home", node, Path("/dev/null"))
+
+        def dlfs(*args: str | Path) -> str:
+            proc = subprocess.run([*DLFS, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True,
+                                  timeout=60)
+            assert proc.returncode == 0, f"dlfs {args}: {proc.stdout}{proc.stderr}"
+            return proc.stdout
+
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "a.bin").write_bytes(b"dlfs" * 10_000)
+        assert "ingested laptop version 1" in dlfs("ingest", src, "--name", "laptop")
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        dlfs("mount", "laptop", mnt)
+        try:
+            assert (mnt / "a.bin").read_bytes() == b"dlfs" * 10_000
+        finally:
+            dlfs("umount", mnt)
+        assert "removed laptop" in dlfs("rm", "laptop")
+        assert (tmp_path / "home" / "meta" / "catalog.db").exists()
+    finally:
+        node.terminate()
+        out = node.communicate(timeout=20)[0].decode(errors="replace")
+    assert "etcd" not in out, out

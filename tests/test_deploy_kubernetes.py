@@ -1,5 +1,6 @@
 """deploy/kubernetes: every manifest parses and holds what the deployment needs; the containers'
-commands are valid dlfs invocations, and run here as the kubelet would run them they serve a mount."""
+commands are valid dlfs invocations, and run here as the kubelet would run them they serve a mount;
+the etcd StatefulSet's members, run here with its arguments, form the cluster the ConfigMap names."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -80,7 +84,7 @@ def by_name(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
     docs = manifests()
     kinds = {kind for kind, _ in docs}
-    assert {"Namespace", "ConfigMap", "Secret", "DaemonSet", "Pod", "Kustomization"} <= kinds
+    assert {"Namespace", "ConfigMap", "Secret", "DaemonSet", "Pod", "Kustomization", "Service", "StatefulSet"} <= kinds
 
     # The ConfigMap's cluster file is one dlfs reads, and the Secret's placeholder is refused.
     cm, secret = docs[("ConfigMap", "dlfs-cluster")], docs[("Secret", "dlfs-key")]
@@ -103,10 +107,18 @@ def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
     assert volumes["state"]["hostPath"]["path"] == "/var/lib/dlfs"
     sources = volumes["config"]["projected"]["sources"]
     (from_cm,) = [s["configMap"] for s in sources if "configMap" in s]
-    (from_secret,) = [s["secret"] for s in sources if "secret" in s]
+    secrets = {s["secret"]["name"]: s["secret"] for s in sources if "secret" in s}
     assert from_cm["name"] == "dlfs-cluster" and from_cm["items"] == [{"key": "cluster.toml", "path": "cluster.toml"}]
-    assert from_secret["name"] == "dlfs-key"
-    assert from_secret["items"] == [{"key": "cluster.key", "path": "cluster.key", "mode": 0o400}]
+    assert set(secrets) == {"dlfs-key", "dlfs-etcd-tls"}
+    assert secrets["dlfs-key"]["items"] == [{"key": "cluster.key", "path": "cluster.key", "mode": 0o400}]
+    # etcd's TLS files, only when that Secret exists, under the names the cluster file's
+    # (commented) ca_file, cert_file and key_file give them, beside it.
+    tls = secrets["dlfs-etcd-tls"]
+    assert tls["optional"] is True and "optional" not in secrets["dlfs-key"]
+    for item in tls["items"]:
+        assert item["key"] == item["path"] and f'= "{item["path"]}"' in cm["data"]["cluster.toml"]
+    (client_key,) = re.findall(r'^\s*#\s*key_file = "([^"]+)"', cm["data"]["cluster.toml"], re.M)
+    assert {i["path"]: i.get("mode") for i in tls["items"]}[client_key] == 0o400
 
     node, mount = by_name(pod["containers"], "node"), by_name(pod["containers"], "mount")
     for c in (node, mount):
@@ -144,6 +156,130 @@ def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
 
     kust = docs[("Kustomization", "kustomization")]
     assert all((K8S / r).exists() for r in kust["resources"]) and "secret.yaml" not in kust["resources"]
+    assert "etcd.yaml" in kust["resources"]
+
+
+def etcd_flags(container: dict[str, Any]) -> dict[str, str]:
+    """The --flag=value arguments of the etcd container's command, by flag."""
+    argv = container["command"]
+    assert argv[0].endswith("/etcd") and all(a.startswith("--") and "=" in a for a in argv[1:]), argv
+    flags = dict(a[2:].split("=", 1) for a in argv[1:])
+    assert len(flags) == len(argv) - 1, "a flag given twice"
+    return flags
+
+
+def etcd_set(docs: dict[tuple[str, str], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    sts = docs[("StatefulSet", "dlfs-etcd")]
+    svc = docs[("Service", sts["spec"]["serviceName"])]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    return sts, svc, container
+
+
+def test_etcd_statefulset_is_the_clusters_etcd() -> None:
+    docs = manifests()
+    sts, svc, etcd = etcd_set(docs)
+    ns = sts["metadata"]["namespace"]
+    assert ns == svc["metadata"]["namespace"] == "dlfs"
+    # Headless, publishing members before they are ready (none is before a quorum), all started at once.
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ports = {p["name"]: p["containerPort"] for p in etcd["ports"]}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"client": ports["client"], "peer": ports["peer"]}
+    assert etcd["image"].startswith("gcr.io/etcd-development/etcd:v3.")
+
+    # Each member: its pod name, its own DNS name under the Service, data on its claim.
+    flags = etcd_flags(etcd)
+    assert flags["name"] == "$(POD_NAME)"
+    assert by_name(etcd["env"], "POD_NAME")["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    members = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    dns = {m: f"{m}.{svc['metadata']['name']}.{ns}.svc" for m in members}
+    assert flags["initial-cluster"] == ",".join(f"{m}=http://{dns[m]}:{ports['peer']}" for m in members)
+    for m in members:
+        assert kube_expand(flags["initial-advertise-peer-urls"], {"POD_NAME": m}) == f"http://{dns[m]}:{ports['peer']}"
+    assert flags["initial-cluster-state"] == "new"
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    (mount,) = etcd["volumeMounts"]
+    assert mount["name"] == claim["metadata"]["name"] and flags["data-dir"].startswith(mount["mountPath"] + "/")
+    probe = etcd["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health" and flags["listen-metrics-urls"].endswith(f":{probe['port']}")
+
+    # The cluster file's [etcd] names every member's client URL, as each advertises it.
+    etcd_conf = tomllib.loads(docs[("ConfigMap", "dlfs-cluster")]["data"]["cluster.toml"])["etcd"]
+    assert etcd_conf["endpoints"] == [kube_expand(flags["advertise-client-urls"], {"POD_NAME": m}) for m in members]
+    assert [urlsplit(u).port for u in etcd_conf["endpoints"]] == [ports["client"]] * len(members)
+    # The dlfs pods can resolve those names from the host network.
+    assert docs[("DaemonSet", "dlfs")]["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+    etcd_bin = shutil.which("etcd")
+    if etcd_bin:  # every flag is one etcd knows (Debian's 3.4 here; the image is 3.5, a superset)
+        known = set(re.findall(r"^\s+--([a-z0-9-]+)", subprocess.run([etcd_bin, "--help"], capture_output=True,
+                                                                    text=True, timeout=30).stdout, re.M))
+        assert set(flags) <= known, set(flags) - known
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None or shutil.which("etcdctl") is None,
+                    reason="needs etcd and etcdctl (apt-get install etcd-server etcd-client)")
+@pytest.mark.timeout(120)
+def test_etcd_members_form_the_cluster_the_configmap_names(tmp_path: Path) -> None:
+    """The StatefulSet's three members run here with its arguments as the kubelet expands them,
+    each member's DNS name and ports mapped to a port of its own on 127.0.0.1: they bootstrap one
+    cluster (names, peer URLs and --initial-cluster agree), and the ConfigMap's endpoints reach it."""
+    docs = manifests()
+    sts, svc, etcd = etcd_set(docs)
+    flags = etcd_flags(etcd)
+    ports = {p["name"]: p["containerPort"] for p in etcd["ports"]}
+    members = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    local = dict(zip(members, (dict(zip(ports, _free_ports(len(ports)))) for _ in members), strict=True))
+    dns = {m: f"{m}.{svc['metadata']['name']}.{sts['metadata']['namespace']}.svc" for m in members}
+
+    def mapped(text: str, me: str | None) -> str:
+        """Member names and, for member `me`, its listen addresses, as this machine runs them."""
+        for name, port in ports.items():
+            for m in members:
+                text = text.replace(f"{dns[m]}:{port}", f"127.0.0.1:{local[m][name]}")
+            if me is not None:
+                text = text.replace(f"0.0.0.0:{port}", f"127.0.0.1:{local[me][name]}")
+        return text
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for m in members:
+            argv = [mapped(kube_expand(a, {"POD_NAME": m}), m) for a in etcd["command"]]
+            argv = [shutil.which("etcd") or "etcd"] + [a.replace(flags["data-dir"], str(tmp_path / m)) for a in argv[1:]]
+            assert not any("0.0.0.0" in a or ".svc" in a for a in argv), argv
+            with open(tmp_path / f"{m}.log", "wb") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=log))
+        endpoints = [mapped(u, None) for u in
+                     tomllib.loads(docs[("ConfigMap", "dlfs-cluster")]["data"]["cluster.toml"])["etcd"]["endpoints"]]
+        deadline = time.monotonic() + 60
+        while True:
+            health = subprocess.run(["etcdctl", "--endpoints=" + ",".join(endpoints), "endpoint", "health"],
+                                    capture_output=True, text=True, timeout=30)
+            if health.returncode == 0:
+                break
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), health.stderr + "".join(
+                (tmp_path / f"{m}.log").read_text()[-1500:] for m in members)
+            time.sleep(0.2)
+        listed = subprocess.run(["etcdctl", "--endpoints=" + endpoints[0], "member", "list", "-w", "json"],
+                                capture_output=True, text=True, timeout=30, check=True)
+        assert sorted(m["name"] for m in json.loads(listed.stdout)["members"]) == members
+        # The readiness probe's answer on one member.
+        probe = etcd["readinessProbe"]["httpGet"]
+        port = local[members[0]][next(n for n, p in ports.items() if p == probe["port"])]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe['path']}", timeout=10) as reply:
+            assert reply.status == 200 and json.loads(reply.read())["health"] == "true"
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def test_kustomize_renders() -> None:
@@ -153,7 +289,7 @@ def test_kustomize_renders() -> None:
     out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out.stdout))
-    assert kinds == ["ConfigMap", "DaemonSet", "Namespace"]
+    assert kinds == ["ConfigMap", "DaemonSet", "Namespace", "Service", "StatefulSet"]
 
 
 def test_dockerfile_builds_from_the_checkout() -> None:

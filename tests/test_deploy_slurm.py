@@ -1,15 +1,18 @@
 """deploy/slurm against a real one-node Slurm (munged, slurmctld and slurmd started by the test):
-the job script builds the cluster, starts the node, ingests, mounts, trains, and cleans up,
-also when the job is cancelled or signalled before its time limit."""
+the job script builds the cluster, starts the node (and an etcd, or uses one given), ingests,
+mounts, trains, and cleans up, also when the job is cancelled or signalled before its time limit."""
 
 from __future__ import annotations
 
 import fcntl
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +51,18 @@ f.read(10)
 open(sys.argv[1], "w").close()
 time.sleep(600)
 """
+# One that puts a key in the cluster file's etcd, under its prefix, and records which.
+ETCD_PUT = """\
+import os, subprocess, sys, tomllib
+with open(os.environ["DLFS_CLUSTER"], "rb") as f:
+    etcd = tomllib.load(f)["etcd"]
+key = etcd.get("prefix", "/dlfs/") + "from-training"
+subprocess.run(["etcdctl", "--endpoints=" + ",".join(etcd["endpoints"]), "put", key, "x"], check=True, timeout=30)
+with open(sys.argv[1], "w") as f:
+    f.write(key)
+"""
+needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None or shutil.which("etcdctl") is None,
+                                reason="needs etcd and etcdctl (apt-get install etcd-server etcd-client)")
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +125,8 @@ def test_job_script_ingests_mounts_trains_and_cleans_up(slurm: Slurm, tmp_path: 
     cluster = parse_cluster_file(tmp_path / "job" / "cluster.toml")
     assert [(s.name, s.meta.host, s.meta.port) for s in cluster.nodes] == [(NODE, "127.0.0.1", int(env["DLFS_META_PORT"]))]
     assert cluster.replicas == 1 and (tmp_path / "job" / "cluster.key").stat().st_mode & 0o077 == 0
+    # One node: no etcd, and none started.
+    assert "etcd" not in cluster.extra and "etcd" not in out
     _assert_clean(tmp_path, state)
 
     # A second job on the same node-local state finds the dataset and skips the ingest; the
@@ -165,6 +182,93 @@ def test_cancelled_or_signalled_job_cleans_up(slurm: Slurm, tmp_path: Path) -> N
     _assert_clean(tmp_path, state)
 
 
+def _etcdctl(url: str, *args: str) -> str:
+    proc = subprocess.run(["etcdctl", f"--endpoints={url}", "--command-timeout=10s", *args],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+@needs_etcd
+@pytest.mark.timeout(240)
+def test_job_runs_its_own_etcd_or_uses_a_given_one(slurm: Slurm, tmp_path: Path) -> None:
+    src, state = tmp_path / "src", tmp_path / "state"
+    src.mkdir()
+    (src / "a").write_bytes(os.urandom(50_000))
+    (tmp_path / "put.py").write_text(ETCD_PUT)
+    env = _job_env(slurm, tmp_path)
+    client, peer = _free_ports(2)
+    args = ["--dataset", "e", "--src", str(src), "--mount", str(tmp_path / "mnt"), "--state", str(state)]
+    train = ["--", sys.executable, str(tmp_path / "put.py"), str(tmp_path / "key.txt")]
+
+    # --etcd job: an etcd of the job's own (as a job of several nodes gets by default), up before the
+    # nodes, named in the cluster file, private data in the first node's state, stopped at the end.
+    def own_etcd_job(expect: str) -> None:
+        job = slurm.submit("--nodes=1", f"--output={tmp_path}/job-%j.out", str(HELPER), "run", *args, "--etcd", "job",
+                           "--etcd-port", str(client), "--etcd-peer-port", str(peer), *train, env=env)
+        info = slurm.wait(job)
+        out = (tmp_path / f"job-{job}.out").read_text()
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
+        url = f"http://127.0.0.1:{client}"
+        assert f"starting etcd on {NODE} at {url}" in out and f"etcd is up at {url}" in out and expect in out
+        assert out.index("etcd is up") < out.index("starting dlfs node")
+        assert out.index("stopping dlfs nodes") < out.index("stopping etcd")
+        with open(tmp_path / "job" / "cluster.toml", "rb") as f:
+            assert tomllib.load(f)["etcd"] == {"endpoints": [url]}
+        assert (tmp_path / "key.txt").read_text() == "/dlfs/from-training"
+        data = state / "etcd"
+        assert data.stat().st_mode & 0o777 == 0o700 and (data / "member").is_dir()
+        assert _refused(client), "the job's etcd still runs"
+        _assert_clean(tmp_path, state)
+
+    own_etcd_job(f"ingesting {src} as e")
+    # The next job on this state: its etcd comes back with the catalog, as the chunks do.
+    own_etcd_job("dataset e is already there: no ingest")
+
+    # DLFS_ETCD_ENDPOINTS: that etcd (here one the test runs), none started; the job's keys under a
+    # prefix of its own, deleted at the end, and nothing else in that etcd touched.
+    client, peer = _free_ports(2)
+    url = f"http://127.0.0.1:{client}"
+    with open(tmp_path / "given-etcd.log", "wb") as log:
+        given = subprocess.Popen(["etcd", "--name", "given", "--data-dir", str(tmp_path / "given-etcd"),
+                                  "--listen-client-urls", url, "--advertise-client-urls", url,
+                                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                                  "--initial-cluster", f"given=http://127.0.0.1:{peer}"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run(["etcdctl", f"--endpoints={url}", "endpoint", "health"], capture_output=True,
+                             timeout=30, check=False).returncode:
+            assert given.poll() is None and time.monotonic() < deadline, (tmp_path / "given-etcd.log").read_text()
+            time.sleep(0.1)
+        _etcdctl(url, "put", "/other/key", "kept")
+        job = slurm.submit("--nodes=1", f"--output={tmp_path}/job-%j.out", str(HELPER), "run", *args, *train,
+                           env={**env, "DLFS_ETCD_ENDPOINTS": url})
+        info = slurm.wait(job)
+        out = (tmp_path / f"job-{job}.out").read_text()
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
+        prefix = f"/dlfs/slurm-{job}/"
+        assert f"using etcd at {url} (prefix {prefix})" in out and "starting etcd" not in out
+        with open(tmp_path / "job" / "cluster.toml", "rb") as f:
+            assert tomllib.load(f)["etcd"] == {"endpoints": [url], "prefix": prefix}
+        assert (tmp_path / "key.txt").read_text() == prefix + "from-training"
+        assert f"removing {prefix} from etcd" in out
+        assert _etcdctl(url, "get", "--prefix", prefix) == ""
+        assert _etcdctl(url, "get", "--print-value-only", "/other/key") == "kept\n"
+        _assert_clean(tmp_path, state)
+    finally:
+        given.terminate()
+        given.wait(timeout=30)
+
+
 @pytest.mark.timeout(120)
 def test_helper_errors(slurm: Slurm, tmp_path: Path) -> None:
     env = _job_env(slurm, tmp_path)
@@ -172,6 +276,11 @@ def test_helper_errors(slurm: Slurm, tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=30)
     assert outside.returncode == 1
     assert outside.stderr.strip() == "dlfs-slurm: error: not inside a Slurm job (run it from sbatch or salloc)"
+    bad = subprocess.run([str(HELPER), "run", "--dataset", "x", "--etcd", "localhost:2379", "--", "true"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == \
+        "dlfs-slurm: error: --etcd takes auto, job or http(s):// URLs separated by commas, not localhost:2379"
     # Inside a job: a dataset that is not there and no --src to ingest it from; the node it
     # started is stopped again.
     state = tmp_path / "state"
@@ -183,3 +292,17 @@ def test_helper_errors(slurm: Slurm, tmp_path: Path) -> None:
     assert "dlfs-slurm: error: dataset absent is not on these nodes and no --src was given to ingest it from" in text
     assert "stopping dlfs nodes" in text and "done (exit 1)" in text
     assert f"node {NODE}: stopped" in (tmp_path / "job" / "logs" / f"node-{NODE}.log").read_text()
+
+    # The job's etcd cannot start (its port is taken): one line saying so, and no node started.
+    if shutil.which("etcd") and shutil.which("etcdctl"):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            job = slurm.submit("--nodes=1", f"--output={tmp_path}/job-%j.out", str(HELPER), "run", "--dataset", "x",
+                               "--etcd", "job", "--etcd-port", str(taken.getsockname()[1]),
+                               "--etcd-peer-port", str(_free_ports(1)[0]), "--", "true", env=env)
+            info = slurm.wait(job)
+        text = (tmp_path / f"job-{job}.out").read_text()
+        assert info["ExitCode"] == "1:0", text
+        assert f"dlfs-slurm: error: etcd stopped while starting on {NODE}; see {tmp_path}/job/logs/etcd.log" in text
+        assert "starting dlfs node" not in text and "done (exit 1)" in text
+        assert "address already in use" in (tmp_path / "job" / "logs" / "etcd.log").read_text()

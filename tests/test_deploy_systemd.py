@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,9 @@ def test_units_are_valid_and_run_dlfs() -> None:
         assert "-/etc/dlfs/dlfs.env" in values(unit, "Service", "EnvironmentFile")
         assert values(unit, "Install", "WantedBy") == ["multi-user.target"]
     assert "dlfs-node.service" in " ".join(values(mount, "Unit", "After")).split()
+    # After a local etcd member where there is one, without needing one.
+    assert "etcd.service" in " ".join(values(node, "Unit", "After")).split()
+    assert not [v for k in ("Requires", "Requisite", "BindsTo", "Wants") for v in values(node, "Unit", k) if "etcd" in v]
 
     files = {"/etc/dlfs/dlfs.env": UNITS / "dlfs.env"}
     env = unit_env(node, "", files)
@@ -118,6 +122,29 @@ def test_units_are_valid_and_run_dlfs() -> None:
     (stop,) = values(mount, "Service", "ExecStop")
     args = dlfs_args(command(stop, env, "imagenet")[1])
     assert args.fn is cmd_umount and args.mountpoint == "/mnt/dlfs/imagenet"  # type: ignore[attr-defined]
+
+
+def test_readme_etcd_settings() -> None:
+    """README.md's /etc/default/etcd: every setting is one etcd reads, the member is in its own
+    initial cluster, and the cluster file's [etcd] section beside it names its client URL."""
+    text = (UNITS / "README.md").read_text()
+    env_file = re.search(r"cat > /etc/default/etcd <<'EOF'\n(.*?)\nEOF\n", text, re.S)
+    assert env_file
+    env = dict(line.split("=", 1) for line in env_file.group(1).splitlines())
+    members = dict(m.split("=", 1) for m in env["ETCD_INITIAL_CLUSTER"].split(","))
+    assert len(members) == 3 and members[env["ETCD_NAME"]] == env["ETCD_INITIAL_ADVERTISE_PEER_URLS"]
+    assert env["ETCD_ADVERTISE_CLIENT_URLS"] in env["ETCD_LISTEN_CLIENT_URLS"].split(",")
+    assert env["ETCD_DATA_DIR"] != "/var/lib/etcd/default"  # the package's own first start made that one
+    toml_block = re.search(r"```toml\n(.*?)```", text, re.S)
+    assert toml_block
+    endpoints = tomllib.loads(toml_block.group(1))["etcd"]["endpoints"]
+    assert len(endpoints) == len(members) and env["ETCD_ADVERTISE_CLIENT_URLS"] in endpoints
+    etcd = shutil.which("etcd")
+    if etcd:
+        known = set(re.findall(r"^\s+--([a-z0-9-]+)", subprocess.run([etcd, "--help"], capture_output=True, text=True,
+                                                                    timeout=30).stdout, re.M))
+        flags = {k.removeprefix("ETCD_").lower().replace("_", "-") for k in env}
+        assert flags <= known, flags - known
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:

@@ -45,11 +45,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cluster_file(path: Path, key: Path, nodes: list[tuple[str, int, int]], extra: str = "") -> Path:
+def _cluster_file(path: Path, key: Path, nodes: list[tuple[str, int, int]], extra: str = "", tables: str = "") -> Path:
+    """`extra`: top-level settings; `tables`: sections after the nodes (such as [etcd])."""
     lines = [extra, f'key_file = "{key}"', "replicas = 1"]
     for name, meta, data in nodes:
         lines += ["[[node]]", f'name = "{name}"', 'address = "127.0.0.1"', f"meta_port = {meta}", f"data_port = {data}"]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n" + tables)
     return path
 
 
@@ -101,11 +102,14 @@ def test_doctor_fails_on_a_key_others_can_read(node: Node) -> None:
 def test_doctor_fails_on_an_unreachable_node_and_a_wrong_key(node: Node, tmp_path: Path) -> None:
     meta, data = _ports(node)
     down_meta, down_data = _free_port(), _free_port()
+    etcd_down = f"http://127.0.0.1:{_free_port()}"
     cluster = _cluster_file(tmp_path / "c.toml", node.home / "cluster.key",
-                            [("n1", meta, data), ("n2", down_meta, down_data)])
+                            [("n1", meta, data), ("n2", down_meta, down_data)],
+                            tables=f'[etcd]\nendpoints = ["{etcd_down}"]\n')
     proc = run_dlfs(tmp_path, "doctor", "--json", "--cluster", cluster, check=False)
     rows = checks(proc)
     assert proc.returncode == 1
+    assert rows[f"etcd {etcd_down}"]["status"] == "FAIL" and "refused" in rows[f"etcd {etcd_down}"]["detail"]
     assert rows["n1 meta daemon"]["status"] == rows["n1 data daemon"]["status"] == "pass"
     assert rows["cluster file"]["status"] == "pass" and "2 nodes" in rows["cluster file"]["detail"]
     down = rows["n2 data daemon"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Node, needs_fuse, run_dlfs, running_cluster, start_node_process, wait_for_node
+from etcdlab import local_etcd
 
 from dlfs.cli import main
 from dlfs.errors import CorruptData
@@ -204,8 +205,9 @@ def cluster_with_roles(base: Path, roles: list[str], replicas: int) -> Iterator[
                   f"meta_port = {port}", f"data_port = {port}"] if role != "both" else \
                  ["[[node]]", f'name = "n{i + 1}"', 'address = "127.0.0.1"', f"meta_port = {port}",
                   f"data_port = {_spare_port()}"]
+    etcd = local_etcd(base)
     cluster = base / "cluster.toml"
-    cluster.write_text("\n".join(lines) + "\n")
+    cluster.write_text("\n".join(lines) + "\n" + etcd.toml())
     nodes: list[Node] = []
     try:
         for i in range(len(roles)):
@@ -217,6 +219,7 @@ def cluster_with_roles(base: Path, roles: list[str], replicas: int) -> Iterator[
     finally:
         for node in nodes:
             node.stop()
+        etcd.stop()
 
 
 def _spare_port() -> int:

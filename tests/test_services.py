@@ -549,12 +549,12 @@ class MemoryLedger:
     async def under_replicated(self, ids: list[bytes]) -> dict[bytes, list[str]]:
         return {c: [] for c in ids if c not in self.stored}
 
-    async def sweep(self, live: set[bytes]) -> int:
+    async def sweep(self, live: set[bytes]) -> tuple[int, list[str]]:
         self.sweeping.set()
         await self.release.wait()
         dead = self.stored - live
         self.stored -= dead
-        return len(dead)
+        return len(dead), []
 
 
 @pytest.mark.timeout(20)

@@ -10,7 +10,7 @@ import trio
 import xxhash
 
 from dlfs.config import Cluster, NodeSpec
-from dlfs.errors import CorruptData, DlfsError, NotFound, RdmaFailure, Unreachable
+from dlfs.errors import ControlUnavailable, CorruptData, DlfsError, NotFound, RdmaFailure, Unreachable
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import RangeReader
 from dlfs.wire.protocol import Msg
@@ -92,6 +92,8 @@ class ClusterClient:
         try:
             conn = await self.connection(spec, service)
             reply = await conn.call(msg, meta, data, timeout, into)
+        except ControlUnavailable:
+            raise  # the daemon answered: it is etcd behind it that did not
         except Unreachable:
             self._failed(spec)
             raise
@@ -160,6 +162,8 @@ class ClusterClient:
         for spec in self.meta_nodes():
             try:
                 return await self.call(spec, "meta", msg, meta, data, timeout)
+            except ControlUnavailable:
+                raise  # every metadata daemon would say the same
             except Unreachable as exc:
                 last = exc
                 log.warning("metadata daemon on %s: %s", spec.name, exc)
@@ -211,9 +215,11 @@ class ClusterClient:
         held, _ = await self.holders(ids)
         return {c: nodes for c, nodes in held.items() if len(nodes) < self.cluster.replicas}
 
-    async def sweep(self, live: set[bytes]) -> int:
-        """Delete every stored chunk that no dataset and no ingest holds; returns how many."""
+    async def sweep(self, live: set[bytes]) -> tuple[int, list[str]]:
+        """Delete every stored chunk that no dataset and no ingest holds; returns how many, and the
+        data nodes that could not be swept."""
         freed = 0
+        skipped: list[str] = []
         for spec in self.cluster.data_nodes:
             try:
                 meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
@@ -224,4 +230,5 @@ class ClusterClient:
                     freed += int(meta["deleted"])
             except Unreachable as exc:
                 log.warning("garbage collection skipped %s: %s", spec.name, exc)
-        return freed
+                skipped.append(spec.name)
+        return freed, skipped

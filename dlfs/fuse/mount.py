@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pyfuse3
@@ -151,6 +153,31 @@ async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> P
     return path
 
 
+async def hold_version(stack: AsyncExitStack, nursery: trio.Nursery, opts: MountOptions, info: VersionInfo,
+                       label: str) -> None:
+    """The mount's lease on its version in etcd, kept alive until it ends: a `dlfs rm` anywhere then
+    hides the version but frees none of its chunks while this mount lives (or its machine does, for
+    lease_ttl after). etcd down delays the lease (logged) and never stops the mount."""
+    from dlfs.control.etcd import EtcdUnavailable
+    from dlfs.control.plane import ControlPlane, Lease
+
+    assert opts.cluster.etcd is not None
+    control = ControlPlane(opts.cluster.etcd)
+    stack.push_async_callback(control.aclose)
+    node = opts.cluster.local or socket.gethostname()
+    take = partial(control.hold_mount, info, node, str(opts.mountpoint))
+    lease = Lease(control, f"mount of {label}", take)
+    try:
+        lease.id = await take()  # a version removed since it was looked up is refused here, in one line
+        lease.taken.set()
+    except EtcdUnavailable as exc:
+        lease.lost = str(exc)
+        log.warning("%s: no lease on it in etcd yet (%s); until one is taken a `dlfs rm` elsewhere could free "
+                    "chunks this mount reads (retrying)", label, exc)
+    stack.push_async_callback(lease.revoke)  # after the unmount (callbacks run last-in first-out)
+    nursery.start_soon(lease.run, name="dlfs-mount-lease")
+
+
 def _raise_read_ahead(dev: int) -> None:
     """Let the kernel send 1 MiB reads rather than 128 KiB ones (best effort; needs root)."""
     knob = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
@@ -194,6 +221,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         nursery.start_soon(watch_memory, cache, opts.memory, name="dlfs-memory-watch")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
+        if opts.cluster.etcd is not None:
+            await hold_version(stack, nursery, opts, info, label)
         ops = DlfsOperations(index, cache, label)
         control = None
         if cache.shared is not None:

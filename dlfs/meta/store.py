@@ -53,6 +53,7 @@ class MetaStore:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
         self.sessions: dict[str, Session] = {}
+        self.expired: list[str] = []  # sessions dropped for idleness, for the cluster's record of them to go too
         self._chunk_sets: dict[tuple[str, int], frozenset[bytes]] = {}
 
     def all_versions(self) -> list[VersionInfo]:
@@ -85,10 +86,18 @@ class MetaStore:
         return self.index_dir / name / f"{version}.idx"
 
     def read_index(self, name: str, version: int, offset: int, length: int) -> bytes:
-        self.get(name, version)
-        with open(self.index_path(name, version), "rb") as f:
-            f.seek(offset)
-            return f.read(length)
+        """A piece of a version's index: a live one, or a removed one whose index is still kept (its
+        chunks are not collected yet: a mount holds it, and a collection on a peer needs its list)."""
+        info = self.find(name, version)
+        try:
+            if info is None:
+                raise FileNotFoundError
+            with open(self.index_path(name, version), "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        except FileNotFoundError:
+            self.get(name, version)  # the one-line NotFound that says which versions there are
+            raise NotFound(f"the index of {name}@{version} is gone from this metadata daemon") from None
 
     # --- ingest sessions -------------------------------------------------------------------
     def begin(self, name: str) -> str:
@@ -113,6 +122,7 @@ class MetaStore:
             if now - s.touched > SESSION_IDLE:
                 log.info("dropping idle ingest session %s of %s", sid, s.name)
                 self.abort(sid)
+                self.expired.append(sid)
 
     def put_index(self, sid: str, offset: int, data: bytes | bytearray) -> None:
         s = self.session(sid)
@@ -168,6 +178,51 @@ class MetaStore:
         self._chunk_sets[(s.name, info.version)] = frozenset(index.chunk_ids())
         self.sessions.pop(sid, None)
         return info
+
+    def install(self, sid: str, info: VersionInfo, index: Index) -> None:
+        """Put a staged index in place under the number the cluster gave it (etcd), and record it."""
+        s = self.session(sid)
+        dest = self.index_path(info.name, info.version)
+        try:
+            dest.parent.mkdir(exist_ok=True)
+            with open(s.path, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(s.path, dest)
+            _fsync_dir(dest.parent)
+        except OSError as exc:
+            raise _os_error(exc, f"cannot commit {info.name}") from None
+        self.catalog.insert(info)
+        self._chunk_sets[(info.name, info.version)] = frozenset(index.chunk_ids())
+        self.sessions.pop(sid, None)
+
+    def tombstone(self, info: VersionInfo) -> None:
+        """A peer's or the cluster's removal of a version; its index stays until its chunks are freed."""
+        if self.find(info.name, info.version) is None:
+            self.catalog.insert(info)
+        else:
+            self.catalog.tombstone(info.name, {info.version}, info.removed)
+
+    def drop_index(self, name: str, version: int) -> None:
+        """The version's chunks are collected: its index file is no longer needed anywhere."""
+        self.index_path(name, version).unlink(missing_ok=True)
+        self._chunk_sets.pop((name, version), None)
+        d = self.index_dir / name
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+
+    def has_index(self, name: str, version: int) -> bool:
+        return self.index_path(name, version).exists()
+
+    def chunks_of(self, name: str, version: int) -> frozenset[bytes]:
+        """The chunks one version references, from its index here (cached)."""
+        key = (name, version)
+        if key not in self._chunk_sets:
+            idx = Index(self.index_path(name, version))
+            try:
+                self._chunk_sets[key] = frozenset(idx.chunk_ids())
+            finally:
+                idx.close()
+        return self._chunk_sets[key]
 
     def remove(self, name: str, version: int | None = None) -> list[VersionInfo]:
         """Tombstone a dataset (or one version) in the catalog; its index files go."""
@@ -231,14 +286,7 @@ class MetaStore:
         """Every chunk a committed, live version references."""
         live: set[bytes] = set()
         for v in self.datasets():
-            key = (v.name, v.version)
-            if key not in self._chunk_sets:
-                idx = Index(self.index_path(v.name, v.version))
-                try:
-                    self._chunk_sets[key] = frozenset(idx.chunk_ids())
-                finally:
-                    idx.close()
-            live |= self._chunk_sets[key]
+            live |= self.chunks_of(v.name, v.version)
         return live
 
 

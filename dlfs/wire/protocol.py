@@ -89,9 +89,7 @@ class Msg(enum.IntEnum):
     COMMIT = 26
     ABORT_INGEST = 27
     REMOVE = 28
-    CATALOG = 29
-    NOTIFY = 30
-    PINS = 31
+    # 29-31 (CATALOG, NOTIFY, PINS: the peer-to-peer catalog sync) retired: clusters use etcd
     COLLECT = 32
     # data daemon
     PUT_CHUNK = 50

@@ -1,0 +1,337 @@
+"""The cluster's control state in etcd: versions, node and mount leases, ingest pins, the gc lock.
+
+Keys, under the cluster file's prefix (default /dlfs/):
+
+    versions/<name>/<0000000007>  a version: {"info": VersionInfo, "holder": node, "freed": bool}.
+                                  Kept after removal (a tombstone), so numbers are never reused.
+    nodes/<name>                  a node's daemons and pid, bound to the node's lease
+    mounts/<name>/<v>/<lease>     a mount of name@v, bound to the mount's own lease
+    ingests/<session>             an open ingest, bound to its metadata daemon's node lease
+    pins/<session>/<seq>          chunk ids (16 bytes each) an open ingest holds, same lease
+    gc                            the one collection in progress, bound to its node's lease
+
+Every decision that two nodes could race is one etcd transaction: a version number is taken only
+if its key is absent (two ingests of one name always get two numbers); a mount is recorded only if
+its version's key is unchanged since it was read live (a removal in between makes it fail); a pin
+is written only while no collection holds the gc lock (so a collection's snapshot, one read at one
+revision, sees every chunk anything needs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import trio
+
+from dlfs.config import EtcdConfig
+from dlfs.control.etcd import (
+    KV,
+    Etcd,
+    EtcdUnavailable,
+    absent,
+    delete_op,
+    present,
+    put_op,
+    range_op,
+    unchanged,
+)
+from dlfs.errors import Conflict, DlfsError, NotFound
+from dlfs.meta.catalog import VersionInfo
+
+log = logging.getLogger(__name__)
+ALLOCATE_TRIES = 64  # concurrent commits of one name each retry with the next number
+PIN_WAIT = 120.0  # seconds a pin waits for a collection in progress to end
+ID_BYTES = 16
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    info: VersionInfo
+    holder: str  # the metadata daemon that committed it (has its index for sure)
+    freed: bool  # removed, unmounted everywhere, and its chunks collected
+    mod_revision: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.info.name}@{self.info.version}"
+
+
+@dataclass(frozen=True)
+class MountRecord:
+    name: str
+    version: int
+    node: str
+    mountpoint: str
+    pid: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a collection decides from, read at one revision."""
+
+    versions: list[VersionRecord]
+    mounts: list[MountRecord]
+    pins: set[bytes]
+    revision: int
+
+
+def _version_of(kv: KV) -> VersionRecord:
+    doc = kv.json()
+    return VersionRecord(VersionInfo(**doc["info"]), str(doc.get("holder", "")), bool(doc.get("freed")),
+                         kv.mod_revision)
+
+
+def _mount_of(kv: KV) -> MountRecord:
+    doc = kv.json()
+    return MountRecord(str(doc["name"]), int(doc["version"]), str(doc["node"]), str(doc.get("mountpoint", "")),
+                       int(doc.get("pid", 0)), kv.lease)
+
+
+def _record(info: VersionInfo, holder: str, freed: bool = False) -> str:
+    return json.dumps({"info": info.to_wire(), "holder": holder, "freed": freed})
+
+
+def mounts_phrase(mounts: list[MountRecord]) -> str:
+    nodes = sorted({m.node for m in mounts})
+    return f"{len(mounts)} mount{'s' if len(mounts) != 1 else ''} on {', '.join(nodes)}"
+
+
+class ControlPlane:
+    def __init__(self, cfg: EtcdConfig) -> None:
+        self.cfg = cfg
+        self.etcd = Etcd(list(cfg.endpoints), cfg.ca_file, cfg.cert_file, cfg.key_file)
+        self.p = cfg.prefix
+
+    async def aclose(self) -> None:
+        await self.etcd.aclose()
+
+    # --- keys ------------------------------------------------------------------------------------------
+    def version_key(self, name: str, version: int) -> str:
+        return f"{self.p}versions/{name}/{version:010d}"
+
+    def _versions_of(self, name: str | None = None) -> str:
+        return f"{self.p}versions/{name}/" if name else f"{self.p}versions/"
+
+    def _mounts_of(self, name: str | None = None, version: int | None = None) -> str:
+        if name is None:
+            return f"{self.p}mounts/"
+        return f"{self.p}mounts/{name}/{version}/" if version is not None else f"{self.p}mounts/{name}/"
+
+    def ingest_key(self, sid: str) -> str:
+        return f"{self.p}ingests/{sid}"
+
+    @property
+    def gc_key(self) -> str:
+        return f"{self.p}gc"
+
+    def node_key(self, name: str) -> str:
+        return f"{self.p}nodes/{name}"
+
+    @property
+    def watched(self) -> list[str]:
+        """The prefixes whose changes a metadata daemon follows."""
+        return [self._versions_of(), self._mounts_of()]
+
+    # --- versions --------------------------------------------------------------------------------------
+    async def versions(self, name: str | None = None) -> tuple[list[VersionRecord], int]:
+        kvs, revision = await self.etcd.range(self._versions_of(name), prefix=True)
+        return [_version_of(kv) for kv in kvs], revision
+
+    async def allocate(self, info: VersionInfo, holder: str, sid: str) -> VersionInfo:
+        """Record `info` under its name's next number; the session's pins go in the same transaction."""
+        for _ in range(ALLOCATE_TRIES):
+            kvs, _ = await self.etcd.range(self._versions_of(info.name), prefix=True)
+            number = max((int(kv.key.rsplit("/", 1)[1]) for kv in kvs), default=0) + 1
+            mine = replace(info, version=number)
+            key = self.version_key(info.name, number)
+            r = await self.etcd.txn(
+                [absent(key), present(self.ingest_key(sid))],
+                [put_op(key, _record(mine, holder)), delete_op(f"{self.p}pins/{sid}/", prefix=True),
+                 delete_op(self.ingest_key(sid))],
+                [range_op(self.ingest_key(sid))])
+            if r.succeeded:
+                return mine
+            if not r.ranges or not r.ranges[0]:
+                raise Conflict(f"ingest of {info.name}: its session lost its lease in etcd (its metadata daemon "
+                               "was cut off from etcd for longer than lease_ttl); run the ingest again")
+        raise Conflict(f"ingest of {info.name}: {ALLOCATE_TRIES} other commits of the name took every number "
+                       "tried; run it again")
+
+    async def remove(self, name: str, version: int | None) -> tuple[list[VersionInfo], list[MountRecord]]:
+        """Tombstone the live versions (all, or one) of `name`; returns them and the mounts that still
+        hold any of them (read in the same transaction)."""
+        for _ in range(ALLOCATE_TRIES):
+            recs, _ = await self.versions(name)
+            live = [r for r in recs if not r.info.removed]
+            if not live:
+                raise NotFound(f"no dataset named {name!r}")
+            if version is not None:
+                live = [r for r in live if r.info.version == version]
+                if not live:
+                    have = ", ".join(str(r.info.version) for r in recs if not r.info.removed)
+                    raise NotFound(f"dataset {name!r} has no version {version} (it has {have})")
+            now = time.time()
+            gone = [replace(r.info, removed=now) for r in live]
+            r = await self.etcd.txn(
+                [unchanged(self.version_key(g.name, g.version), rec.mod_revision) for g, rec in zip(gone, live)],
+                [*(put_op(self.version_key(g.name, g.version), _record(g, rec.holder)) for g, rec in zip(gone, live)),
+                 range_op(self._mounts_of(name), prefix=True)])
+            if r.succeeded:
+                numbers = {g.version for g in gone}
+                mounts = [m for m in map(_mount_of, r.ranges[0]) if m.version in numbers]
+                return gone, mounts
+        raise Conflict(f"removal of {name}: the catalog kept changing under it; run it again")
+
+    async def mark_freed(self, recs: list[VersionRecord]) -> None:
+        """Record that these removed versions' chunks are collected (if no one changed them since)."""
+        for rec in recs:
+            key = self.version_key(rec.info.name, rec.info.version)
+            await self.etcd.txn([unchanged(key, rec.mod_revision)], [put_op(key, _record(rec.info, rec.holder, True))])
+
+    # --- collections ------------------------------------------------------------------------------------
+    async def snapshot(self) -> Snapshot:
+        r = await self.etcd.txn([], [range_op(self._versions_of(), prefix=True), range_op(self._mounts_of(), prefix=True),
+                                     range_op(f"{self.p}pins/", prefix=True)])
+        pins: set[bytes] = set()
+        for kv in r.ranges[2]:
+            pins.update(kv.value[i : i + ID_BYTES] for i in range(0, len(kv.value), ID_BYTES))
+        return Snapshot([_version_of(kv) for kv in r.ranges[0]], [_mount_of(kv) for kv in r.ranges[1]], pins,
+                        r.revision)
+
+    @asynccontextmanager
+    async def gc_lock(self, node: str, lease: int) -> AsyncIterator[None]:
+        """Hold the cluster's one collection; Conflict (naming the holder) if another node has it."""
+        r = await self.etcd.txn([absent(self.gc_key)], [put_op(self.gc_key, json.dumps({"node": node, "since": time.time()}), lease)],
+                                [range_op(self.gc_key)])
+        if not r.succeeded:
+            holder = json.loads(r.ranges[0][0].value).get("node", "?") if r.ranges and r.ranges[0] else "?"
+            raise Conflict(f"a garbage collection is already running on {holder}")
+        held = r.revision
+        try:
+            yield
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.etcd.timeout):
+                try:
+                    await self.etcd.txn([unchanged(self.gc_key, held)], [delete_op(self.gc_key)])
+                except DlfsError as exc:  # the lock dies with the node's lease anyway
+                    log.warning("could not release the gc lock: %s", exc)
+
+    # --- ingests ----------------------------------------------------------------------------------------
+    async def open_ingest(self, sid: str, name: str, node: str, lease: int) -> None:
+        await self.etcd.put(self.ingest_key(sid), json.dumps({"name": name, "node": node, "since": time.time()}), lease)
+
+    async def pin(self, sid: str, seq: int, ids: list[bytes], lease: int) -> None:
+        """Record chunks an ingest holds; waits (bounded) while a collection runs."""
+        key = f"{self.p}pins/{sid}/{seq:010d}"
+        deadline = trio.current_time() + PIN_WAIT
+        while True:
+            r = await self.etcd.txn([absent(self.gc_key), present(self.ingest_key(sid))],
+                                    [put_op(key, b"".join(ids), lease)],
+                                    [range_op(self.gc_key), range_op(self.ingest_key(sid))])
+            if r.succeeded:
+                return
+            if not r.ranges[1]:
+                raise Conflict(f"ingest session {sid} is gone from etcd (its node's lease ended); run the ingest again")
+            if trio.current_time() > deadline:
+                raise Conflict(f"a garbage collection held the cluster's gc lock for over {PIN_WAIT:.0f} s; "
+                               "run the ingest again")
+            await trio.sleep(0.2)
+
+    async def close_ingest(self, sid: str) -> None:
+        await self.etcd.txn([], [delete_op(f"{self.p}pins/{sid}/", prefix=True), delete_op(self.ingest_key(sid))])
+
+    async def ingests(self) -> list[dict[str, object]]:
+        kvs, _ = await self.etcd.range(f"{self.p}ingests/", prefix=True)
+        return [kv.json() for kv in kvs]
+
+    # --- nodes and mounts -------------------------------------------------------------------------------
+    async def nodes(self) -> dict[str, dict[str, object]]:
+        kvs, _ = await self.etcd.range(f"{self.p}nodes/", prefix=True)
+        return {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
+
+    async def mounts(self) -> list[MountRecord]:
+        kvs, _ = await self.etcd.range(self._mounts_of(), prefix=True)
+        return [_mount_of(kv) for kv in kvs]
+
+    async def hold_mount(self, info: VersionInfo, node: str, mountpoint: str) -> int:
+        """Take a lease on name@version for this mount; NotFound if it is removed (or gone)."""
+        key = self.version_key(info.name, info.version)
+        for _ in range(ALLOCATE_TRIES):
+            kv = await self.etcd.get(key)
+            if kv is None or _version_of(kv).info.removed:
+                raise NotFound(f"{info.name}@{info.version} was removed")
+            lease = await self.etcd.grant(self.cfg.lease_ttl)
+            doc = {"name": info.name, "version": info.version, "node": node, "mountpoint": mountpoint,
+                   "pid": os.getpid(), "since": time.time()}
+            r = await self.etcd.txn([unchanged(key, kv.mod_revision)],
+                                    [put_op(f"{self._mounts_of(info.name, info.version)}{lease:x}", json.dumps(doc), lease)])
+            if r.succeeded:
+                return lease
+            await self.etcd.revoke(lease)
+        raise Conflict(f"{info.name}@{info.version} kept changing while the mount took its lease")
+
+
+class Lease:
+    """A lease kept alive in the background (a node's membership, a mount's hold on its version).
+
+    `take` grants the lease and writes what it binds; if etcd says the lease has expired (this side
+    was cut off for longer than its TTL), `take` runs again. Failures to reach etcd are logged once
+    per outage and retried; nothing here ever stops the caller's data path.
+    """
+
+    def __init__(self, control: ControlPlane, what: str, take: Callable[[], Awaitable[int]]) -> None:
+        self.control = control
+        self.what = what
+        self._take = take
+        self.id = 0  # 0 until taken
+        self.taken = trio.Event()
+        self.lost: str = ""  # why the last attempt failed, while it is failing
+        self.closed = False  # revoked: never taken again
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        ttl = self.control.cfg.lease_ttl
+        started = False
+        while not self.closed:
+            try:
+                if not self.id:
+                    self.id = int(await self._take())
+                    if self.lost:
+                        log.warning("%s: lease taken again in etcd", self.what)
+                    self.lost = ""
+                    self.taken.set()
+                elif await self.control.etcd.keepalive(self.id) == 0:
+                    log.warning("%s: its lease expired in etcd (cut off for over %d s); taking a new one", self.what, ttl)
+                    self.id = 0
+                    continue
+                elif self.lost:
+                    log.warning("%s: etcd reachable again", self.what)
+                    self.lost = ""
+            except EtcdUnavailable as exc:
+                if not self.lost:
+                    log.warning("%s: cannot renew its lease: %s (retrying)", self.what, exc)
+                self.lost = str(exc)
+            except DlfsError as exc:
+                if not self.lost:
+                    log.error("%s: %s", self.what, exc)
+                self.lost = str(exc)
+            if not started:
+                started = True
+                task_status.started()
+            await trio.sleep(max(ttl / 3, 0.5))
+
+    async def revoke(self) -> None:
+        self.closed = True
+        if self.id:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.control.etcd.timeout):
+                try:
+                    await self.control.etcd.revoke(self.id)
+                except DlfsError as exc:
+                    log.info("%s: could not revoke its lease (it expires by itself): %s", self.what, exc)
+            self.id = 0

@@ -1,0 +1,129 @@
+"""Real etcd members for the tests: one on localhost, or several (one per network namespace host).
+
+Each member runs the `etcd` of Debian's etcd-server (make install puts it there) with its data in the
+test's directory; `stop()` SIGKILLs it as a crash would, `start()` brings it back on the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT = 20.0
+
+
+def etcd_available() -> str | None:
+    return None if shutil.which("etcd") else "etcd is not installed (make install installs etcd-server)"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@dataclass
+class Member:
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
+    data: Path
+    wrap: list[str] = field(default_factory=list)  # e.g. nsenter into a host's network namespace
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def start(self, initial_cluster: str, state: str = "new") -> None:
+        self.data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        argv = [*self.wrap, "etcd", "--name", self.name, "--data-dir", str(self.data / "etcd"),
+                "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
+                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+                "--initial-cluster", initial_cluster, "--initial-cluster-state", state,
+                "--initial-cluster-token", f"dlfs-test-{os.getpid()}",
+                "--heartbeat-interval", "100", "--election-timeout", "1000"]
+        log = open(self.data / "etcd.log", "ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def answers(self) -> bool:
+        """Whether this member serves a linearizable read (it is up and its cluster has a leader)."""
+        if not self.wrap:
+            try:
+                r = httpx.post(f"{self.client_url}/v3/kv/range", json={"key": "eA=="}, timeout=2)
+                return r.status_code == 200 and "header" in r.json()
+            except (httpx.HTTPError, ValueError):
+                return False
+        argv = [*self.wrap, "etcdctl", "--endpoints", self.client_url, "--command-timeout=2s", "get", "x"]
+        return subprocess.run(argv, capture_output=True, env={**os.environ, "ETCDCTL_API": "3"}).returncode == 0
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@dataclass
+class EtcdCluster:
+    members: list[Member]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.client_url for m in self.members]
+
+    @property
+    def initial(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    def start(self) -> EtcdCluster:
+        for m in self.members:
+            m.start(self.initial)
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self, members: list[Member] | None = None, timeout: float = START_TIMEOUT) -> None:
+        """Until each member (all, or those given) answers a linearizable read (it has a leader)."""
+        deadline = time.monotonic() + timeout
+        for m in members or self.members:
+            while True:
+                if m.answers():
+                    break
+                if m.proc is not None and m.proc.poll() is not None:
+                    raise RuntimeError(f"etcd {m.name} exited: {(m.data / 'etcd.log').read_text()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd {m.name} did not answer in {timeout:.0f} s")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def toml(self, lease_ttl: int = 4) -> str:
+        urls = ", ".join(f'"{e}"' for e in self.endpoints)
+        return f"[etcd]\nendpoints = [{urls}]\nlease_ttl = {lease_ttl}\n"
+
+
+def local_etcd(base: Path) -> EtcdCluster:
+    """One member on localhost, started."""
+    client, peer = free_ports(2)
+    return EtcdCluster([Member("e1", "127.0.0.1", client, peer, base / "etcd-e1")]).start()
