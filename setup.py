@@ -18,7 +18,7 @@ setup(
         Extension(
             "dlfs._native",
             sources=["native/module.c", "native/fusehook.c", "native/engine.c", "native/uring.c", "native/answer.c",
-                     "native/shm.c", "native/indexview.c", "native/direct.c"],
+                     "native/shm.c", "native/indexview.c", "native/indexobj.c", "native/direct.c"],
             depends=["native/fusehook.h", "native/engine.h", "native/answer.h", "native/shm.h", "native/indexview.h",
                      "native/module.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],

@@ -18,6 +18,8 @@ import trio
 from dlfs import __version__
 from dlfs.config import ROLES, check_dataset_name, home_dir, load_cluster, parse_cluster_file
 from dlfs.errors import Conflict, DlfsError, MountError, Unreachable, UsageError
+from dlfs.private import UMASK as PRIVATE_UMASK
+from dlfs.private import private_dirs
 from dlfs.procs import give_freed_memory_back
 from dlfs.tasks import leaves, open_nursery
 from dlfs.units import human_bytes, parse_size
@@ -193,22 +195,24 @@ async def _meta_call(args: argparse.Namespace, msg: Any, meta: dict[str, Any] | 
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
+    from dlfs.wire.messages import META_DAEMON, DatasetList, reply
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
-    rows = trio.run(_meta_call, args, Msg.LIST_DATASETS)["datasets"]
+    rows = reply(DatasetList, trio.run(_meta_call, args, Msg.LIST_DATASETS), Msg.LIST_DATASETS, META_DAEMON).datasets
     if not rows:
         print("no datasets (add one with `dlfs ingest SRC --name NAME`)")
         return 0
     print(f"{'NAME':<24} {'VERSION':>7} {'FILES':>10} {'BYTES':>10} {'CHUNKS':>7}  CREATED")
     for v in rows:
-        created = datetime.datetime.fromtimestamp(v["created"]).strftime("%Y-%m-%d %H:%M")
-        print(f"{v['name']:<24} {v['version']:>7} {v['files']:>10} {human_bytes(v['bytes']):>10} {v['chunks']:>7}  {created}")
+        created = datetime.datetime.fromtimestamp(v.created).strftime("%Y-%m-%d %H:%M")
+        print(f"{v.name:<24} {v.version:>7} {v.files:>10} {human_bytes(v.bytes):>10} {v.chunks:>7}  {created}")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from dlfs.fuse.mount import local_mounts, parse_dataset_ref
+    from dlfs.wire.messages import META_DAEMON, Removed, reply
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
@@ -220,27 +224,29 @@ def cmd_rm(args: argparse.Namespace) -> int:
             mounted_name, _, mounted_version = label.rpartition("@")
             if mounted_name == name and (version is None or mounted_version == str(version)):
                 raise Conflict(f"{label} is mounted at {mountpoint}; unmount it first (dlfs umount {mountpoint})")
-    out = trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version})
-    versions = ", ".join(str(v["version"]) for v in out["removed"])
-    if out.get("mounts"):
-        print(f"removed {name} (version {versions}); {out['gc_deferred']}")
-        for m in out["mounts"]:
-            print(f"  {name}@{m['version']} mounted on {m['node']} at {m['mountpoint']}")
+    out = reply(Removed, trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version}), Msg.REMOVE,
+                META_DAEMON)
+    versions = ", ".join(str(v.version) for v in out.removed)
+    if out.mounts:
+        print(f"removed {name} (version {versions}); {out.gc_deferred}")
+        for m in out.mounts:
+            print(f"  {name}@{m.version} mounted on {m.node} at {m.mountpoint}")
         return 0
-    print(f"removed {name} (version {versions}); freed {out['freed_chunks']} chunks")
-    if out.get("gc_deferred"):
-        print(f"its chunks are freed later: {out['gc_deferred']}", file=sys.stderr)
+    print(f"removed {name} (version {versions}); freed {out.freed_chunks} chunks")
+    if out.gc_deferred:
+        print(f"its chunks are freed later: {out.gc_deferred}", file=sys.stderr)
     return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from dlfs.wire.messages import META_DAEMON, Collected, reply
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
-    out = trio.run(_meta_call, args, Msg.COLLECT)
-    if out["gc_deferred"]:
-        raise Unreachable(f"garbage collection deferred: {out['gc_deferred']}")
-    print(f"freed {out['freed_chunks']} chunks that no dataset or ingest needs")
+    out = reply(Collected, trio.run(_meta_call, args, Msg.COLLECT), Msg.COLLECT, META_DAEMON)
+    if out.gc_deferred:
+        raise Unreachable(f"garbage collection deferred: {out.gc_deferred}")
+    print(f"freed {out.freed_chunks} chunks that no dataset or ingest needs")
     return 0
 
 
@@ -307,7 +313,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"of {human_bytes(data['disk_total'])} at {data['root']}")
     if down and len(rows) == 1:
         name, res = rows[0]
-        raise DlfsError(f"node {name} is not reachable: {next(r for r in res.values() if isinstance(r, str))}")
+        raise Unreachable(f"node {name} is not reachable: {next(r for r in res.values() if isinstance(r, str))}")
     if health is not None:
         _print_census(health, cluster.replicas)
     if control is not None and control["mounts"] is not None:
@@ -386,7 +392,7 @@ def _verify_summary(report: Any, n_versions: int) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
-    from dlfs.client.repair import dataset_chunks, live_versions, verify
+    from dlfs.client.repair import check_indexes, dataset_chunks, live_versions, verify
     from dlfs.errors import CorruptData
     from dlfs.fuse.mount import parse_dataset_ref
 
@@ -398,33 +404,89 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _check_transport(cluster, "verify")
     home = home_dir(args.home)
 
-    async def run(progress: _ProgressBar) -> tuple[int, dict[bytes, Any], Any]:
+    async def run(progress: _ProgressBar) -> tuple[int, dict[bytes, Any], Any, Any, dict[str, str]]:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             versions = await live_versions(client, name, version)
-            chunks = await dataset_chunks(client, home, versions)
+            indexes = await check_indexes(client, versions)
+            unreadable: dict[str, str] = {}  # one damaged index leaves its own chunks unchecked, not the rest
+            chunks = await dataset_chunks(client, home, versions, unreadable)
             report = await verify(client, chunks, progress)
             nursery.cancel_scope.cancel()
-        return len(versions), chunks, report
+        return len(versions), chunks, report, indexes, unreadable
 
     with _ProgressBar.display() as bar:
-        n_versions, chunks, report = trio.run(run, _ProgressBar(bar, "verify", "replicas"))
+        n_versions, chunks, report, indexes, unreadable = trio.run(run, _ProgressBar(bar, "verify", "replicas"))
     if not n_versions:
         print("no datasets to verify")
         return 0
+    _print_indexes(indexes, unreadable)
     _print_verify(report, chunks)
-    print(_verify_summary(report, n_versions))
+    if n_versions > len(unreadable):  # else no chunk was checked: nothing to sum up
+        print(_verify_summary(report, n_versions - len(unreadable)))
     # A node that is down but whose chunks all have R good copies elsewhere is no data problem.
-    if not report.healthy:
-        short = len(report.needs_repair())
-        raise CorruptData(f"{_n(short, 'chunk')} {'lacks' if short == 1 else 'lack'} {report.replicas} good "
-                          "replicas; `dlfs repair` restores them")
+    if not report.healthy or indexes.damaged or unreadable:
+        raise CorruptData("; ".join(filter(None, [_index_verdict(indexes, unreadable), _verify_verdict(report, chunks)])))
     return 0
+
+
+def _print_indexes(indexes: Any, unreadable: dict[str, str]) -> None:
+    """A line per version whose index a metadata daemon holds damaged, or that none could send."""
+    for label in sorted(set(indexes.damaged) | set(unreadable)):
+        why = indexes.damaged.get(label) or f"no metadata daemon sent it intact ({unreadable[label]})"
+        print(f"index of {label} is damaged: {why}{'; its chunks were not checked' if label in unreadable else ''}")
+    for node, why in sorted(indexes.unchecked.items()):
+        print(f"metadata daemon {node} did not check its index files: {why}")
+
+
+def _index_verdict(indexes: Any, unreadable: dict[str, str], repaired: bool = False) -> str:
+    """The damaged indexes in the one-line error: repair suggested only where a good copy exists."""
+    labels = sorted(set(indexes.damaged) | set(unreadable))
+    parts = []
+    for restorable in (True, False):
+        some = [x for x in labels if (x in indexes.intact_elsewhere and not repaired) == restorable]
+        if not some:
+            continue
+        it = f"it (dlfs rm {some[0]})" if len(some) == 1 else "them (dlfs rm NAME@VERSION)"
+        more = f" and {len(some) - 3} more" if len(some) > 3 else ""
+        which = f"{len(some)} dataset {'index' if len(some) == 1 else 'indexes'} damaged ({', '.join(some[:3])}{more})"
+        if restorable:
+            parts.append(f"{which}; `dlfs repair` restores {'it' if len(some) == 1 else 'them'} from another "
+                         "metadata daemon")
+        else:
+            parts.append(f"{which} with no good copy on any metadata daemon: remove {it} and ingest again")
+    return "; ".join(parts)
+
+
+def _verify_verdict(report: Any, chunks: dict[bytes, Any]) -> str:
+    """The one-line error of a verify that found problems: `dlfs repair` suggested only for what it
+    can restore (a chunk with a good copy somewhere reachable)."""
+    lost = set(report.missing)
+    healable = [c for c in report.needs_repair() if c not in lost]
+    parts = []
+    if healable:
+        parts.append(f"{_n(len(healable), 'chunk')} {'lacks' if len(healable) == 1 else 'lack'} {report.replicas} "
+                     "good replicas; `dlfs repair` restores them")
+    if lost:
+        labels = sorted({chunks[c].label() for c in lost})
+        where = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+        back = "bring back the unreachable nodes or " if report.unreachable else ""
+        parts.append(f"{_n(len(lost), 'chunk')} {'has' if len(lost) == 1 else 'have'} no good copy on any reachable "
+                     f"node, which repair cannot restore: {back}ingest again ({where})")
+    return "; ".join(parts)
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
-    from dlfs.client.repair import READ_PIECE, REPAIR_IN_FLIGHT, dataset_chunks, live_versions, repair, verify
+    from dlfs.client.repair import (
+        READ_PIECE,
+        REPAIR_IN_FLIGHT,
+        check_indexes,
+        dataset_chunks,
+        live_versions,
+        repair,
+        verify,
+    )
     from dlfs.client.transport import choose_for, chunk_transport
     from dlfs.errors import CorruptData
 
@@ -434,19 +496,24 @@ def cmd_repair(args: argparse.Namespace) -> int:
     arena = REPAIR_IN_FLIGHT * READ_PIECE  # the copies' reads land here, a piece at a time
     choice = choose_for(cluster, arena, "repair")
 
-    async def run(bar: Any) -> tuple[int, dict[bytes, Any], Any, Any]:
+    async def run(bar: Any) -> tuple[int, dict[bytes, Any], Any, Any, Any, dict[str, str]]:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             async with chunk_transport(client, choice, arena):
                 versions = await live_versions(client)
-                chunks = await dataset_chunks(client, home, versions)
+                indexes = await check_indexes(client, versions, restore=True)  # a peer's good copy where one exists
+                unreadable: dict[str, str] = {}
+                chunks = await dataset_chunks(client, home, versions, unreadable)
                 report = await verify(client, chunks, _ProgressBar(bar, "verify", "replicas"))
                 healed = await repair(client, chunks, report, _ProgressBar(bar, "repair", "chunks"))
             nursery.cancel_scope.cancel()
-        return len(versions), chunks, report, healed
+        return len(versions), chunks, report, healed, indexes, unreadable
 
     with _ProgressBar.display() as bar:
-        n_versions, chunks, report, healed = trio.run(run, bar)
+        n_versions, chunks, report, healed, indexes, unreadable = trio.run(run, bar)
+    for label in indexes.restored:
+        print(f"restored the index of {label} from another metadata daemon's copy")
+    _print_indexes(indexes, unreadable)
     _print_verify(report, chunks)
     for cid, node in healed.removed:
         print(f"removed bad replica of chunk {cid.hex()} on {node}")
@@ -457,11 +524,15 @@ def cmd_repair(args: argparse.Namespace) -> int:
     copied_bytes = sum(chunks[cid].size for cid, _, _ in healed.copied)
     print(f"repair: copied {_n(len(healed.copied), 'chunk')} ({human_bytes(copied_bytes)}), removed "
           f"{_n(len(healed.removed), 'bad replica')}; {healed.healthy} of {_n(len(chunks), 'chunk')} of "
-          f"{_n(n_versions, 'dataset version')} {'has' if healed.healthy == 1 else 'have'} {cluster.replicas} good replicas")
+          f"{_n(n_versions - len(unreadable), 'dataset version')} {'has' if healed.healthy == 1 else 'have'} "
+          f"{cluster.replicas} good replicas")
+    parts = [_index_verdict(indexes, unreadable, repaired=True)]
     if healed.unhealed:
         ids = sorted(healed.unhealed)
         more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
-        raise CorruptData(f"could not heal {_n(len(ids), 'chunk')}: {', '.join(c.hex() for c in ids[:5])}{more}")
+        parts.append(f"could not heal {_n(len(ids), 'chunk')}: {', '.join(c.hex() for c in ids[:5])}{more}")
+    if any(parts):  # everything it could do is done: now the exit status says what was left
+        raise CorruptData("; ".join(filter(None, parts)))
     return 0
 
 
@@ -514,8 +585,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoint: Path) -> int:
     """Start `dlfs mount --foreground` detached, and return once it reports the mount ready."""
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = private_dirs(home / "logs")
     log_path = Path(args.log_file) if args.log_file else logs / f"mount-{name}.log"
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "dlfs", "--home", str(home), "mount", "--foreground", "--ready-fd", str(wfd),
@@ -777,14 +847,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What dlfs writes under $DLFS_HOME is its user's alone (dlfs/private.py), the node's and mounts' and
+    # what any command adds; the bench's sample trees, mount points and reports are for its user to share.
+    umask = os.umask(PRIVATE_UMASK)
+    if args.fn is cmd_bench:
+        os.umask(umask)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, where a reader gone away (`| head`) is caught, not at exit
+        return code
     except DlfsError as exc:
         print(f"dlfs: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("dlfs: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`dlfs status | head`): stop quietly, as `ls | head` does, and keep
+        # the interpreter's last flush of stdout from failing again on the way out.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except BaseExceptionGroup as group:  # trio wraps task errors; show the dlfs one
         errors = leaves(group)
         if any(isinstance(e, KeyboardInterrupt) for e in errors):
@@ -795,4 +879,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"dlfs: error: {e}", file=sys.stderr)
                 return e.exit_code
         raise
+    finally:
+        os.umask(umask)  # as it was, for a caller in this process (the tests)
 

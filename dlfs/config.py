@@ -38,14 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlfs.errors import Unreachable, UsageError
+from dlfs.private import private_dirs, write_private
 from dlfs.procs import running
 from dlfs.transport.base import Address
 from dlfs.wire.auth import read_key, write_key
+from dlfs.wire.messages import DATASET_NAME
 
 META_PORT = 7420
 DATA_PORT = 7421
 TRANSPORTS = ("auto", "tcp", "rdma")
-DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def home_dir(explicit: str | None = None) -> Path:
@@ -55,7 +56,7 @@ def home_dir(explicit: str | None = None) -> Path:
 
 
 def check_dataset_name(name: str) -> str:
-    if not DATASET_NAME.fullmatch(name):
+    if not re.search(DATASET_NAME, name):  # the rule every request is held to (wire/messages.py)
         raise UsageError(
             f"bad dataset name {name!r}: use letters, digits, '.', '_' and '-' (128 at most), "
             "starting with a letter or digit"
@@ -132,6 +133,7 @@ def ensure_home_key(home: Path) -> bytes:
     """The embedded cluster's key, created (0600) on first use."""
     path = key_path(home)
     if not path.exists():
+        private_dirs(home)
         try:
             return write_key(path)
         except FileExistsError:
@@ -150,11 +152,11 @@ def ports_file(home: Path) -> Path:
 def write_runtime(home: Path, name: str, meta: Address, data: Address) -> None:
     """Publish where the running node listens (atomically, for the commands that read it)."""
     path = runtime_file(home)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dirs(path.parent)
     for target, doc in ((ports_file(home), {"meta": meta.port, "data": data.port}),
                         (path, {"name": name, "meta": str(meta), "data": str(data), "pid": os.getpid()})):
         tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
+        write_private(tmp, json.dumps(doc))
         os.replace(tmp, target)
 
 

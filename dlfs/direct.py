@@ -16,7 +16,8 @@ Files that are not on a dlfs mount, or a mount this process may not attach to, a
 open() instead (same results, as read-only memoryviews of bytes), so code written against
 dlfs.direct runs anywhere. Errors are the ones open() raises: FileNotFoundError,
 IsADirectoryError, NotADirectoryError, PermissionError, and OSError(EIO) for data no replica has
-intact. After fork() a reader attaches anew in the child (each process has its own pins).
+intact. After fork() a reader attaches anew in the child (each process has its own pins), and so it
+does after a request cut short (a timeout): the views made before stay valid either way.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import socket
 import stat
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from dlfs.errors import DlfsError, error_from_status
+from dlfs.errors import DlfsError, ProtocolError, error_from_status
 from dlfs.format.index import Index
 from dlfs.native import native
+from dlfs.wire.messages import Attached, DirectAnswer, reply
 from dlfs.wire.protocol import (
     DIRECT_BATCH,
     DIRECT_REQUEST_BYTES,
@@ -54,6 +56,7 @@ CONTROL_XATTR = "user.dlfs.control"
 BIG_RECORD = DIRECT_REQUEST_BYTES  # files with a record bigger than a request can ask are read through the kernel
 TIMEOUT = 120.0  # seconds a request may wait for the mount (it fails over replicas meanwhile)
 Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+T = TypeVar("T")
 
 __all__ = ["DirectReader", "PlainReader", "connect"]
 
@@ -112,6 +115,14 @@ def connect(mountpoint: Path) -> DirectReader | PlainReader:
         return PlainReader(root, reason)
 
 
+def _reply(kind: type[T], meta: dict[str, Any], msg: Msg, root: Path) -> T:
+    """A mount's reply as its Struct; OSError(EPROTO) naming the field if it is of the wrong shape."""
+    try:
+        return reply(kind, meta, msg, f"the dlfs mount at {os.fsdecode(root)}")
+    except ProtocolError as exc:
+        raise OSError(errno.EPROTO, exc.message) from None
+
+
 def _error(err: int, path: Path, what: str | None = None) -> OSError:
     return OSError(err, what or os.strerror(err), os.fsdecode(path))
 
@@ -125,6 +136,7 @@ class DirectReader:
         self._prefix = os.fsencode(root).rstrip(b"/") + b"/"
         self._lock = threading.Lock()
         self._pid = -1
+        self._broken = False  # the stream went out of step: attach anew before the next use
         self._sock: socket.socket  # set by _attach
         self._shared: Any = None  # native.SharedCache
         self._attach()
@@ -132,11 +144,13 @@ class DirectReader:
     # --- the connection ---
 
     def _attach(self) -> None:
-        """Connect and map the shared cache: at start, and again in a forked child."""
+        """Connect and map the shared cache: at start, again in a forked child, and after a broken stream.
+        The views of the attachment before keep their pins (in its row, which the mount holds for them)."""
         if self._pid != -1:
-            self._sock.close()  # the parent's connection: closing our copy leaves it open for the parent
-            self._shared = None
+            self._sock.close()  # in a forked child, our copy of the parent's: the parent's stays open
+            self._shared.detach()
         self._pid = os.getpid()
+        self._broken = True  # until this attach succeeds: the next use tries again
         self._req = 0
         self._pending = bytearray()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,17 +169,20 @@ class DirectReader:
                     raise OSError(exc.errno, exc.message) from None
                 if len(fds) != 3:
                     raise OSError(errno.EPROTO, f"the mount sent {len(fds)} descriptors, not 3")
-                ctl = mmap.mmap(fds[0], 0)
+                ctl = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)  # native.SharedCache makes our row writable
                 arena = mmap.mmap(fds[1], 0, prot=mmap.PROT_READ)
                 self.index = Index(f"/proc/self/fd/{fds[2]}")
             finally:
                 for fd in fds:
                     os.close(fd)
-            self.row, self.label = int(meta["row"]), str(meta["label"])
+            attached = _reply(Attached, meta, Msg.DIRECT_ATTACH, self.root)
+            self.row, self.label = attached.row, attached.label
             assert native is not None
-            # The socket lives as long as any view: its end is what releases this process's pins.
+            # The socket lives as long as any view: the mount gives the row back when it ends with the
+            # row marked released (native/direct.c), or once this process is gone.
             self._shared = native.SharedCache(ctl, arena, row=self.row, sections=self.index.sections(),
                                               keep=self._sock)
+            self._broken = False
         except BaseException:
             self._sock.close()
             raise
@@ -205,13 +222,27 @@ class DirectReader:
         if self._shared is None:
             raise ValueError(f"dlfs.direct reader of {self.root} is closed")
 
+    def _stale(self) -> bool:
+        return self._pid != os.getpid() or self._broken
+
     def _call(self, msg: Msg, meta: dict[str, Any]) -> tuple[dict[str, Any], bytearray]:
         self._check_open()
         with self._lock:
-            if self._pid != os.getpid():
+            if self._stale():
                 self._attach()
-            self._send(msg, meta)
-            return self._receive(msg)
+            try:
+                self._send(msg, meta)
+                return self._receive(msg)
+            except DlfsError:
+                raise  # a whole answer, saying no: the stream is in step
+            except BaseException:
+                # Cut short (a timeout in the middle of a frame, say) or out of turn: what comes next on
+                # this stream is no answer to the next request. End it; the next use attaches anew (the
+                # views made so far keep their pins in this attachment's row, marked released after them).
+                self._broken = True
+                self._sock.close()
+                self._shared.detach()
+                raise
 
     def close(self) -> None:
         """Detach from the mount. Views still alive stay valid: the connection, and with it their
@@ -220,7 +251,8 @@ class DirectReader:
         if shared is None:
             return
         self._shared = self._sock = None  # type: ignore[assignment]
-        if self._pid != os.getpid() or shared.row_pins(self.row) == 0:
+        shared.detach()  # the row is marked released (for the mount to hand on) once no view holds a pin
+        if self._pid != os.getpid() or shared.live_pins == 0:
             sock.close()
 
     def __enter__(self) -> DirectReader:
@@ -245,10 +277,9 @@ class DirectReader:
         rel = full[len(self._prefix):]
         ino = 1
         for part in (p for p in rel.split(b"/") if p):
-            found = self.index.lookup(ino, part) if stat.S_ISDIR(self.index.inode(ino).mode) else None
-            if found is None:
-                raise _error(errno.ENOENT, full)
-            ino = found
+            ino = self.index.lookup(ino, part)
+            if ino < 0:
+                raise _error(-ino, full)
         if not stat.S_ISDIR(self.index.inode(ino).mode):
             raise _error(errno.ENOTDIR, full)
         out: list[tuple[bytes, int]] = []
@@ -273,9 +304,9 @@ class DirectReader:
         """Every file's bytes, as read() gives them, with at most one request per batch of misses.
         The first path that fails raises its error (the views already made are let go)."""
         self._check_open()
-        if self._pid != os.getpid():
+        if self._stale():
             with self._lock:
-                if self._pid != os.getpid():
+                if self._stale():
                     self._attach()
         rels: list[bytes] = []
         outside: dict[int, Path] = {}
@@ -360,15 +391,16 @@ class DirectReader:
             meta, data = self._call(Msg.DIRECT_READ, {"exts": exts})
         except DlfsError as exc:
             raise _error(exc.errno, path_of[exts[0]], exc.message) from None
-        at, errors = meta.get("at"), meta.get("errors", [])
-        if not isinstance(at, list) or len(at) != len(exts):
+        answer = _reply(DirectAnswer, meta, Msg.DIRECT_READ, self.root)
+        at, errors = answer.at, answer.errors
+        if len(at) != len(exts):
             raise OSError(errno.EPROTO, f"the dlfs mount at {self.root} answered a read with the wrong shape")
         out: list[memoryview] = []
         # The pins the mount took for us are each released by the view made of them.
         for i, where in enumerate(at):
             if where is not None:
                 out.append(self._shared.take(where[0], where[1], self.index.extent(exts[i]).record.raw_len))
-        failed = {int(i): (int(status), str(msg)) for i, status, msg in errors}
+        failed = {i: (status, msg) for i, status, msg in errors}
         if failed:
             i = min(failed)
             err = error_from_status(*failed[i])

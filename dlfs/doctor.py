@@ -24,8 +24,9 @@ import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
-from dlfs.errors import AuthError, DlfsError, ProtocolError, TransportUnavailable, Unreachable
+from dlfs.errors import AuthError, DlfsError, KeyExposed, ProtocolError, TransportUnavailable, Unreachable
 from dlfs.units import human_bytes
+from dlfs.wire.auth import key_exposure
 
 PASS, WARN, FAIL, INFO = "pass", "warn", "FAIL", "info"
 NODE_TIMEOUT = 3.0  # per daemon: connect, handshake and one request
@@ -203,8 +204,8 @@ def check_key(path: str) -> Check:
     except OSError as exc:
         return Check("cluster key", FAIL, f"{path}: {exc.strerror}", "make one with `dlfs keygen FILE`")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        who = " and ".join(w for w, bits in (("group", 0o070), ("others", 0o007)) if mode & bits)
+    who = key_exposure(mode)  # the rule the node and every command refuse a key by
+    if who:
         return Check("cluster key", FAIL, f"{path} has mode {mode:04o}: {who} can read or change it",
                      f"chmod 600 {path}")
     if st.st_uid != os.geteuid():
@@ -230,6 +231,11 @@ def load_for_doctor(cluster_file: str | None, home: Path) -> tuple[Cluster | Non
         key = home / "cluster.key"
         if key.exists():
             rows.append(check_key(str(key)))
+        return None, rows
+    except KeyExposed as exc:
+        rows.append(Check("cluster file", INFO, f"{cluster_file or f'none: the local node under {home}'}; "
+                                                "its key is refused (below)"))
+        rows.append(check_key(exc.path))
         return None, rows
     except DlfsError as exc:
         rows.append(Check("cluster file", FAIL, str(exc), "fix the file or its key (see README: Run a cluster)"))

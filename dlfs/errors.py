@@ -30,6 +30,14 @@ class UsageError(DlfsError):
     errno = errno.EINVAL
 
 
+class KeyExposed(UsageError):
+    """A cluster key file that other users can read or change: refused (`chmod 600` fixes it)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class Unreachable(DlfsError):
     """A node (daemon) cannot be reached or stopped answering."""
 
@@ -106,7 +114,6 @@ class ControlUnavailable(Unreachable):
 
 
 # Wire status codes: errors cross the protocol as (code, message) and are rebuilt on the other side.
-STATUS_OK = 0
 _BY_STATUS: dict[int, type[DlfsError]] = {
     1: DlfsError,
     2: UsageError,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from functools import partial
 from typing import Any
 
 import trio
@@ -20,10 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from dlfs.counters import LATENCY_BOUNDS, LatencyHistogram
 from dlfs.errors import UsageError
 from dlfs.transport.base import Address
+from dlfs.wire.limits import ConnectionStats, HalfOpen, accept_loop, peer_key
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = 10.0
+# Scrapers are few: connections beyond these close the oldest (a flood cannot take the process's descriptors).
+MAX_SCRAPES, MAX_SCRAPES_PER_PEER = 32, 8
 MAX_REQUEST_HEAD = 8192
 
 
@@ -84,6 +86,7 @@ class NodeCollector:
                 received.add_metric(values, s.bytes_in)
                 _add_histogram(latency, values, s.latency)
         yield from (requests, errors, sent, received, latency)
+        yield from self._connections()
         if self.services:  # a node's daemons share one budget (node.py)
             memory = self.services[0].memory
             yield _gauge("dlfs_request_memory_bytes", "Bytes held now for requests in flight (frames, index pieces)",
@@ -125,6 +128,29 @@ class NodeCollector:
                          self.node, k.unreachable)
             yield _gauge("dlfs_replica_count_timestamp_seconds", "When the replica count was taken (Unix time)",
                          self.node, k.taken_at)
+
+
+    def _connections(self) -> Iterator[Metric]:
+        """Each daemon's connections (wire/limits.py): open ones, and what ended others early."""
+        open_ = GaugeMetricFamily("dlfs_connections", "Connections open now: half_open (handshake not finished) "
+                                  "or authenticated", labels=["node", "service", "state"])
+        failed = CounterMetricFamily("dlfs_handshake_failures", "Connections closed before their handshake finished, "
+                                     "by reason (cap: dropped for a newer one over the half-open caps)",
+                                     labels=["node", "service", "reason"])
+        closed = CounterMetricFamily("dlfs_connections_closed", "Authenticated connections the daemon closed, by "
+                                     "reason (idle, a stalled frame, a bad frame)", labels=["node", "service", "reason"])
+        accept = CounterMetricFamily("dlfs_accept_errors", "Connections not accepted for want of descriptors or "
+                                     "memory (EMFILE, ENFILE, ENOBUFS, ENOMEM)", labels=["node", "service"])
+        for service in self.services:
+            c = service.conns
+            open_.add_metric([self.node, service.name, "half_open"], len(service.half_open))
+            open_.add_metric([self.node, service.name, "authenticated"], c.authenticated)
+            for reason, n in c.handshake_failures.items():
+                failed.add_metric([self.node, service.name, reason], n)
+            for reason, n in c.closed.items():
+                closed.add_metric([self.node, service.name, reason], n)
+            accept.add_metric([self.node, service.name], c.accept_errors)
+        yield from (open_, failed, closed, accept)
 
 
 def _gauge(name: str, doc: str, node: str, value: float) -> GaugeMetricFamily:
@@ -204,7 +230,25 @@ async def serve_metrics(address: Address, registry: CollectorRegistry,
     name = listeners[0].socket.getsockname()
     bound = Address(address.host or name[0], name[1])
     task_status.started(bound)
-    await trio.serve_listeners(partial(_answer, registry, refresh), listeners)
+    gate = HalfOpen(ConnectionStats(), MAX_SCRAPES, MAX_SCRAPES_PER_PEER)
+
+    async def scrape(stream: trio.SocketStream) -> None:
+        entry = gate.admit(peer_key(stream))
+        try:
+            with entry.scope:
+                await _answer(registry, refresh, stream)
+        finally:
+            gate.leave(entry)
+            await stream.aclose()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(accept_loop, listener, scrape, nursery, gate, gate.stats, "metrics")
+    finally:
+        with trio.CancelScope(shield=True):
+            for listener in listeners:
+                await listener.aclose()
 
 
 def _response(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8", head: bool = False) -> bytes:

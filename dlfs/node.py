@@ -6,6 +6,7 @@ import fcntl
 import json
 import logging
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dlfs.errors import DlfsError, UsageError
 from dlfs.logs import set_context
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
+from dlfs.private import FILE_MODE, private_dirs, tighten_home
 from dlfs.sdnotify import notify
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
@@ -91,11 +93,29 @@ def data_transport(opts: NodeOptions) -> TransportChoice:
     return choice
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open descriptors to its hard limit (connections, chunk
+    files and a flood's half-open connections all take one); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        try:  # the kernel's own ceiling: setrlimit refuses more
+            hard = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            hard = soft
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.info("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 def _lock_home(home: Path) -> int:
     """Hold $DLFS_HOME/run/node.lock: two nodes on one state directory would corrupt it."""
     path = home / "run" / "node.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    private_dirs(path.parent)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -134,9 +154,10 @@ async def _listen(nursery: trio.Nursery, service: Service, address: Address, fal
 async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled or signalled; reports this node's addresses once both listen."""
     home = opts.home
-    home.mkdir(parents=True, exist_ok=True)
+    private_dirs(home)
     lock_fd = _lock_home(home)
     try:
+        tighten_home(home)  # once, before anything is served from it
         meta_fallback = data_fallback = None
         if opts.cluster is None:
             key = ensure_home_key(home)
@@ -166,6 +187,8 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
         memory = MemoryBudget(f"node {name}", opts.memory)  # one process: one bound for both daemons
         log.info("node %s: requests in flight hold at most %s (%s on one connection)", name,
                  human_bytes(memory.total), human_bytes(memory.per_connection))
+        # Before the daemons exist: their caps on half-open connections follow this limit.
+        log.info("node %s: up to %d open files", name, raise_open_files_limit())
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
@@ -194,6 +217,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                                                control, lease)
                     services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
+                    nursery.start_soon(meta_service.expire_idle, name="dlfs-ingest-expiry")
                     if meta_service.follower is not None:
                         nursery.start_soon(meta_service.follower.run, name="dlfs-catalog-follower")
                 if lease is not None:

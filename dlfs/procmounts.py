@@ -27,6 +27,12 @@ def mount_points() -> list[str]:
         return [_unescape(line.split()[1]) for line in f]
 
 
+def fuse_mount_points() -> set[str]:
+    """Mount points of FUSE file systems (dlfs's mounts among them)."""
+    with open("/proc/self/mounts") as f:
+        return {_unescape(fields[1]) for fields in map(str.split, f) if fields[2].split(".")[0] in ("fuse", "fuseblk")}
+
+
 def mounts_under(base: Path) -> list[Path]:
     """Mount points at or below `base`, deepest first."""
     prefix = str(base.absolute())

@@ -136,9 +136,12 @@ class DirectDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def direct(self) -> bool:
         return self.reader.direct
 
-    def sampler(self, *, rank: int = 0, world_size: int = 1, seed: int = 0, window: int = 4) -> ChunkLocalSampler:
-        """Chunk-local random epochs over this dataset, this rank's share (call set_epoch each epoch)."""
-        return ChunkLocalSampler(self.chunks, rank=rank, world_size=world_size, seed=seed, window=window)
+    def sampler(self, *, rank: int = 0, world_size: int = 1, seed: int = 0, window: int = 4,
+                drop_last: bool = False) -> ChunkLocalSampler:
+        """Chunk-local random epochs over this dataset, this rank's share (call set_epoch each epoch);
+        every rank gets the same number of samples (ChunkLocalSampler pads, or drops with drop_last)."""
+        return ChunkLocalSampler(self.chunks, rank=rank, world_size=world_size, seed=seed, window=window,
+                                 drop_last=drop_last)
 
     def __len__(self) -> int:
         return len(self.paths)

@@ -21,7 +21,6 @@
 #include "answer.h"
 
 #define BLKSIZE (128 << 10)
-#define NAME_MAX_BYTES 255 /* statfs's namemax, as the Python handler says */
 
 int dlfs_op_len(uint32_t opcode)
 {
@@ -133,28 +132,23 @@ static int lookup(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct
         return DLFS_FORWARD;
     if (name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.')))
         return DLFS_FORWARD; /* only NFS export asks; Python knows the parent */
-    struct dlfs_inode d, n;
+    struct dlfs_inode n;
     c->lookups++;
-    if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &d) < 0 || (S_ISDIR(d.mode) && !dlfs_ix_dir_ok(&sv->ix, &d)))
+    int64_t ino = dlfs_ix_lookup(&sv->ix, rq->in->nodeid, name, len);
+    if (ino == -EIO || (ino > 0 && dlfs_ix_inode(&sv->ix, (uint64_t)ino, &n) < 0))
         return corrupt(rp, c);
-    if (!S_ISDIR(d.mode))
-        return reply_err(rp, ENOTDIR);
-    uint32_t ino;
+    if (ino < 0 && ino != -ENOENT)
+        return reply_err(rp, (int)-ino);
     struct fuse_entry_out *e = body(rp, sizeof *e);
-    switch (dlfs_ix_find(&sv->ix, &d, name, len, &ino)) {
-    case 1:
-        if (dlfs_ix_inode(&sv->ix, ino, &n) < 0)
-            return corrupt(rp, c);
-        fill_entry(sv, e, ino, &n);
+    if (ino > 0) {
+        fill_entry(sv, e, (uint64_t)ino, &n);
         return DLFS_ANSWERED;
-    case 0:
-        /* A negative entry: the namespace never changes, so the kernel may remember the miss. */
-        e->entry_valid = sv->timeout_s;
-        e->entry_valid_nsec = sv->timeout_ns;
-        return DLFS_ANSWERED;
-    default:
-        return corrupt(rp, c);
     }
+    /* A negative entry: the mount's version never changes, so the kernel may keep the miss for the
+     * timeout (in its dentry cache: bounded by its shrinker, gone with the mount). */
+    e->entry_valid = sv->timeout_s;
+    e->entry_valid_nsec = sv->timeout_ns;
+    return DLFS_ANSWERED;
 }
 
 static int getattr(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
@@ -258,7 +252,7 @@ static int statfs_(const struct dlfs_serve *sv, struct dlfs_reply *rp)
     s->st.blocks = sv->statfs_blocks;
     s->st.files = sv->statfs_files;
     s->st.bsize = s->st.frsize = 4096;
-    s->st.namelen = NAME_MAX_BYTES;
+    s->st.namelen = DLFS_NAME_MAX;
     return DLFS_ANSWERED;
 }
 
@@ -303,7 +297,7 @@ static int getxattr(const struct dlfs_serve *sv, const struct dlfs_req *rq, stru
 static void unpin_all(const struct dlfs_serve *sv, struct dlfs_reply *rp)
 {
     for (int i = 0; i < rp->npins; i++)
-        dlfs_shm_unpin(sv->shm, sv->row, rp->pin_slab[i]);
+        dlfs_shm_unpin(sv->shm, sv->pin, rp->pin_slab[i]);
     rp->npins = 0;
 }
 
@@ -546,7 +540,7 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
             const char *buf;
             uint32_t slab;
             if (e.flags & DLFS_RECORD_LZ4 || rp->n == DLFS_REPLY_IOV || !sv->shm ||
-                !dlfs_shm_pin(sv->shm, sv->row, i, e.raw_len, &buf, &slab)) {
+                !dlfs_shm_pin(sv->shm, sv->pin, i, e.raw_len, &buf, &slab)) {
                 if (rp->npins == 0 && off >= pos && end <= next &&
                     read_local(sv, rp, i, &e, off - pos, end - pos, r->size, n.count == 1, c) == 0) {
                     c->reads++;

@@ -85,7 +85,7 @@ struct dlfs_serve {
     uint32_t xattr_len;
     const struct dlfs_shm *shm; /* NULL: no shared cache (every READ goes to Python) */
     struct dlfs_consume *consume;
-    uint64_t row; /* the serving threads' row of the pin table */
+    struct dlfs_pinner pin; /* the serving threads' row of the pin table, and its epoch */
     int local_dir; /* this machine's chunk directory (read in place), or -1 */
     struct dlfs_sums *sums; /* with local_dir: the sums kept (the one mutable part, locked) */
 };

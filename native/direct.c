@@ -1,10 +1,12 @@
 /* dlfs.direct's Python types over a mount's shared chunk cache (layout and pin protocol: shm.h).
  *
- * A client's pins live only in its row, so when its connection ends (the process died, say) the mount
- * zeroes the row and every pin it held is reclaimed at once. A pin is a Python object exporting the
- * record's bytes as a read-only buffer: read() hands out a memoryview of it, and releasing the view (or
- * dropping it) releases the pin. The mount's own SharedCache also counts what the kernel was sent of
- * each record (shm.h's dlfs_consume), for the serving threads and the Python handlers alike. */
+ * A client's pins live only in its row (the one part of the control region it maps writable), counted
+ * under the epoch its row was handed out with. Once its last view is gone after detach() (or with the
+ * SharedCache itself) it marks the row released, and the mount takes the row back; a row whose owner
+ * never does is taken back when the process is gone (dlfs/fuse/rows.py). A pin is a Python object
+ * exporting the record's bytes as a read-only buffer: read() hands out a memoryview of it, and releasing
+ * the view (or dropping it) releases the pin. The mount's own SharedCache also counts what the kernel
+ * was sent of each record (shm.h's dlfs_consume), for the serving threads and the Python handlers alike. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -37,8 +39,12 @@ typedef struct {
     struct dlfs_consume consume; /* the mount's only */
     struct dlfs_ix ix;
     long row; /* this client's row; -1 for the mount */
-    PyObject *keep; /* what must live as long as any pin (the client's connection: its end frees the row) */
+    struct dlfs_pinner pin; /* a client's row and the epoch it attached under */
+    Py_ssize_t live; /* a client's pins held by its views */
+    int detached, released; /* a client's: no new pins; its row marked released */
+    PyObject *keep; /* what must live as long as any pin (the client's connection) */
     uint32_t max_row; /* the mount: rows ever pinned through, the ones a retire must sum */
+    uint64_t refused; /* the mount: refused pins and releases of the rows it cleared */
     unsigned long fork_gen;
 } SharedCache;
 
@@ -60,11 +66,24 @@ static int pin_getbuffer(Pin *p, Py_buffer *view, int flags)
     return PyBuffer_FillInfo(view, (PyObject *)p, (void *)p->buf, p->len, 1, flags);
 }
 
+/* A client that holds no view and will take no pin says so in its row: the mount may hand it on. */
+static void mark_released(SharedCache *s)
+{
+    if (s->row < 0 || !s->pin.epoch || s->released || s->fork_gen != fork_gen ||
+        dlfs_shm_epoch(&s->shm, s->pin.row) != s->pin.epoch)
+        return;
+    s->released = 1;
+    __atomic_store_n(&dlfs_shm_row_head(&s->shm, s->pin.row)->released, s->pin.epoch, __ATOMIC_SEQ_CST);
+}
+
 static void pin_dealloc(Pin *p)
 {
     SharedCache *s = p->owner;
-    if (s->fork_gen == fork_gen)
-        dlfs_shm_unpin(&s->shm, (uint64_t)s->row, p->slab);
+    if (s->fork_gen == fork_gen) {
+        dlfs_shm_unpin(&s->shm, s->pin, p->slab);
+        if (--s->live == 0 && s->detached)
+            mark_released(s);
+    }
     Py_DECREF(s);
     PyObject_Free(p);
 }
@@ -85,9 +104,10 @@ static PyObject *view_of(SharedCache *s, uint32_t slab, const char *buf, Py_ssiz
 {
     Pin *p = PyObject_New(Pin, &PinType);
     if (!p) {
-        dlfs_shm_unpin(&s->shm, (uint64_t)s->row, slab);
+        dlfs_shm_unpin(&s->shm, s->pin, slab);
         return NULL;
     }
+    s->live++;
     Py_INCREF(s);
     p->owner = s;
     p->slab = slab;
@@ -102,6 +122,7 @@ static PyObject *view_of(SharedCache *s, uint32_t slab, const char *buf, Py_ssiz
 
 static void shared_dealloc(SharedCache *s)
 {
+    mark_released(s); /* before the region and the connection go: the mount then hands the row on at once */
     if (s->held_ctl)
         PyBuffer_Release(&s->ctl);
     if (s->held_arena)
@@ -112,6 +133,29 @@ static void shared_dealloc(SharedCache *s)
         dlfs_consume_free(&s->consume);
     Py_CLEAR(s->keep);
     Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* A client's row: made writable in its read-only mapping of the control region, and the epoch it was
+ * handed out under taken (the mount keeps the row this attachment's while this process lives). */
+static int own_row(SharedCache *s)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    char *span = s->shm.rows + (uint64_t)s->row * s->shm.h.row_stride;
+    if ((uintptr_t)s->ctl.buf % (uintptr_t)page) {
+        PyErr_SetString(PyExc_ValueError, "the control region must be an mmap of the whole memfd");
+        return -1;
+    }
+    if (mprotect(span, s->shm.h.row_stride, PROT_READ | PROT_WRITE) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    uint64_t epoch = dlfs_shm_epoch(&s->shm, (uint64_t)s->row);
+    if (!epoch) {
+        PyErr_Format(PyExc_ValueError, "row %ld of the pin table was not handed out", s->row);
+        return -1;
+    }
+    s->pin = (struct dlfs_pinner){(uint64_t)s->row, epoch};
+    return 0;
 }
 
 static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
@@ -132,8 +176,8 @@ static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
     if (PyObject_GetBuffer(ctl, &s->ctl, create ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
         return -1;
     s->held_ctl = 1;
-    if (s->ctl.readonly) {
-        PyErr_SetString(PyExc_ValueError, "the control region must be mapped writable");
+    if (!create && row >= 0 && !s->ctl.readonly) {
+        PyErr_SetString(PyExc_ValueError, "a client maps the control region read-only (its own row is made writable)");
         return -1;
     }
     if (PyObject_GetBuffer(arena, &s->arena, PyBUF_SIMPLE) < 0)
@@ -199,7 +243,7 @@ static int shared_init(SharedCache *s, PyObject *args, PyObject *kw)
             return -1;
         }
     }
-    return 0;
+    return row >= 0 ? own_row(s) : 0;
 }
 
 /* 0 if `v` is below `limit`; else -1 with an IndexError naming `what`. */
@@ -251,7 +295,7 @@ static PyObject *shared_publish(SharedCache *s, PyObject *args)
 static PyObject *shared_unpublish(SharedCache *s, PyObject *arg)
 {
     unsigned long long ext;
-    if (index_arg(arg, s->shm.h.n_extents, "extent", &ext) < 0)
+    if (!mount_ok(s) || index_arg(arg, s->shm.h.n_extents, "extent", &ext) < 0)
         return NULL;
     dlfs_shm_unpublish(&s->shm, ext);
     Py_RETURN_NONE;
@@ -260,7 +304,7 @@ static PyObject *shared_unpublish(SharedCache *s, PyObject *arg)
 static PyObject *shared_retire(SharedCache *s, PyObject *arg)
 {
     unsigned long long slab;
-    if (index_arg(arg, s->shm.h.nslabs, "slab", &slab) < 0)
+    if (!mount_ok(s) || index_arg(arg, s->shm.h.nslabs, "slab", &slab) < 0)
         return NULL;
     __atomic_fetch_add(&s->shm.gens[slab], 1, __ATOMIC_SEQ_CST);
     return PyBool_FromLong(dlfs_shm_pins_on(&s->shm, slab, s->max_row) == 0);
@@ -281,29 +325,72 @@ static void row_in_use(SharedCache *s, uint64_t row)
         s->max_row = (uint32_t)row + 1;
 }
 
+/* A mount's method's (row, slab) arguments, in range: 0, or -1 with an exception. */
+static int row_slab_args(SharedCache *s, PyObject *args, unsigned long *row, unsigned long long *slab)
+{
+    if (!mount_ok(s) || !PyArg_ParseTuple(args, "kK", row, slab) || in_range(*row, s->shm.h.n_rows, "row") < 0 ||
+        in_range(*slab, s->shm.h.nslabs, "slab") < 0)
+        return -1;
+    return 0;
+}
+
 static PyObject *shared_pin_for(SharedCache *s, PyObject *args)
 {
     unsigned long row;
     unsigned long long slab;
-    if (!PyArg_ParseTuple(args, "kK", &row, &slab) || in_range(row, s->shm.h.n_rows, "row") < 0 ||
-        in_range(slab, s->shm.h.nslabs, "slab") < 0)
+    if (row_slab_args(s, args, &row, &slab) < 0)
         return NULL;
     row_in_use(s, row);
     __atomic_fetch_add(&dlfs_shm_row(&s->shm, row)[slab], 1, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
 }
 
-static PyObject *shared_clear_row(SharedCache *s, PyObject *arg)
+static PyObject *shared_unpin_for(SharedCache *s, PyObject *args)
+{
+    unsigned long row;
+    unsigned long long slab;
+    if (row_slab_args(s, args, &row, &slab) < 0)
+        return NULL;
+    struct dlfs_pinner p = {row, dlfs_shm_epoch(&s->shm, row)};
+    return PyBool_FromLong(dlfs_shm_unpin(&s->shm, p, (uint32_t)slab));
+}
+
+static PyObject *shared_hand_out(SharedCache *s, PyObject *arg)
+{
+    unsigned long long row;
+    if (!mount_ok(s) || index_arg(arg, s->shm.h.n_rows, "row", &row) < 0)
+        return NULL;
+    row_in_use(s, row);
+    return PyLong_FromUnsignedLongLong(dlfs_shm_hand_out(&s->shm, row));
+}
+
+static PyObject *shared_released(SharedCache *s, PyObject *arg)
 {
     unsigned long long row;
     if (index_arg(arg, s->shm.h.n_rows, "row", &row) < 0)
         return NULL;
+    return PyBool_FromLong(dlfs_shm_released(&s->shm, row));
+}
+
+static PyObject *shared_clear_row(SharedCache *s, PyObject *arg)
+{
+    unsigned long long row;
+    uint64_t refused;
+    if (!mount_ok(s) || index_arg(arg, s->shm.h.n_rows, "row", &row) < 0)
+        return NULL;
     row_in_use(s, row);
-    uint32_t *r = dlfs_shm_row(&s->shm, row);
-    uint64_t freed = 0;
-    for (uint64_t i = 0; i < s->shm.h.nslabs; i++)
-        freed += __atomic_exchange_n(&r[i], 0, __ATOMIC_SEQ_CST);
+    uint64_t freed = dlfs_shm_clear_row(&s->shm, row, &refused);
+    s->refused += refused;
     return PyLong_FromUnsignedLongLong(freed);
+}
+
+/* Pins and releases refused (native/shm.h) in rows still in use, and in those cleared before. */
+static uint64_t refused_releases(SharedCache *s)
+{
+    uint64_t n = s->refused;
+    for (uint64_t r = 0; r < s->max_row; r++)
+        n += __atomic_load_n(&dlfs_shm_row_head(&s->shm, r)->refused, __ATOMIC_RELAXED);
+    return n;
 }
 
 static PyObject *shared_where(SharedCache *s, PyObject *arg)
@@ -312,9 +399,12 @@ static PyObject *shared_where(SharedCache *s, PyObject *arg)
     if (index_arg(arg, s->shm.h.n_extents, "extent", &ext) < 0)
         return NULL;
     uint64_t e = __atomic_load_n(&s->shm.entries[ext], __ATOMIC_SEQ_CST);
-    if (!e)
+    uint64_t slab = (e & DLFS_SHM_SLAB_LIMIT) - 1;
+    uint32_t off = __atomic_load_n(&s->shm.offsets[ext], __ATOMIC_SEQ_CST);
+    /* Shared memory: a slab or offset out of range is no place to pin or read. */
+    if (!e || slab >= s->shm.h.nslabs || off >= s->shm.h.slab_size)
         Py_RETURN_NONE;
-    return Py_BuildValue("KI", (unsigned long long)((e & DLFS_SHM_SLAB_LIMIT) - 1), s->shm.offsets[ext]);
+    return Py_BuildValue("KI", (unsigned long long)slab, off);
 }
 
 static PyObject *shared_served(SharedCache *s, PyObject *args)
@@ -366,6 +456,10 @@ static int client_ok(SharedCache *s)
         PyErr_SetString(PyExc_RuntimeError, "a shared cache connection cannot be used in a forked child");
         return 0;
     }
+    if (s->detached) {
+        PyErr_SetString(PyExc_RuntimeError, "this SharedCache is detached: it takes no new pins");
+        return 0;
+    }
     return 1;
 }
 
@@ -394,15 +488,10 @@ static long resolve(SharedCache *s, const char *path, Py_ssize_t n)
         if (len == 2 && name[0] == '.' && name[1] == '.') {
             ino = node.parent ? node.parent : ino;
         } else {
-            uint32_t child;
-            if (!dlfs_ix_dir_ok(&s->ix, &node))
-                return -EIO;
-            int found = dlfs_ix_find(&s->ix, &node, name, (size_t)len, &child);
-            if (found < 0)
-                return -EIO;
-            if (!found)
-                return -ENOENT;
-            ino = child;
+            int64_t child = dlfs_ix_lookup(&s->ix, ino, name, (size_t)len);
+            if (child < 0)
+                return (long)child;
+            ino = (uint64_t)child;
         }
         if (dlfs_ix_inode(&s->ix, ino, &node) < 0)
             return -EIO;
@@ -434,7 +523,7 @@ static PyObject *read_one(SharedCache *s, PyObject *path)
         return PyLong_FromLong(ino);
     const char *buf;
     uint32_t slab;
-    if (!dlfs_shm_pin(&s->shm, (uint64_t)s->row, node.ref, ext.raw_len, &buf, &slab))
+    if (!dlfs_shm_pin(&s->shm, s->pin, node.ref, ext.raw_len, &buf, &slab))
         return PyLong_FromLong(ino);
     return view_of(s, slab, buf, ext.raw_len);
 }
@@ -468,11 +557,23 @@ static PyObject *shared_take(SharedCache *s, PyObject *args)
         return NULL;
     if (off > s->shm.h.slab_size || len > s->shm.h.slab_size - off) {
         /* The mount pinned it for us: a bad answer must still let go of the pin. */
-        dlfs_shm_unpin(&s->shm, (uint64_t)s->row, (uint32_t)slab);
+        dlfs_shm_unpin(&s->shm, s->pin, (uint32_t)slab);
         PyErr_Format(PyExc_ValueError, "record of %llu bytes at %llu lies outside its slab", len, off);
         return NULL;
     }
     return view_of(s, (uint32_t)slab, s->shm.mem + slab * s->shm.h.slab_size + off, (Py_ssize_t)len);
+}
+
+static PyObject *shared_detach(SharedCache *s, PyObject *unused)
+{
+    if (s->row < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "this SharedCache is the mount's, not a client's");
+        return NULL;
+    }
+    s->detached = 1;
+    if (s->live == 0)
+        mark_released(s);
+    Py_RETURN_NONE;
 }
 
 static PyObject *shared_row_pins(SharedCache *s, PyObject *arg)
@@ -502,6 +603,12 @@ static PyObject *shared_get(SharedCache *s, void *which)
         return PyLong_FromLong(s->has_consume ? s->consume.wake_fd : -1);
     case 5:
         return PyLong_FromUnsignedLongLong(s->has_consume ? s->consume.dropped : 0);
+    case 7:
+        return PyLong_FromUnsignedLongLong(s->pin.epoch);
+    case 8:
+        return PyLong_FromSsize_t(s->live);
+    case 9:
+        return PyLong_FromUnsignedLongLong(s->has_consume ? refused_releases(s) : 0);
     default:
         return PyLong_FromLong(s->row);
     }
@@ -516,6 +623,10 @@ static PyGetSetDef shared_getset[] = {
      (void *)4},
     {"consumed_dropped", (getter)shared_get, NULL, "consumed extents the full queue could not hold", (void *)5},
     {"row", (getter)shared_get, NULL, "this client's row (-1: the mount)", (void *)6},
+    {"epoch", (getter)shared_get, NULL, "the epoch this client's row was handed out under (0: the mount)", (void *)7},
+    {"live_pins", (getter)shared_get, NULL, "pins this client's views hold", (void *)8},
+    {"refused_releases", (getter)shared_get, NULL,
+     "the mount's: pins and releases refused (of an earlier attachment, or below zero)", (void *)9},
     {NULL},
 };
 
@@ -526,8 +637,13 @@ static PyMethodDef shared_methods[] = {
      "retire(slab) -> bool: no new pins on it; True if none are held (it may be reused now)."},
     {"pinned", (PyCFunction)shared_pinned, METH_O, "pinned(slab) -> pins held on it by every client."},
     {"pin_for", (PyCFunction)shared_pin_for, METH_VARARGS, "pin_for(row, slab): pin a slab for a client."},
+    {"unpin_for", (PyCFunction)shared_unpin_for, METH_VARARGS,
+     "unpin_for(row, slab) -> bool: let go of a pin taken for a client that never received it."},
+    {"hand_out", (PyCFunction)shared_hand_out, METH_O, "hand_out(row) -> epoch: the row belongs to a new attachment."},
+    {"released", (PyCFunction)shared_released, METH_O,
+     "released(row) -> bool: the row's owner holds no view of it and takes no more pins."},
     {"clear_row", (PyCFunction)shared_clear_row, METH_O,
-     "clear_row(row) -> pins reclaimed: the client is gone (or new)."},
+     "clear_row(row) -> pins reclaimed: its owner released it or is gone."},
     {"where", (PyCFunction)shared_where, METH_O, "where(ext) -> (slab, offset) or None."},
     {"served", (PyCFunction)shared_served, METH_VARARGS,
      "served(ext, n, raw_len) -> bool: n more bytes of the record went to the kernel; True if that completed it."},
@@ -541,6 +657,8 @@ static PyMethodDef shared_methods[] = {
     {"take", (PyCFunction)shared_take, METH_VARARGS,
      "take(slab, offset, length) -> memoryview of a record the mount pinned for this client."},
     {"row_pins", (PyCFunction)shared_row_pins, METH_O, "row_pins(row) -> pins that row holds."},
+    {"detach", (PyCFunction)shared_detach, METH_NOARGS,
+     "detach(): a client's: take no new pins; the row is marked released once no view holds one."},
     {NULL},
 };
 
@@ -586,12 +704,16 @@ static PyObject *shared_size(PyObject *self, PyObject *args)
 }
 
 /* Fault fresh memory in with the GIL released: this VM's first touch costs about 1 s per GB, which the
- * mount's event loop should not pay inside a read. */
-static PyObject *populate(PyObject *self, PyObject *args)
+ * mount's event loop should not pay inside a read. The range may hold slabs being filled meanwhile, so
+ * nothing here writes a byte: before Linux 5.14 (no MADV_POPULATE_WRITE) a read of each page allocates
+ * it in the memfd just the same, and the first write costs a minor fault only. */
+static PyObject *populate(PyObject *self, PyObject *args, PyObject *kw)
 {
+    static char *names[] = {"buffer", "offset", "length", "fallback", NULL};
     Py_buffer view;
     unsigned long long off, len;
-    if (!PyArg_ParseTuple(args, "w*KK", &view, &off, &len))
+    int fallback = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*KK|$p", names, &view, &off, &len, &fallback))
         return NULL;
     long page = sysconf(_SC_PAGESIZE);
     if (off > (unsigned long long)view.len || len > (unsigned long long)view.len - off || off % page) {
@@ -599,18 +721,17 @@ static PyObject *populate(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "populate: range outside the buffer, or not page-aligned");
         return NULL;
     }
-    int rc, err = 0;
+    int rc = -1, err = EINVAL;
     Py_BEGIN_ALLOW_THREADS
-    rc = madvise((char *)view.buf + off, len, MADV_POPULATE_WRITE);
-    if (rc != 0) {
-        err = errno;
-        /* Before Linux 5.14: one write per page does the same. */
-        if (err == EINVAL) {
-            volatile char *p = (char *)view.buf + off;
-            for (unsigned long long i = 0; i < len; i += (unsigned long long)page)
-                p[i] = p[i];
-            rc = err = 0;
-        }
+    if (!fallback) {
+        rc = madvise((char *)view.buf + off, len, MADV_POPULATE_WRITE);
+        err = rc ? errno : 0;
+    }
+    if (rc != 0 && err == EINVAL) { /* before Linux 5.14, or `fallback` (tests) */
+        const volatile char *p = (const char *)view.buf + off;
+        for (unsigned long long i = 0; i < len; i += (unsigned long long)page)
+            (void)p[i];
+        rc = err = 0;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -622,8 +743,9 @@ static PyObject *populate(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef functions[] = {
-    {"populate", populate, METH_VARARGS,
-     "populate(buffer, offset, length): fault the range in now, without the GIL (MADV_POPULATE_WRITE)."},
+    {"populate", (PyCFunction)(void (*)(void))populate, METH_VARARGS | METH_KEYWORDS,
+     "populate(buffer, offset, length, *, fallback=False): fault the range in now, without the GIL and without "
+     "writing to it (MADV_POPULATE_WRITE; else, or with `fallback` (tests), a read of each page)."},
     {"shared_size", shared_size, METH_VARARGS,
      "shared_size(slab_size, nslabs, n_extents, n_rows) -> bytes of the control region."},
     {NULL},

@@ -1,5 +1,7 @@
 /* The index format read in place (see indexview.h). */
+#include <errno.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "indexview.h"
 
@@ -7,10 +9,19 @@ int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t
                  uint64_t names, uint64_t extents, uint64_t n_inodes, uint64_t n_dirents, uint64_t names_size,
                  uint64_t n_extents, uint64_t chunks, uint64_t n_chunks)
 {
-    if (inodes > len || n_inodes > (len - inodes) / DLFS_INODE_SIZE || dirents > len ||
-        n_dirents > (len - dirents) / DLFS_DIRENT_SIZE || names > len || names_size > len - names ||
-        extents > len || n_extents > (len - extents) / DLFS_EXTENT_SIZE || chunks > len ||
-        n_chunks > (len - chunks) / DLFS_CHUNK_SIZE)
+    struct dlfs_index_header h;
+    if (len < sizeof h)
+        return -1;
+    memcpy(&h, base, sizeof h);
+    /* A layout this build does not know (a stale helper beside newer Python) is refused, not misread. */
+    if (memcmp(h.magic, DLFS_INDEX_MAGIC, sizeof h.magic) || h.version != DLFS_INDEX_VERSION ||
+        h.n_chunks != n_chunks || h.n_inodes != n_inodes || h.n_dirents != n_dirents || h.n_extents != n_extents ||
+        h.names_size != names_size)
+        return -1;
+    if (inodes > len || n_inodes > (len - inodes) / sizeof(struct dlfs_inode) || dirents > len ||
+        n_dirents > (len - dirents) / sizeof(struct dlfs_dirent) || names > len || names_size > len - names ||
+        extents > len || n_extents > (len - extents) / sizeof(struct dlfs_extent) || chunks > len ||
+        n_chunks > (len - chunks) / sizeof(struct dlfs_chunk))
         return -1;
     ix->chunks = base + chunks;
     ix->n_chunks = n_chunks;
@@ -29,16 +40,7 @@ int dlfs_ix_inode(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *out
 {
     if (ino < 1 || ino > ix->n_inodes)
         return -1;
-    const uint8_t *p = ix->inodes + (ino - 1) * DLFS_INODE_SIZE;
-    memcpy(&out->mode, p, 4);
-    memcpy(&out->uid, p + 4, 4);
-    memcpy(&out->gid, p + 8, 4);
-    memcpy(&out->nlink, p + 12, 4);
-    memcpy(&out->size, p + 16, 8);
-    memcpy(&out->mtime_ns, p + 24, 8);
-    memcpy(&out->ref, p + 32, 8);
-    memcpy(&out->count, p + 40, 4);
-    memcpy(&out->parent, p + 44, 4);
+    memcpy(out, ix->inodes + (ino - 1) * sizeof *out, sizeof *out);
     return 0;
 }
 
@@ -49,14 +51,13 @@ int dlfs_ix_dir_ok(const struct dlfs_ix *ix, const struct dlfs_inode *d)
 
 int dlfs_ix_dirent(const struct dlfs_ix *ix, uint64_t i, const uint8_t **name, uint32_t *len, uint32_t *ino)
 {
-    const uint8_t *p = ix->dirents + i * DLFS_DIRENT_SIZE;
-    uint64_t off;
-    memcpy(&off, p, 8);
-    memcpy(len, p + 8, 4);
-    memcpy(ino, p + 12, 4);
-    if (off > ix->names_size || *len > ix->names_size - off)
+    struct dlfs_dirent d;
+    memcpy(&d, ix->dirents + i * sizeof d, sizeof d);
+    if (d.name_off > ix->names_size || d.name_len > ix->names_size - d.name_off)
         return -1;
-    *name = ix->names + off;
+    *name = ix->names + d.name_off;
+    *len = d.name_len;
+    *ino = d.ino;
     return 0;
 }
 
@@ -69,42 +70,45 @@ static int name_cmp(const uint8_t *a, size_t alen, const char *b, size_t blen)
     return alen < blen ? -1 : alen > blen;
 }
 
-int dlfs_ix_find(const struct dlfs_ix *ix, const struct dlfs_inode *dir, const char *name, size_t len,
-                 uint32_t *ino)
+int64_t dlfs_ix_lookup(const struct dlfs_ix *ix, uint64_t dir, const char *name, size_t len)
 {
-    uint64_t lo = dir->ref, hi = dir->ref + dir->count;
+    struct dlfs_inode d;
+    if (dlfs_ix_inode(ix, dir, &d) < 0)
+        return -EIO;
+    if (!S_ISDIR(d.mode))
+        return -ENOTDIR;
+    /* Refused, never cut to a prefix: a name that long is in no index (ingest refuses it). */
+    if (len > DLFS_NAME_MAX)
+        return -ENAMETOOLONG;
+    if (!dlfs_ix_dir_ok(ix, &d))
+        return -EIO;
+    uint64_t lo = d.ref, hi = d.ref + d.count;
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
         const uint8_t *probe;
-        uint32_t plen;
-        if (dlfs_ix_dirent(ix, mid, &probe, &plen, ino) < 0)
-            return -1;
+        uint32_t plen, ino;
+        if (dlfs_ix_dirent(ix, mid, &probe, &plen, &ino) < 0)
+            return -EIO;
         int c = name_cmp(probe, plen, name, len);
         if (c == 0)
-            return 1;
+            return ino >= 1 && ino <= ix->n_inodes ? (int64_t)ino : -EIO;
         if (c < 0)
             lo = mid + 1;
         else
             hi = mid;
     }
-    return 0;
+    return -ENOENT;
 }
 
 int dlfs_ix_extent(const struct dlfs_ix *ix, uint64_t i, struct dlfs_extent *out)
 {
     if (i >= ix->n_extents)
         return -1;
-    const uint8_t *p = ix->extents + i * DLFS_EXTENT_SIZE;
-    memcpy(&out->chunk, p, 4);
-    memcpy(&out->offset, p + 4, 4);
-    memcpy(&out->stored_len, p + 8, 4);
-    memcpy(&out->raw_len, p + 12, 4);
-    memcpy(&out->checksum, p + 16, 8);
-    memcpy(&out->flags, p + 24, 4);
+    memcpy(out, ix->extents + i * sizeof *out, sizeof *out);
     return 0;
 }
 
 const uint8_t *dlfs_ix_chunk_id(const struct dlfs_ix *ix, uint64_t i)
 {
-    return i < ix->n_chunks ? ix->chunks + i * DLFS_CHUNK_SIZE : NULL;
+    return i < ix->n_chunks ? ix->chunks + i * sizeof(struct dlfs_chunk) + offsetof(struct dlfs_chunk, id) : NULL;
 }

@@ -1,23 +1,39 @@
 #ifndef DLFS_INDEXVIEW_H
 #define DLFS_INDEXVIEW_H
-/* Reading dlfs/format/index.py's format in place: the one C copy of its record layouts, used by
- * the FUSE metadata server (metaserve.c) and by dlfs.direct's path resolution (direct.c). Every
- * offset read from the file is bounds-checked: the checksum proves integrity, not sanity. */
+/* Reading dlfs/format/index.py's format in place: the one C copy of its layout and the one C name
+ * lookup, used by the serving engine (answer.c), dlfs.direct's path resolution (direct.c) and
+ * Index.lookup (indexobj.c). The structs restate index.py's LAYOUT field by field, in file order;
+ * tests/test_index_layout.py parses this file and holds the two together. Every offset read from the
+ * file is bounds-checked: the checksum proves integrity, not sanity. */
 #include <stddef.h>
 #include <stdint.h>
 
-#define DLFS_CHUNK_SIZE 32 /* chunk id (16 B) first */
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the index is little-endian and read in place"
+#endif
+
+#define DLFS_INDEX_MAGIC "DLFSINDX"
+#define DLFS_INDEX_VERSION 1
+#define DLFS_NAME_MAX 255 /* bytes of one name: ingest writes none longer, lookup refuses longer */
 #define DLFS_CHUNK_ID 16
-#define DLFS_INODE_SIZE 48
-#define DLFS_DIRENT_SIZE 16
-#define DLFS_EXTENT_SIZE 32
 #define DLFS_RECORD_LZ4 1u
 #define DLFS_RECORD_BLOCK_SUMS 2u /* an xxh3-64 per 4 KiB block of the record follows it in the chunk */
 #define DLFS_BLOCK_SIZE 4096
 
-struct dlfs_ix {
-    const uint8_t *inodes, *dirents, *names, *extents, *chunks;
-    uint64_t n_inodes, n_dirents, names_size, n_extents, n_chunks;
+/* The records as they lie in the file: every field at its natural alignment, so no padding (the
+ * compiled sizes are held against Python's too: dlfs._native.INDEX_LAYOUT). */
+struct dlfs_index_header {
+    uint8_t magic[8];
+    uint32_t version, flags;
+    uint64_t n_chunks, n_inodes, n_dirents, n_extents, names_size, files, bytes, chunk_size;
+    int64_t created_ns;
+    uint64_t body_sum, head_sum;
+};
+
+struct dlfs_chunk {
+    uint8_t id[DLFS_CHUNK_ID];
+    uint64_t size;
+    uint32_t first_extent, n_extents;
 };
 
 struct dlfs_inode {
@@ -27,14 +43,24 @@ struct dlfs_inode {
     uint32_t count, parent;
 };
 
+struct dlfs_dirent {
+    uint64_t name_off;
+    uint32_t name_len, ino;
+};
+
 struct dlfs_extent {
     uint32_t chunk, offset, stored_len, raw_len;
     uint64_t checksum;
-    uint32_t flags;
+    uint32_t flags, spare;
 };
 
-/* Set `ix` from a mapping of `len` bytes and the sections' offsets and counts; -1 if any section
- * lies outside the mapping. */
+struct dlfs_ix {
+    const uint8_t *inodes, *dirents, *names, *extents, *chunks;
+    uint64_t n_inodes, n_dirents, names_size, n_extents, n_chunks;
+};
+
+/* Set `ix` from a mapping of `len` bytes and the sections' offsets and counts; -1 if the mapping does
+ * not start with a header of this version whose counts are these, or any section lies outside it. */
 int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t inodes, uint64_t dirents,
                  uint64_t names, uint64_t extents, uint64_t n_inodes, uint64_t n_dirents, uint64_t names_size,
                  uint64_t n_extents, uint64_t chunks, uint64_t n_chunks);
@@ -44,9 +70,10 @@ int dlfs_ix_inode(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *out
 int dlfs_ix_dir_ok(const struct dlfs_ix *ix, const struct dlfs_inode *dir);
 /* Dirent i's name and inode; -1 if its name runs outside the names section. */
 int dlfs_ix_dirent(const struct dlfs_ix *ix, uint64_t i, const uint8_t **name, uint32_t *len, uint32_t *ino);
-/* Find `name` in directory `dir` (binary search): 1 found (*ino set), 0 absent, -1 corrupt. */
-int dlfs_ix_find(const struct dlfs_ix *ix, const struct dlfs_inode *dir, const char *name, size_t len,
-                 uint32_t *ino);
+/* `name` (`len` bytes) in directory `dir`, by binary search: its inode (> 0), or -ENOENT (absent),
+ * -ENOTDIR (`dir` is not a directory), -ENAMETOOLONG (over DLFS_NAME_MAX), -EIO (corrupt there).
+ * dlfs/format/index.py's lookup_in is the same function in Python. */
+int64_t dlfs_ix_lookup(const struct dlfs_ix *ix, uint64_t dir, const char *name, size_t len);
 /* 0, or -1 if extent i is out of range. */
 int dlfs_ix_extent(const struct dlfs_ix *ix, uint64_t i, struct dlfs_extent *out);
 /* Chunk i's id (DLFS_CHUNK_ID bytes), or NULL if i is out of range. */

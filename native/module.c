@@ -28,7 +28,7 @@ int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix
     if (dlfs_ix_init(ix, view->buf, (uint64_t)view->len, inodes, dirents, names, extents, n_inodes, n_dirents,
                      names_size, n_extents, chunks, n_chunks) < 0) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "index sections lie outside the mapping");
+        PyErr_SetString(PyExc_ValueError, "index sections do not match the mapping or its header");
         return -1;
     }
     return 0;
@@ -156,7 +156,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         }
         sv.shm = shm;
         sv.consume = consume;
-        sv.row = row;
+        sv.pin = (struct dlfs_pinner){row, dlfs_shm_epoch(shm, row)};
         Py_INCREF(shared);
         kept.shared = shared;
     }
@@ -300,17 +300,19 @@ static struct PyModuleDef module = {
 /* The index layout as C reads it, for a test to hold against dlfs/format/index.py and chunk.py. */
 static int add_layout(PyObject *m)
 {
-    PyObject *layout = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "chunk", DLFS_CHUNK_SIZE, "chunk_id",
-                                     DLFS_CHUNK_ID, "inode", DLFS_INODE_SIZE, "dirent", DLFS_DIRENT_SIZE, "extent",
-                                     DLFS_EXTENT_SIZE, "flag_lz4", DLFS_RECORD_LZ4, "flag_block_sums",
-                                     DLFS_RECORD_BLOCK_SUMS, "block_size", DLFS_BLOCK_SIZE);
+    PyObject *layout = Py_BuildValue(
+        "{s:y,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "magic", DLFS_INDEX_MAGIC, "version", DLFS_INDEX_VERSION,
+        "name_max", DLFS_NAME_MAX, "header", (int)sizeof(struct dlfs_index_header), "chunk",
+        (int)sizeof(struct dlfs_chunk), "chunk_id", DLFS_CHUNK_ID, "inode", (int)sizeof(struct dlfs_inode), "dirent",
+        (int)sizeof(struct dlfs_dirent), "extent", (int)sizeof(struct dlfs_extent), "flag_lz4", DLFS_RECORD_LZ4,
+        "flag_block_sums", DLFS_RECORD_BLOCK_SUMS, "block_size", DLFS_BLOCK_SIZE);
     return layout ? PyModule_AddObject(m, "INDEX_LAYOUT", layout) : -1;
 }
 
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && (dlfs_direct_add_types(m) < 0 || add_layout(m) < 0 ||
+    if (m && (dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 || add_layout(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);

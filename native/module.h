@@ -10,6 +10,9 @@
  * (release it when done); -1 with a Python exception set if the tuple is bad or lies outside it. */
 int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix *ix);
 
+/* IndexView (indexobj.c), added to the module; -1 on failure. */
+int dlfs_index_add_types(PyObject *module);
+
 /* The types of dlfs.direct's shared cache (direct.c), added to the module; -1 on failure. */
 int dlfs_direct_add_types(PyObject *module);
 

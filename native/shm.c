@@ -9,16 +9,17 @@
 
 #include "shm.h"
 
-static uint64_t align8(uint64_t n)
+static uint64_t align_to(uint64_t n, uint64_t to)
 {
-    return (n + 7) & ~(uint64_t)7;
+    return (n + to - 1) / to * to;
 }
 
 uint64_t dlfs_shm_layout(struct dlfs_shm_header *h, uint64_t slab_size, uint64_t nslabs, uint64_t n_extents,
                          uint64_t n_rows)
 {
+    long page = sysconf(_SC_PAGESIZE);
     if (!slab_size || slab_size > UINT32_MAX || !nslabs || nslabs > DLFS_SHM_SLAB_LIMIT || n_rows < 1 ||
-        n_rows > 65536 || n_extents > ((uint64_t)1 << 40))
+        n_rows > 65536 || n_extents > ((uint64_t)1 << 40) || page <= 0)
         return 0;
     memset(h, 0, sizeof *h);
     memcpy(h->magic, DLFS_SHM_MAGIC, 8);
@@ -30,8 +31,11 @@ uint64_t dlfs_shm_layout(struct dlfs_shm_header *h, uint64_t slab_size, uint64_t
     h->gens = DLFS_SHM_HEADER_BYTES;
     h->entries = h->gens + 8 * nslabs;
     h->offsets = h->entries + 8 * n_extents;
-    h->rows = align8(h->offsets + 4 * n_extents);
-    h->total = h->rows + 4 * n_rows * nslabs;
+    h->epochs = align_to(h->offsets + 4 * n_extents, 8);
+    /* Each row on pages of its own: a client maps its row writable and the rest read-only. */
+    h->rows = align_to(h->epochs + 8 * n_rows, (uint64_t)page);
+    h->row_stride = align_to(sizeof(struct dlfs_shm_row_head) + 4 * nslabs, (uint64_t)page);
+    h->total = h->rows + h->row_stride * n_rows;
     return h->total;
 }
 
@@ -40,11 +44,17 @@ void dlfs_shm_map(struct dlfs_shm *s, char *ctl, const char *arena)
     s->gens = (uint64_t *)(ctl + s->h.gens);
     s->entries = (uint64_t *)(ctl + s->h.entries);
     s->offsets = (uint32_t *)(ctl + s->h.offsets);
-    s->rows = (uint32_t *)(ctl + s->h.rows);
+    s->epochs = (uint64_t *)(ctl + s->h.epochs);
+    s->rows = ctl + s->h.rows;
     s->mem = arena;
 }
 
-int dlfs_shm_pin(const struct dlfs_shm *s, uint64_t row, uint64_t ext, uint32_t len, const char **buf,
+static void refuse(const struct dlfs_shm *s, uint64_t row)
+{
+    __atomic_fetch_add(&dlfs_shm_row_head(s, row)->refused, 1, __ATOMIC_RELAXED);
+}
+
+int dlfs_shm_pin(const struct dlfs_shm *s, struct dlfs_pinner p, uint64_t ext, uint32_t len, const char **buf,
                  uint32_t *slab_out)
 {
     uint64_t e = __atomic_load_n(&s->entries[ext], __ATOMIC_ACQUIRE);
@@ -53,8 +63,18 @@ int dlfs_shm_pin(const struct dlfs_shm *s, uint64_t row, uint64_t ext, uint32_t 
     uint64_t slab = (e & DLFS_SHM_SLAB_LIMIT) - 1;
     if (slab >= s->h.nslabs) /* the entry is shared memory: never trust it */
         return 0;
-    uint32_t *count = &dlfs_shm_row(s, row)[slab];
+    if (dlfs_shm_epoch(s, p.row) != p.epoch) { /* the row is no longer ours: not a count in it */
+        refuse(s, p.row);
+        return 0;
+    }
+    uint32_t *count = &dlfs_shm_row(s, p.row)[slab];
     __atomic_fetch_add(count, 1, __ATOMIC_SEQ_CST);
+    /* The epoch again: the row handed out anew meanwhile may have been cleared after our count, and
+     * taking it back could take the new owner's. It stays: a slab kept a while longer, never one freed. */
+    if (dlfs_shm_epoch(s, p.row) != p.epoch) {
+        refuse(s, p.row);
+        return 0;
+    }
     if (dlfs_shm_gen(s, slab) == e >> DLFS_SHM_SLAB_BITS) {
         uint32_t off = __atomic_load_n(&s->offsets[ext], __ATOMIC_ACQUIRE);
         /* The entry again: the offset read belongs to it only if it did not change meanwhile. */
@@ -65,8 +85,25 @@ int dlfs_shm_pin(const struct dlfs_shm *s, uint64_t row, uint64_t ext, uint32_t 
             return 1;
         }
     }
-    __atomic_fetch_sub(count, 1, __ATOMIC_SEQ_CST);
+    dlfs_shm_unpin(s, p, (uint32_t)slab);
     return 0;
+}
+
+int dlfs_shm_unpin(const struct dlfs_shm *s, struct dlfs_pinner p, uint32_t slab)
+{
+    uint32_t *count = &dlfs_shm_row(s, p.row)[slab];
+    if (dlfs_shm_epoch(s, p.row) != p.epoch) {
+        refuse(s, p.row);
+        return 0;
+    }
+    uint32_t n = __atomic_load_n(count, __ATOMIC_SEQ_CST);
+    do {
+        if (n == 0) { /* never below zero: that would wrap to a pin of 4294967295 */
+            refuse(s, p.row);
+            return 0;
+        }
+    } while (!__atomic_compare_exchange_n(count, &n, n - 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return 1;
 }
 
 void dlfs_shm_publish(const struct dlfs_shm *s, uint64_t ext, uint64_t slab, uint32_t off)
@@ -87,6 +124,29 @@ uint64_t dlfs_shm_pins_on(const struct dlfs_shm *s, uint64_t slab, uint64_t rows
     for (uint64_t r = 0; r < rows; r++)
         n += __atomic_load_n(&dlfs_shm_row(s, r)[slab], __ATOMIC_SEQ_CST);
     return n;
+}
+
+uint64_t dlfs_shm_hand_out(const struct dlfs_shm *s, uint64_t row)
+{
+    return __atomic_add_fetch(&s->epochs[row], 1, __ATOMIC_SEQ_CST);
+}
+
+int dlfs_shm_released(const struct dlfs_shm *s, uint64_t row)
+{
+    uint64_t epoch = dlfs_shm_epoch(s, row);
+    return epoch && __atomic_load_n(&dlfs_shm_row_head(s, row)->released, __ATOMIC_SEQ_CST) == epoch;
+}
+
+uint64_t dlfs_shm_clear_row(const struct dlfs_shm *s, uint64_t row, uint64_t *refused)
+{
+    struct dlfs_shm_row_head *head = dlfs_shm_row_head(s, row);
+    uint32_t *r = dlfs_shm_row(s, row);
+    uint64_t freed = 0;
+    for (uint64_t i = 0; i < s->h.nslabs; i++)
+        freed += __atomic_exchange_n(&r[i], 0, __ATOMIC_SEQ_CST);
+    *refused = __atomic_exchange_n(&head->refused, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&head->released, 0, __ATOMIC_SEQ_CST);
+    return freed;
 }
 
 /* --- consumption ----------------------------------------------------------------------------- */

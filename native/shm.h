@@ -5,22 +5,29 @@
  * (answer.c). The mount's cache arena (slabs of read-ahead) is a memfd that client processes map
  * read-only; a second memfd, the control region, says where each cached record is and who holds what:
  *
- *   header   128 B                   magic "DLFSSHM1", version, rows, slab size, slabs, extents,
- *                                    section offsets, total size
+ *   header   128 B                   magic "DLFSSHM2", version, rows, slab size, slabs, extents,
+ *                                    section offsets, row stride, total size
  *   gens     u64 per slab            bumped when the mount retires a slab (its records dropped)
  *   entries  u64 per extent          0: not in a slab; else (gen << 24) | (slab + 1)
  *   offsets  u32 per extent          where the record's bytes start in its slab
- *   rows     u32 per client per slab pins held by that client (process) on that slab
+ *   epochs   u64 per row             the attachment a row belongs to: bumped each time the mount hands it out
+ *   rows     one page-aligned span per client (process): its head (struct dlfs_shm_row_head), then
+ *            u32 per slab: pins held by that client on that slab
  *
  * A reader pins a slab by adding to its own row, then re-reading the slab's gen; the mount retires a
  * slab by clearing its entries, bumping its gen, then summing the rows (all sequentially consistent):
  * either the reader sees the new gen and lets go, or the mount sees the pin and keeps the slab's bytes
- * until the pin is released. The mount's own serving threads pin through a row of their own. */
+ * until the pin is released. The mount's own serving threads pin through a row of their own.
+ *
+ * Rows: a client maps the region read-only but for its own row's span (so a stray write faults instead
+ * of unpinning someone else's slab). Its pins and releases carry the epoch it attached under: one of an
+ * earlier attachment of the row is refused, as is a release below zero (both counted in the row's head).
+ * The mount frees a row only once its owner marked it released (no view of it left) or is gone. */
 #include <pthread.h>
 #include <stdint.h>
 
-#define DLFS_SHM_MAGIC "DLFSSHM1"
-#define DLFS_SHM_VERSION 1
+#define DLFS_SHM_MAGIC "DLFSSHM2"
+#define DLFS_SHM_VERSION 2
 #define DLFS_SHM_HEADER_BYTES 128
 #define DLFS_SHM_SLAB_BITS 24
 #define DLFS_SHM_SLAB_LIMIT ((1u << DLFS_SHM_SLAB_BITS) - 1)
@@ -29,13 +36,26 @@ struct dlfs_shm_header {
     char magic[8];
     uint32_t version, n_rows;
     uint64_t slab_size, nslabs, n_extents;
-    uint64_t gens, entries, offsets, rows, total;
+    uint64_t gens, entries, offsets, epochs, rows, row_stride, total;
+};
+_Static_assert(sizeof(struct dlfs_shm_header) <= DLFS_SHM_HEADER_BYTES, "the header outgrew its bytes");
+
+/* The head of a row's span, written by the row's owner only. */
+struct dlfs_shm_row_head {
+    uint64_t released; /* the epoch its owner let go of: none of its views is left, no pin will be taken */
+    uint64_t refused;  /* pins and releases refused: below zero, or of an earlier attachment */
+};
+
+/* Who pins: a row of the pin table, and the epoch it was handed out under. */
+struct dlfs_pinner {
+    uint64_t row, epoch;
 };
 
 struct dlfs_shm {
     struct dlfs_shm_header h;
-    uint64_t *gens, *entries;
-    uint32_t *offsets, *rows;
+    uint64_t *gens, *entries, *epochs;
+    uint32_t *offsets;
+    char *rows;
     const char *mem; /* the arena: slab i at mem + i * slab_size */
 };
 
@@ -45,9 +65,20 @@ uint64_t dlfs_shm_layout(struct dlfs_shm_header *h, uint64_t slab_size, uint64_t
 /* Point `s` at the sections of a control region laid out as `s->h` says, and at the arena. */
 void dlfs_shm_map(struct dlfs_shm *s, char *ctl, const char *arena);
 
+static inline struct dlfs_shm_row_head *dlfs_shm_row_head(const struct dlfs_shm *s, uint64_t row)
+{
+    return (struct dlfs_shm_row_head *)(s->rows + row * s->h.row_stride);
+}
+
+/* A row's pin counts, one per slab. */
 static inline uint32_t *dlfs_shm_row(const struct dlfs_shm *s, uint64_t row)
 {
-    return s->rows + row * s->h.nslabs;
+    return (uint32_t *)(dlfs_shm_row_head(s, row) + 1);
+}
+
+static inline uint64_t dlfs_shm_epoch(const struct dlfs_shm *s, uint64_t row)
+{
+    return __atomic_load_n(&s->epochs[row], __ATOMIC_SEQ_CST);
 }
 
 static inline uint64_t dlfs_shm_gen(const struct dlfs_shm *s, uint64_t slab)
@@ -55,20 +86,25 @@ static inline uint64_t dlfs_shm_gen(const struct dlfs_shm *s, uint64_t slab)
     return __atomic_load_n(&s->gens[slab], __ATOMIC_SEQ_CST) & (((uint64_t)1 << (64 - DLFS_SHM_SLAB_BITS)) - 1);
 }
 
-/* Pin extent `ext` (raw bytes `len`) for `row` where it is now: 1 with *buf and *slab set, 0 if it
- * is not (or no longer) whole in a slab. */
-int dlfs_shm_pin(const struct dlfs_shm *s, uint64_t row, uint64_t ext, uint32_t len, const char **buf,
+/* Pin extent `ext` (raw bytes `len`) for `p` where it is now: 1 with *buf and *slab set, 0 if it is
+ * not (or no longer) whole in a slab, or `p`'s row was handed out anew. */
+int dlfs_shm_pin(const struct dlfs_shm *s, struct dlfs_pinner p, uint64_t ext, uint32_t len, const char **buf,
                  uint32_t *slab);
-static inline void dlfs_shm_unpin(const struct dlfs_shm *s, uint64_t row, uint32_t slab)
-{
-    __atomic_fetch_sub(&dlfs_shm_row(s, row)[slab], 1, __ATOMIC_SEQ_CST);
-}
+/* Release one pin of `p` on `slab` (below nslabs): 1, or 0 if refused (and counted): the row was handed
+ * out anew, or holds no pin on it. */
+int dlfs_shm_unpin(const struct dlfs_shm *s, struct dlfs_pinner p, uint32_t slab);
 
 /* The mount's side. */
 void dlfs_shm_publish(const struct dlfs_shm *s, uint64_t ext, uint64_t slab, uint32_t off);
 void dlfs_shm_unpublish(const struct dlfs_shm *s, uint64_t ext);
 /* Pins held on `slab` by rows 0..rows-1. */
 uint64_t dlfs_shm_pins_on(const struct dlfs_shm *s, uint64_t slab, uint64_t rows);
+/* Hand `row` to a new attachment: its new epoch. */
+uint64_t dlfs_shm_hand_out(const struct dlfs_shm *s, uint64_t row);
+/* Whether the owner of `row`'s current attachment marked it released. */
+int dlfs_shm_released(const struct dlfs_shm *s, uint64_t row);
+/* Zero `row` (its owner is gone or released it): the pins it still counted; *refused gets its count. */
+uint64_t dlfs_shm_clear_row(const struct dlfs_shm *s, uint64_t row, uint64_t *refused);
 
 /* What the kernel has been sent of each record (mount side only, never shared): once all of a record's
  * bytes have gone out, the record is *consumed* and its extent is queued for the cache to drop (the

@@ -139,7 +139,7 @@ def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, cluster:
 
 
 def start_node_process(home: Path, *node_args: str) -> tuple[subprocess.Popen[bytes], Path]:
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)  # as dlfs makes it: else the node tightens it, and says so
     log = home.parent / f"{home.name}-node.log"
     with open(log, "ab") as logf:
         proc = subprocess.Popen([*DLFS, "node", *node_args], env=dlfs_env(home), stdout=logf,

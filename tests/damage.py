@@ -30,9 +30,8 @@ class Damaged:
 def inode_of(idx: Index, rel: str) -> int:
     ino = ROOT_INO
     for part in rel.split("/"):
-        found = idx.lookup(ino, part.encode())
-        assert found is not None, rel
-        ino = found
+        ino = idx.lookup(ino, part.encode())
+        assert ino > 0, rel
     return ino
 
 

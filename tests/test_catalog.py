@@ -7,11 +7,11 @@ import json
 import shutil
 import subprocess
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import DLFS, REPO, dlfs_env, needs_fuse, wait_for_node
+from msgspec.structs import replace
 from test_services import make_chunk, make_index
 
 from dlfs.errors import CorruptData, DlfsError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import select
+import shlex
 import signal
 import subprocess
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     DLFS,
+    REPO,
     Node,
     dlfs_env,
     mount_pids,
@@ -144,8 +146,17 @@ def test_status_after_the_node_was_killed(tmp_path: Path) -> None:
         proc.kill()
         proc.wait(timeout=10)
     status = run_dlfs(home, "status", check=False)
-    assert status.returncode != 0
+    assert status.returncode == 3, "a node that cannot be reached is exit 3 (README's errors table)"
     one_line_error(status)
+
+
+def test_status_into_a_closed_pipe(node: Node) -> None:
+    """`dlfs status | head` where head is gone before status writes: no traceback, SIGPIPE's status."""
+    proc = subprocess.run(f"{shlex.join(DLFS)} status | true; echo ${{PIPESTATUS[0]}}", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, env=dlfs_env(node.home),
+                          cwd=REPO, timeout=60)
+    assert proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == "141"
 
 
 @needs_fuse

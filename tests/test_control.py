@@ -115,7 +115,7 @@ async def test_pins_wait_for_a_collection_and_it_sees_them(control: ControlPlane
             released_at = trio.current_time()
     assert pinned_at >= released_at
     assert (await control.snapshot()).pins == {b"a" * 16, b"b" * 16, b"c" * 16}
-    await control.close_ingest("s1")
+    assert await control.close_ingest("s1") == {b"a" * 16, b"b" * 16, b"c" * 16}  # for its abort to free
     assert (await control.snapshot()).pins == set()
     await control.aclose()
 
@@ -149,6 +149,7 @@ async def test_etcd_down_is_one_line_naming_the_endpoints() -> None:
 
 def test_a_cluster_of_several_nodes_needs_etcd(tmp_path: Path) -> None:
     (tmp_path / "k").write_text("ab" * 32)
+    (tmp_path / "k").chmod(0o600)  # a key others can read is refused
     nodes = '[[node]]\nname = "a"\naddress = "127.0.0.1"\n[[node]]\nname = "b"\naddress = "127.0.0.1"\n'
     path = tmp_path / "c.toml"
     path.write_text('key_file = "k"\n' + nodes)

@@ -93,6 +93,7 @@ def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
     cluster = parse_cluster_file(tmp_path / "cluster.toml")
     assert len(cluster.nodes) == 3 and cluster.replicas == 2
     (tmp_path / "placeholder.key").write_text(secret["stringData"]["cluster.key"])
+    (tmp_path / "placeholder.key").chmod(0o400)  # as the DaemonSet mounts it: refused for what it holds
     with pytest.raises(UsageError, match="not a hex key"):
         read_key(tmp_path / "placeholder.key")
 

@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tomllib
@@ -87,6 +88,11 @@ def command(line: str, env: dict[str, str], instance: str) -> tuple[bool, list[s
     return ignore, argv
 
 
+def unit_umask(unit: Unit) -> int:
+    """The umask systemd runs the unit's commands with (UMask=, default 0022)."""
+    return int((values(unit, "Service", "UMask") or ["0022"])[-1], 8)
+
+
 def dlfs_args(argv: list[str]) -> object:
     """Parse a unit's dlfs command line with the real parser (SystemExit if it is not valid)."""
     assert argv[0] == INSTALLED, argv
@@ -113,6 +119,15 @@ def test_units_are_valid_and_run_dlfs() -> None:
     (start,) = values(node, "Service", "ExecStart")
     args = dlfs_args(command(start, env, "")[1])
     assert args.fn is cmd_node and args.metrics == ":9420"  # type: ignore[attr-defined]
+
+    # The state directory holds every dataset's bytes: root's alone before dlfs starts (dlfs keeps it so).
+    for unit in (node, mount):
+        (state,) = values(unit, "Service", "StateDirectory")
+        assert unit_env(unit, "imagenet", files)["DLFS_HOME"] == f"/var/lib/{state}"
+        assert values(unit, "Service", "StateDirectoryMode") == ["0700"]
+    assert unit_umask(node) == 0o077
+    # Not the mount's: its ExecStartPre makes the mount point, which other users reach the files through.
+    assert unit_umask(mount) & 0o055 == 0
 
     env = unit_env(mount, "imagenet", files)
     (start,) = values(mount, "Service", "ExecStart")
@@ -199,7 +214,7 @@ def test_units_run_as_systemd_runs_them(tmp_path: Path) -> None:
     _, start = argv(values(node_unit, "Service", "ExecStart")[0], node_env, "")
     node_log, mount_log = tmp_path / "node.log", tmp_path / "mount.log"
     with open(node_log, "wb") as log:
-        node = subprocess.Popen(start, env=node_env, stdout=subprocess.DEVNULL, stderr=log)
+        node = subprocess.Popen(start, env=node_env, stdout=subprocess.DEVNULL, stderr=log, umask=unit_umask(node_unit))
     mount_proc = None
     try:
         assert _ready(node_sock) == "node local serving"
@@ -213,12 +228,16 @@ def test_units_run_as_systemd_runs_them(tmp_path: Path) -> None:
         sock, env["NOTIFY_SOCKET"] = _notify_socket()
         for line in values(unit, "Service", "ExecStartPre"):
             ignore, cmd = argv(line, env, "pics")
-            assert subprocess.run(cmd, env=env, timeout=30).returncode == 0 or ignore
+            assert subprocess.run(cmd, env=env, timeout=30, umask=unit_umask(unit)).returncode == 0 or ignore
+        # The mount point and the folder made for it: other users reach the files through them.
+        assert [stat.S_IMODE(p.stat().st_mode) for p in (mnt.parent, mnt)] == [0o755, 0o755]
         _, start = argv(values(unit, "Service", "ExecStart")[0], env, "pics")
         with open(mount_log, "wb") as log:
-            mount_proc = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=log)
+            mount_proc = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=log, umask=unit_umask(unit))
         assert _ready(sock) == f"mounted pics@1 at {mnt} (1 files, 100.0 kB)"
         assert (mnt / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+        loose = [p for p in [home, *home.rglob("*")] if not p.is_symlink() and p.stat().st_mode & 0o077]
+        assert loose == [], loose  # the node's and the mount's state alike
 
         _, stop = argv(values(unit, "Service", "ExecStop")[0], env, "pics")
         stopped = subprocess.run(stop, env=env, capture_output=True, text=True, timeout=60)

@@ -121,6 +121,12 @@ def test_errors_are_the_ones_open_raises(edge: tuple[Path, Path, Path]) -> None:
             r.read(plain)
         with pytest.raises(NotADirectoryError):
             r.read(plain / os.fsdecode(TEXT) / "below a file")
+        # A name over 255 bytes is refused, not missing, as open() says through the kernel.
+        for read in (lambda p: open(p, "rb"), r.read, r.files_under):
+            for where in (plain / ("n" * 256), plain / ("n" * 256) / "x"):
+                with pytest.raises(OSError) as too_long:
+                    read(where)
+                assert too_long.value.errno == errno.ENAMETOOLONG, (read, where)
         # A path outside the mount is read plainly, errors included.
         assert r.read(src / os.fsdecode(TEXT)) == (src / os.fsdecode(TEXT)).read_bytes()
         with pytest.raises(FileNotFoundError):

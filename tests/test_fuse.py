@@ -302,6 +302,7 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
                     os.close(fd)
         for m in (c_mnt, dev_mnt, py_mnt):
             assert _errno(os.lstat, m / "names/missing") == errno.ENOENT
+            assert _errno(os.lstat, m / ("n" * 256)) == errno.ENAMETOOLONG  # refused, not missing (nor cut)
             assert _errno(os.lstat, m / "text/small.txt/x") == errno.ENOTDIR
             assert _errno(os.listdir, m / "text/small.txt") == errno.ENOTDIR
             assert _errno(os.readlink, m / "text/small.txt") == errno.EINVAL

@@ -10,11 +10,13 @@ import dataclasses
 import gc
 import os
 import random
+import re
 import resource
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 from conftest import Node, needs_fuse, run_dlfs
@@ -28,7 +30,8 @@ from dlfs.errors import DlfsError, NotFound, ProtocolError, RdmaFailure, Transpo
 from dlfs.format.index import Index
 from dlfs.transport import verbs
 from dlfs.transport.verbs import Memlock, PortInfo, VerbsReport, choose_transport, gid_bytes, gid_text
-from dlfs.wire.protocol import Msg, QpEndpoint, RemoteRegion, pack_meta, unpack_meta
+from dlfs.wire.messages import QpEndpoint, RemoteRegion, decode, reply
+from dlfs.wire.protocol import Msg, pack_meta, unpack_meta
 
 REPORT = verbs.probe()
 needs_rdma = pytest.mark.skipif(not REPORT.active_ports(), reason=REPORT.error or "no active RDMA port")
@@ -67,32 +70,33 @@ def test_pyverbs_imports() -> None:
 # --- the set-up exchange ------------------------------------------------------------------------
 def test_endpoint_round_trip_through_a_frame() -> None:
     ep = QpEndpoint(qpn=0xABCDE, psn=0x123456, lid=0, gid=ROCE.gid, mtu=5, rd_atomic=16)
-    assert QpEndpoint.from_meta(unpack_meta(pack_meta(ep.to_meta()))) == ep
+    assert decode(QpEndpoint, unpack_meta(pack_meta(ep.to_meta())), "endpoint") == ep
     region = RemoteRegion(bytes(range(16)), addr=0x7F00_1234_5000, rkey=0xDEADBEEF, length=8 << 20)
-    assert RemoteRegion.from_meta(unpack_meta(pack_meta(region.to_meta()))) == region
+    assert decode(RemoteRegion, unpack_meta(pack_meta(region.to_meta())), "region") == region
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"qpn": 1 << 24}, "qpn must be an unsigned 24-bit"),
-    ({"psn": -1}, "psn must be an unsigned 24-bit"),
-    ({"lid": True}, "lid must be"),
-    ({"gid": b"short"}, "gid must be 16 bytes"),
-    ({"gid": "fe80::1"}, "gid must be 16 bytes"),
-    ({"mtu": 9}, "not an ibv_mtu value"),
-    ({"rd_atomic": 0}, "rd_atomic must be at least 1"),
-    ({"qpn": None}, "qpn must be"),
+    ({"qpn": 1 << 24}, "Expected `int` <= 16777215 - at `$.qpn`"),
+    ({"psn": -1}, "Expected `int` >= 0 - at `$.psn`"),
+    ({"lid": True}, "Expected `int`, got `bool` - at `$.lid`"),
+    ({"gid": b"short"}, "Expected `bytes` of length >= 16 - at `$.gid`"),
+    ({"gid": "fe80::1"}, "Expected `bytes`, got `str` - at `$.gid`"),
+    ({"mtu": 9}, "Expected `int` <= 5 - at `$.mtu`"),
+    ({"rd_atomic": 0}, "Expected `int` >= 1 - at `$.rd_atomic`"),
+    ({"qpn": None}, "Expected `int`, got `null` - at `$.qpn`"),
 ])
 def test_malformed_endpoint_is_a_protocol_error(change: dict, words: str) -> None:
     meta = QpEndpoint(5, 6, 7, bytes(16), 3, 4).to_meta() | change
-    with pytest.raises(ProtocolError, match=words):
-        QpEndpoint.from_meta(meta)
+    with pytest.raises(ProtocolError, match=re.escape(f"malformed RDMA_CONNECT reply from n1: {words}")):
+        reply(QpEndpoint, meta, Msg.RDMA_CONNECT, "n1")
 
 
 def test_malformed_region_is_a_protocol_error() -> None:
     good = RemoteRegion(bytes(16), 4096, 7, 100).to_meta()
-    for bad in ({"id": b"x"}, {"rkey": 1 << 32}, {"addr": -5}, {"length": "8M"}):
-        with pytest.raises(ProtocolError):
-            RemoteRegion.from_meta(good | bad)
+    for bad, where in (({"id": b"x"}, "id"), ({"rkey": 1 << 32}, "rkey"), ({"addr": -5}, "addr"),
+                       ({"length": "8M"}, "length")):
+        with pytest.raises(ProtocolError, match=re.escape(f"- at `$.{where}`")):
+            decode(RemoteRegion, good | bad, "RDMA_REGION reply from n1")
 
 
 def test_gid_text_round_trip() -> None:
@@ -133,7 +137,7 @@ def test_rtr_attributes_on_infiniband_route_by_lid() -> None:
     assert attr.ah_attr.is_global == 0 and attr.ah_attr.dlid == 42
     assert attr.path_mtu == IB.mtu
     # A peer without a LID is reached through its GID even on InfiniBand.
-    attr = rtr_attr(IB, dataclasses.replace(remote, lid=0, gid=IB.gid), responder_depth=4)
+    attr = rtr_attr(IB, msgspec.structs.replace(remote, lid=0, gid=IB.gid), responder_depth=4)
     assert attr.ah_attr.is_global == 1 and gid_bytes(str(attr.ah_attr.dgid)) == IB.gid
 
 
@@ -446,22 +450,25 @@ async def test_per_connection_state_ends_with_its_connection() -> None:
     """What the data daemon's RDMA handlers rely on: each connection has its own Peer, and its
     clean-ups run when that connection ends (its queue pair and registrations go with it)."""
     from dlfs.transport.base import Address
-    from dlfs.wire.rpc import Reply, Service, connect, current_peer, serve
+    from dlfs.wire.rpc import Reply, Route, Service, connect, current_peer, serve
 
     closed: list[str] = []
+
+    class Who(msgspec.Struct):
+        who: str
 
     class Holder(Service):
         name = "data"
 
         def __init__(self) -> None:
             super().__init__(b"k" * 32, "n1")
-            self.handlers[Msg.RDMA_CONNECT] = self.hold
+            self.handlers[Msg.RDMA_CONNECT] = Route(Who, self.hold)
 
-        async def hold(self, meta: dict, data: bytearray) -> Reply:
+        async def hold(self, req: Who, data: bytearray) -> Reply:
             peer = current_peer()
             peer.state["n"] = peer.state.get("n", 0) + 1
             if peer.state["n"] == 1:
-                peer.on_close(lambda: closed.append(meta["who"]))
+                peer.on_close(lambda: closed.append(req.who))
             return {"n": peer.state["n"]}, b""
 
     async with trio.open_nursery() as nursery:

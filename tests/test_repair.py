@@ -121,6 +121,12 @@ def test_verify_finds_a_corrupt_replica_and_repair_heals_it(cluster: tuple[list[
     lost = sorted(set(chunk_files(n1)) & set(chunk_files(n3)))[0]
     for n in (n1, n3):
         flip_a_byte(chunk_files(n)[lost])
+    # verify does not send the user to `dlfs repair` for it: repair cannot restore it.
+    gone = n1.run("verify", "data", check=False)
+    assert gone.returncode == 5, gone
+    assert gone.stderr.strip().splitlines() == [
+        "dlfs: error: 1 chunk has no good copy on any reachable node, which repair cannot restore: ingest again "
+        "(data@1)"], gone.stderr
     proc = n1.run("repair", check=False)
     assert proc.returncode == 5, proc
     assert re.search(rf"^cannot heal chunk {lost} \(in data@1\): no good copy on any reachable node", proc.stdout,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dlfs.errors import DlfsError, MountError, NotFound, UsageError
+from dlfs.private import private_dirs, private_opener
 from dlfs.procmounts import mounts_under
 
 log = logging.getLogger(__name__)
@@ -282,8 +283,8 @@ class DlfsNode:
         return proc.stdout
 
     def start(self, timeout: float = 30.0) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
-        with open(self.home / "node.log", "ab") as logf:
+        private_dirs(self.home)  # the node's state is private (dlfs/private.py), its log with it
+        with open(self.home / "node.log", "ab", opener=private_opener) as logf:
             self.proc = subprocess.Popen(self.wrap([sys.executable, "-m", "dlfs", "node", *self.transport_args()]), env=self.env,
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          start_new_session=True)

@@ -25,6 +25,7 @@ from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.run import commit_index as ingest_commit
 from dlfs.tasks import open_nursery
+from dlfs.wire.messages import META_DAEMON, IngestBegun, reply
 from dlfs.wire.protocol import Msg
 
 PER_DIR = 1000
@@ -92,7 +93,7 @@ async def commit_index(home: Path, name: str, writer: IndexWriter, chunk: FakeCh
     async with open_nursery() as nursery:
         client = ClusterClient(cluster, nursery)
         meta, _ = await client.call_meta(Msg.BEGIN_INGEST, {"name": name})
-        session = meta["session"]
+        session = reply(IngestBegun, meta, Msg.BEGIN_INGEST, META_DAEMON).session
         await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": [chunk.id]})
         for spec in cluster.data_nodes:
             await client.call(spec, "data", Msg.PUT_CHUNK, {"id": chunk.id}, chunk.data)

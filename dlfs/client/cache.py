@@ -637,6 +637,7 @@ class ChunkCache:
                 self._want_fresh = trio.Event()
                 await self._want_fresh.wait()
                 continue
+            # A slab of the range may be taken and filled while this runs: populate writes no byte.
             await trio.to_thread.run_sync(native.populate, self.arena, start * self.slab_size,
                                           (target - start) * self.slab_size)
             self._fresh = target

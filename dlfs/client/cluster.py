@@ -10,9 +10,10 @@ import trio
 import xxhash
 
 from dlfs.config import Cluster, NodeSpec
-from dlfs.errors import ControlUnavailable, CorruptData, DlfsError, NotFound, RdmaFailure, Unreachable
+from dlfs.errors import ControlUnavailable, DlfsError, RdmaFailure, Unreachable
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import RangeReader
+from dlfs.wire.messages import Deleted, Missing, reply
 from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Response, connect
 
@@ -74,12 +75,20 @@ class ClusterClient:
             await conn.done.wait()
 
     async def connection(self, spec: NodeSpec, service: str) -> Connection:
+        """The open connection to that daemon, reopened after a failure, and before the daemon's
+        idle timeout could close it under a call (rpc.IDLE_TIMEOUT)."""
         k = (spec.name, service)
         conn = self._conns.get(k)
-        if conn is not None and conn.closed is None:
+        if conn is not None and conn.closed is None and not conn.idle_expiring():
             return conn
         async with self._locks.setdefault(k, trio.Lock()):
             conn = self._conns.get(k)
+            if conn is not None and conn.closed is None and conn.idle_expiring():
+                del self._conns[k]
+                # An RDMA link may hold it still (the daemon keeps those open); else it is done.
+                if self.rdma is None or service != "data":
+                    await conn.aclose()
+                conn = None
             if conn is None or conn.closed is not None:
                 conn = await self.nursery.start(self._hold, spec, service, name=f"dlfs-conn {spec.name}/{service}")
                 self._conns[k] = conn
@@ -177,16 +186,6 @@ class ClusterClient:
         order = {n.name: (self.failing(n.name), i >= r, n.name != self.cluster.local, i) for i, n in enumerate(ranked)}
         return sorted(ranked, key=lambda n: order[n.name])
 
-    async def read_range(self, cid: bytes, offset: int, length: int, timeout: float = 30.0) -> tuple[bytes | bytearray | memoryview, str]:
-        """Bytes of a chunk from the first replica that has them; returns (bytes, node)."""
-        errors = []
-        for spec in self.replicas(cid):
-            try:
-                return await self.read_from(spec, cid, offset, length, timeout), spec.name
-            except (Unreachable, NotFound, CorruptData) as exc:
-                errors.append(f"{spec.name}: {exc}")
-        raise Unreachable(f"chunk {cid.hex()}: no replica answered ({'; '.join(errors)})")
-
     async def holders(self, ids: list[bytes]) -> tuple[dict[bytes, list[str]], list[str]]:
         """Which data nodes store each chunk, and which nodes could not be asked."""
         held: dict[bytes, list[str]] = {c: [] for c in ids}
@@ -197,7 +196,7 @@ class ClusterClient:
                 for i in range(0, len(ids), 20000):
                     want = ids[i : i + 20000]
                     meta, _ = await self.call(spec, "data", Msg.HAS_CHUNKS, {"ids": want}, timeout=30)
-                    missing = set(meta["missing"])
+                    missing = set(reply(Missing, meta, Msg.HAS_CHUNKS, spec.name).missing)
                     for c in want:
                         if c not in missing:
                             held[c].append(spec.name)
@@ -215,19 +214,22 @@ class ClusterClient:
         held, _ = await self.holders(ids)
         return {c: nodes for c, nodes in held.items() if len(nodes) < self.cluster.replicas}
 
-    async def sweep(self, live: set[bytes]) -> tuple[int, list[str]]:
-        """Delete every stored chunk that no dataset and no ingest holds; returns how many, and the
-        data nodes that could not be swept."""
+    async def sweep(self, live: set[bytes], only: set[bytes] | None = None) -> tuple[int, list[str]]:
+        """Delete every stored chunk (of `only`, where given) that no dataset and no ingest holds;
+        returns how many, and the data nodes that could not be swept."""
         freed = 0
         skipped: list[str] = []
         for spec in self.cluster.data_nodes:
             try:
-                meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
-                ids = [bytes(data[i : i + 16]) for i in range(0, len(data), 16)]
+                if only is None:
+                    meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
+                    ids = [bytes(data[i : i + 16]) for i in range(0, len(data), 16)]
+                else:  # deleting a chunk a node does not hold does nothing: no list needed
+                    ids = sorted(only)
                 dead = [c for c in ids if c not in live]
                 for i in range(0, len(dead), 20000):
                     meta, _ = await self.call(spec, "data", Msg.DELETE_CHUNKS, {"ids": dead[i : i + 20000]})
-                    freed += int(meta["deleted"])
+                    freed += reply(Deleted, meta, Msg.DELETE_CHUNKS, spec.name).deleted
             except Unreachable as exc:
                 log.warning("garbage collection skipped %s: %s", spec.name, exc)
                 skipped.append(spec.name)

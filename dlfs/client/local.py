@@ -21,6 +21,7 @@ import trio
 from dlfs.client.cluster import ClusterClient
 from dlfs.data.store import boot_id, chunk_path
 from dlfs.errors import DlfsError
+from dlfs.wire.messages import DataStatus, reply
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
@@ -237,12 +238,13 @@ async def open_local_chunks(client: ClusterClient) -> LocalChunks | None:
         return None
     try:
         meta, _ = await client.call(client.cluster.node(name), "data", Msg.STATUS, timeout=5.0)
+        status = reply(DataStatus, meta, Msg.STATUS, name)
     except DlfsError as exc:
         log.info("no short-circuit reads: the local data daemon %s does not answer (%s)", name, exc)
         return None
-    chunk_dir = Path(str(meta.get("chunk_dir", "")))
+    chunk_dir = Path(status.chunk_dir)
     # The same boot id proves the same machine: a path that merely exists here (a shared home) is not enough.
-    if not meta.get("boot_id") or meta.get("boot_id") != boot_id() or not os.access(chunk_dir, os.R_OK | os.X_OK):
+    if not status.boot_id or status.boot_id != boot_id() or not os.access(chunk_dir, os.R_OK | os.X_OK):
         log.info("no short-circuit reads: the chunk files of %s are not readable here", name)
         return None
     log.info("short-circuit reads from %s's chunk files in %s", name, chunk_dir)

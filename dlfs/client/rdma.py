@@ -47,7 +47,8 @@ from dlfs.transport.rdma import (
 )
 from dlfs.transport.verbs import PortInfo
 from dlfs.units import human_bytes
-from dlfs.wire.protocol import Msg, QpEndpoint, RemoteRegion
+from dlfs.wire.messages import QpEndpoint, RegionRefused, Regions, RemoteRegion, decode, reply
+from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import Connection
 
 if TYPE_CHECKING:
@@ -137,16 +138,17 @@ class Link:
                     release.append(old)
             try:
                 meta, _ = await self.conn.call(Msg.RDMA_REGION, {"ids": [cid], "release": release}, timeout=timeout)
-                entry = meta["regions"][0]
+                entry = reply(Regions, meta, Msg.RDMA_REGION, self.node).regions[0]
                 if "error" in entry:
-                    err = error_from_status(int(entry.get("status", 1)), str(entry["error"]))
+                    refused = decode(RegionRefused, entry, f"RDMA_REGION reply from {self.node}")
+                    err = error_from_status(refused.status, refused.error)
                     if isinstance(err, NotFound):
                         raise err
                     raise RdmaFailure(f"{self.node} did not register chunk {cid.hex()} for RDMA: {err}")
-                region = RemoteRegion.from_meta(entry)
+                region = decode(RemoteRegion, entry, f"RDMA_REGION reply from {self.node}")
             except (NotFound, RdmaFailure):
                 raise
-            except (DlfsError, KeyError, IndexError, TypeError) as exc:
+            except (DlfsError, IndexError) as exc:
                 raise RdmaFailure(f"asking {self.node} where chunk {cid.hex()} is registered failed: {exc}") from None
             if region.id != cid:
                 raise RdmaFailure(f"{self.node} answered RDMA_REGION for another chunk")
@@ -322,7 +324,7 @@ class RdmaReader:
         try:
             local = self.device.endpoint(qp, psn, self.device.initiator_depth)
             meta, _ = await conn.call(Msg.RDMA_CONNECT, local.to_meta(), timeout=CONNECT_TIMEOUT)
-            remote = QpEndpoint.from_meta(meta)
+            remote = reply(QpEndpoint, meta, Msg.RDMA_CONNECT, spec.name)
             connect_qp(qp, self.port, e.IBV_ACCESS_LOCAL_WRITE, remote, psn, responder_depth=1,
                        initiator_depth=min(self.device.initiator_depth, remote.rd_atomic))
         except BaseException as exc:

@@ -1,5 +1,7 @@
 """Checking and healing replicas: which chunks the live datasets need, whether R good copies of each
 exist on reachable data nodes (`verify`), and copying from a good one until they do (`repair`).
+Each metadata daemon checks its own index files too (`check_indexes`); a damaged one is reported, the
+rest still checked, and repair puts a peer's good copy in its place where one exists.
 
 A good copy may live on any data node. Repair places a missing one on the first nodes of the
 chunk's rendezvous rank that lack it, so it lands back on its placed node when that node is up, and
@@ -12,7 +14,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
@@ -21,8 +23,8 @@ from dlfs.config import NodeSpec
 from dlfs.errors import CorruptData, DlfsError, NotFound, StorageFull, Unreachable
 from dlfs.format.chunk import verify_chunk
 from dlfs.format.index import Index
-from dlfs.meta.store import VersionInfo
 from dlfs.tasks import open_nursery
+from dlfs.wire.messages import META_DAEMON, DatasetList, IndexesChecked, Stored, Verified, VersionInfo, reply
 from dlfs.wire.protocol import MAX_DATA, Msg
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ VERIFY_IN_FLIGHT = 2  # batches per node at once
 REPAIR_IN_FLIGHT = 8  # chunks being copied at once, and at most
 REPAIR_BYTES = 512 << 20  # this many bytes of them in memory
 READ_PIECE = 64 << 20
+CHECK_BATCH = 256  # versions per CHECK_INDEXES: keeps its request far below MAX_META
 MIN_RATE = 20e6  # bytes/s a daemon must at least manage: the time bounds of big transfers follow from it
 
 
@@ -62,11 +65,6 @@ class Progress(Protocol):
     def advance(self, items: int, nbytes: int) -> None: ...
 
 
-def _version_info(wire: dict[str, Any]) -> VersionInfo:
-    known = {f.name for f in dataclasses.fields(VersionInfo)}
-    return VersionInfo(**{k: v for k, v in wire.items() if k in known})
-
-
 async def live_versions(client: ClusterClient, name: str | None = None,
                         version: int | None = None) -> list[VersionInfo]:
     """The live dataset versions: all of them, every version of `name`, or `name@version`.
@@ -75,15 +73,60 @@ async def live_versions(client: ClusterClient, name: str | None = None,
     """
     if name is not None and version is not None:
         meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": name, "version": version}, timeout=30)
-        return [_version_info(meta)]
+        return [reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)]
     meta, _ = await client.call_meta(Msg.LIST_DATASETS, timeout=30)
-    versions = [_version_info(v) for v in meta["datasets"]]
-    versions = [v for v in versions if not getattr(v, "removed", 0)]
+    versions = [v for v in reply(DatasetList, meta, Msg.LIST_DATASETS, META_DAEMON).datasets if not v.removed]
     if name is not None:
         versions = [v for v in versions if v.name == name]
         if not versions:
             raise NotFound(f"no dataset named {name!r} (see `dlfs datasets`)")
     return versions
+
+
+@dataclass
+class IndexReport:
+    """What the metadata daemons said of their index files of the live versions."""
+
+    damaged: dict[str, str] = field(default_factory=dict)  # "name@version" -> why (on which daemons)
+    intact_elsewhere: set[str] = field(default_factory=set)  # damaged on one daemon, good on another
+    restored: list[str] = field(default_factory=list)  # "name@version on node"
+    unchecked: dict[str, str] = field(default_factory=dict)  # metadata daemon -> why it could not check
+
+
+async def check_indexes(client: ClusterClient, versions: list[VersionInfo], restore: bool = False) -> IndexReport:
+    """Ask every metadata daemon whether its index files of `versions` are the ones committed (and,
+    with `restore`, to replace a damaged one with a peer's good copy)."""
+    out = IndexReport()
+    metas = client.cluster.meta_nodes
+    bad: dict[str, dict[str, str]] = {}  # label -> node -> why
+    answered: dict[str, set[str]] = {}  # node -> labels it checked
+
+    async def ask(spec: NodeSpec) -> None:
+        for i in range(0, len(versions), CHECK_BATCH):
+            batch = versions[i : i + CHECK_BATCH]
+            refs = [{"name": v.name, "version": v.version} for v in batch]
+            try:
+                meta, _ = await client.call(spec, "meta", Msg.CHECK_INDEXES, {"versions": refs, "restore": restore},
+                                            timeout=_bound(2 * sum(v.index_size for v in batch)))
+            except DlfsError as exc:
+                out.unchecked[spec.name] = str(exc)
+                return
+            got = reply(IndexesChecked, meta, Msg.CHECK_INDEXES, spec.name)
+            for label, why in got.damaged.items():
+                bad.setdefault(label, {})[spec.name] = why
+            out.restored += [f"{label} on {spec.name}" for label in got.restored]
+            answered.setdefault(spec.name, set()).update(f"{v.name}@{v.version}" for v in batch)
+
+    async with open_nursery() as n:
+        for spec in metas:
+            n.start_soon(ask, spec)
+    for label, where in sorted(bad.items()):
+        whys = [f"{why} (on {node})" if len(metas) > 1 else why for node, why in sorted(where.items())]
+        out.damaged[label] = "; ".join(whys)
+        if any(label in labels for node, labels in answered.items() if node not in where):
+            out.intact_elsewhere.add(label)
+    out.restored.sort()
+    return out
 
 
 def _read_chunk_table(path: Path) -> list[tuple[bytes, int]]:
@@ -94,19 +137,36 @@ def _read_chunk_table(path: Path) -> list[tuple[bytes, int]]:
         index.close()
 
 
-async def dataset_chunks(client: ClusterClient, home: Path,
-                         versions: list[VersionInfo] | None = None) -> dict[bytes, ChunkInfo]:
+async def dataset_chunks(client: ClusterClient, home: Path, versions: list[VersionInfo] | None = None,
+                         unreadable: dict[str, str] | None = None) -> dict[bytes, ChunkInfo]:
     """Every chunk the given versions (default: every live one) reference, with their sizes and
-    the versions that name each; the indexes are fetched into the local index cache."""
+    the versions that name each; the indexes are fetched into the local index cache. With
+    `unreadable`, a version whose index no metadata daemon can send intact is left out and noted
+    there ("name@version" -> why) rather than raised."""
     from dlfs.fuse.mount import fetch_index  # the mount's index cache, shared with it
 
     if versions is None:
         versions = await live_versions(client)
+    # Each metadata daemon on its own, for a good copy where the first one's is damaged.
+    views = [ClusterClient(dataclasses.replace(client.cluster, nodes=[spec]), client.nursery)
+             for spec in client.meta_nodes()] if unreadable is not None and len(client.cluster.meta_nodes) > 1 else [client]
     chunks: dict[bytes, ChunkInfo] = {}
     for v in versions:
-        path = await fetch_index(client, v, home)
-        table = await trio.to_thread.run_sync(_read_chunk_table, path)
         label = f"{v.name}@{v.version}"
+        errors: list[str] = []
+        for view in views:
+            try:
+                path = await fetch_index(view, v, home)
+                break
+            except CorruptData as exc:
+                if unreadable is None:
+                    raise
+                errors.append(str(exc))
+        else:
+            assert unreadable is not None
+            unreadable[label] = "; ".join(errors)
+            continue
+        table = await trio.to_thread.run_sync(_read_chunk_table, path)
         for cid, size in table:
             chunks.setdefault(cid, ChunkInfo(size)).datasets.add(label)
     return chunks
@@ -241,7 +301,7 @@ async def verify(client: ClusterClient, chunks: dict[bytes, ChunkInfo],
             except Unreachable as exc:
                 report.unreachable.setdefault(spec.name, str(exc))
                 return
-        bad: dict[str, str] = meta["bad"]
+        bad = reply(Verified, meta, Msg.VERIFY_CHUNKS, spec.name).bad
         for cid in batch:
             reason = bad.get(cid.hex())
             if reason is None:
@@ -385,13 +445,13 @@ async def _heal_chunk(client: ClusterClient, cid: bytes, info: ChunkInfo, good: 
                 continue
             try:
                 meta, _ = await client.call(spec, "data", Msg.PUT_CHUNK, {"id": cid}, data, timeout=_bound(len(data)))
-                if meta.get("stored"):
+                if reply(Stored, meta, Msg.PUT_CHUNK, spec.name).stored:
                     out.copied.append((cid, source, spec.name))
                     have.append(spec.name)
                     continue
                 # A copy appeared since verify: count it only if it is good.
                 check, _ = await client.call(spec, "data", Msg.VERIFY_CHUNKS, {"ids": [cid]}, timeout=_bound(len(data)))
-                if check["bad"]:
+                if reply(Verified, check, Msg.VERIFY_CHUNKS, spec.name).bad:
                     errors.append(f"{spec.name} holds a bad copy that could not be replaced")
                 else:
                     have.append(spec.name)

@@ -25,9 +25,11 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import trio
+from msgspec import Struct
+from msgspec.structs import replace
 
 from dlfs.config import EtcdConfig
 from dlfs.control.etcd import (
@@ -41,8 +43,8 @@ from dlfs.control.etcd import (
     range_op,
     unchanged,
 )
-from dlfs.errors import Conflict, DlfsError, NotFound
-from dlfs.meta.catalog import VersionInfo
+from dlfs.errors import Conflict, CorruptData, DlfsError, NotFound
+from dlfs.wire.messages import VersionInfo, decode
 
 log = logging.getLogger(__name__)
 ALLOCATE_TRIES = 64  # concurrent commits of one name each retry with the next number
@@ -82,10 +84,17 @@ class Snapshot:
     revision: int
 
 
+class _VersionDoc(Struct, frozen=True):
+    """A version's value in etcd (see the module's docstring)."""
+
+    info: VersionInfo
+    holder: str = ""
+    freed: bool = False
+
+
 def _version_of(kv: KV) -> VersionRecord:
-    doc = kv.json()
-    return VersionRecord(VersionInfo(**doc["info"]), str(doc.get("holder", "")), bool(doc.get("freed")),
-                         kv.mod_revision)
+    doc = decode(_VersionDoc, kv.json(), f"version record {kv.key} in etcd", CorruptData)
+    return VersionRecord(doc.info, doc.holder, doc.freed, kv.mod_revision)
 
 
 def _mount_of(kv: KV) -> MountRecord:
@@ -244,8 +253,12 @@ class ControlPlane:
                                "run the ingest again")
             await trio.sleep(0.2)
 
-    async def close_ingest(self, sid: str) -> None:
-        await self.etcd.txn([], [delete_op(f"{self.p}pins/{sid}/", prefix=True), delete_op(self.ingest_key(sid))])
+    async def close_ingest(self, sid: str) -> set[bytes]:
+        """Drop an ingest and its pins; returns the chunks it had pinned (read in the same transaction)."""
+        pins = f"{self.p}pins/{sid}/"
+        r = await self.etcd.txn([], [range_op(pins, prefix=True), delete_op(pins, prefix=True),
+                                     delete_op(self.ingest_key(sid))])
+        return {kv.value[i : i + ID_BYTES] for kv in r.ranges[0] for i in range(0, len(kv.value), ID_BYTES)}
 
     async def ingests(self) -> list[dict[str, object]]:
         kvs, _ = await self.etcd.range(f"{self.p}ingests/", prefix=True)

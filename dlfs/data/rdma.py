@@ -2,7 +2,7 @@
 read-only and registered for remote reads, so that clients READ chunk bytes with no CPU here.
 
 A client connects its queue pair with RDMA_CONNECT and asks where chunks are with RDMA_REGION
-(dlfs/wire/protocol.py). Registrations are shared by every connection and counted per holder;
+(dlfs/wire/protocol.py, dlfs/wire/messages.py). Registrations are shared by every connection and counted per holder;
 one whose last holder released it stays registered, for the next reader of that chunk, while the
 pin budget allows. A connection that ends takes its queue pair and its holds with it.
 """
@@ -20,7 +20,7 @@ from pyverbs.mr import MR
 from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QP
 
-from dlfs.data.store import ChunkStore, check_id
+from dlfs.data.store import ChunkStore
 from dlfs.errors import DlfsError, NotFound, ProtocolError, status_of
 from dlfs.transport.rdma import (
     CompletionQueue,
@@ -34,12 +34,11 @@ from dlfs.transport.rdma import (
 )
 from dlfs.transport.verbs import PortInfo
 from dlfs.units import human_bytes
-from dlfs.wire.protocol import QpEndpoint, RemoteRegion
+from dlfs.wire.messages import QpEndpoint, RegionRefused, RegionRequest, Regions, RemoteRegion, to_meta
 from dlfs.wire.rpc import Reply, current_peer
 
 log = logging.getLogger(__name__)
 CQ_DEPTH = 64  # responder queue pairs complete nothing of their own; this CQ only reports trouble
-MAX_IDS = 1024  # chunk ids per RDMA_REGION request
 
 
 class _Registration:
@@ -239,9 +238,8 @@ class RdmaResponder:
             self.sessions.discard(session)
             session.close()
 
-    async def connect(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def connect(self, remote: QpEndpoint) -> Reply:
         """RDMA_CONNECT: a queue pair for this connection, connected to the client's."""
-        remote = QpEndpoint.from_meta(meta)
         peer = current_peer()
         old = peer.state.pop("rdma", None)
         if old is not None:  # the client reconnects (its pair broke): the old pair goes
@@ -259,32 +257,28 @@ class RdmaResponder:
         peer.state["rdma"] = session
         peer.on_close(lambda: self._close_session(session))
         log.info("RDMA: queue pair %d connected to %s (qp %d)", qp.qp_num, peer.name, remote.qpn)
-        return self.device.endpoint(qp, psn, self.device.responder_depth).to_meta(), b""
+        return self.device.endpoint(qp, psn, self.device.responder_depth), b""
 
-    async def regions(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def regions(self, req: RegionRequest) -> Reply:
         """RDMA_REGION: release what the client no longer reads; register and hold what it asks for."""
         session = current_peer().state.get("rdma")
         if session is None:
             raise ProtocolError("RDMA_REGION before RDMA_CONNECT on this connection")
-        ids = [check_id(c) for c in meta.get("ids", [])]
-        release = [check_id(c) for c in meta.get("release", [])]
-        if len(ids) > MAX_IDS or len(release) > MAX_IDS:
-            raise ValueError(f"at most {MAX_IDS} chunk ids per RDMA_REGION")
-        for cid in release:
+        for cid in req.release:
             session.release(cid)
         out: list[dict[str, Any]] = []
-        for cid in ids:
+        for cid in req.ids:
             try:
                 reg = await self.registry.acquire(cid)
             except DlfsError as exc:
-                out.append({"id": cid, "error": exc.message, "status": status_of(exc)})
+                out.append(to_meta(RegionRefused(cid, exc.message, status_of(exc))))
                 continue
             if session.closed:  # replaced by a newer RDMA_CONNECT meanwhile
                 self.registry.release(reg)
                 raise DlfsError("the queue pair of this request was replaced")
             session.hold(reg)
             out.append(reg.region().to_meta())
-        return {"regions": out}, b""
+        return Regions(out), b""
 
     def close(self) -> None:
         if self.closed:

@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
-from dlfs.data.store import ChunkStore, boot_id, check_id
+from dlfs.data.store import ChunkStore, boot_id
 from dlfs.errors import CorruptData, TransportUnavailable
 from dlfs.wire.budget import MemoryBudget
-from dlfs.wire.protocol import MAX_DATA, Msg
-from dlfs.wire.rpc import Reply, Service
+from dlfs.wire.messages import (
+    ChunkCount,
+    ChunkIds,
+    ChunkRef,
+    DataStatus,
+    Deleted,
+    Empty,
+    Missing,
+    QpEndpoint,
+    ReadRange,
+    RegionRequest,
+    Stored,
+    Verified,
+)
+from dlfs.wire.protocol import Msg
+from dlfs.wire.rpc import Reply, Route, Service
 
 if TYPE_CHECKING:
     from dlfs.data.rdma import RdmaResponder
 
 log = logging.getLogger(__name__)
+PUT_WAIT = 120.0  # seconds a delete waits for a store of the same chunk in flight (a put's own timeout)
 
 
 class DataService(Service):
@@ -33,90 +48,97 @@ class DataService(Service):
         self.bytes_served = 0
         self.reads = 0
         self.checksum_failures = 0  # chunks that arrived or were found corrupt
+        # Chunks being stored now: a delete of one (a failed ingest's, whose put was in flight when it
+        # gave up) waits for the store to end, else the file would land after the delete.
+        self._putting: dict[bytes, int] = {}
+        self._put_ended = trio.Event()
         self.handlers.update({
-            Msg.STATUS: self.status,
-            Msg.PUT_CHUNK: self.put_chunk,
-            Msg.READ_RANGE: self.read_range,
-            Msg.HAS_CHUNKS: self.has_chunks,
-            Msg.DELETE_CHUNKS: self.delete_chunks,
-            Msg.LIST_CHUNKS: self.list_chunks,
-            Msg.VERIFY_CHUNKS: self.verify_chunks,
-            Msg.RDMA_CONNECT: self.rdma_connect,
-            Msg.RDMA_REGION: self.rdma_region,
+            Msg.STATUS: Route(Empty, self.status),
+            Msg.PUT_CHUNK: Route(ChunkRef, self.put_chunk),
+            Msg.READ_RANGE: Route(ReadRange, self.read_range),
+            Msg.HAS_CHUNKS: Route(ChunkIds, self.has_chunks),
+            Msg.DELETE_CHUNKS: Route(ChunkIds, self.delete_chunks),
+            Msg.LIST_CHUNKS: Route(Empty, self.list_chunks),
+            Msg.VERIFY_CHUNKS: Route(ChunkIds, self.verify_chunks),
+            Msg.RDMA_CONNECT: Route(QpEndpoint, self.rdma_connect),
+            Msg.RDMA_REGION: Route(RegionRequest, self.rdma_region),
         })
 
-    async def status(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def status(self, req: Empty, data: bytearray) -> Reply:
         free, total = self.store.disk()
-        return {"node": self.node, "chunks": self.store.count, "bytes": self.store.bytes,
-                "disk_free": free, "disk_total": total, "reads": self.reads,
-                "bytes_served": self.bytes_served, "root": str(self.store.root),
-                "chunk_dir": str(self.store.chunk_dir), "boot_id": boot_id(),
-                "transport": "rdma" if self.rdma else "tcp", "transport_reason": self.transport_reason}, b""
+        return DataStatus(self.node, self.store.count, self.store.bytes, free, total, self.reads, self.bytes_served,
+                          str(self.store.root), str(self.store.chunk_dir), boot_id(),
+                          "rdma" if self.rdma else "tcp", self.transport_reason), b""
 
-    async def put_chunk(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        cid = check_id(meta["id"])
+    async def put_chunk(self, req: ChunkRef, data: bytearray) -> Reply:
+        cid = req.id
+        self._putting[cid] = self._putting.get(cid, 0) + 1
         try:
             stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
         except CorruptData as exc:
             self.checksum_failures += 1
             log.warning("refused chunk %s on node %s: %s", cid.hex(), self.node, exc)
             raise
+        finally:
+            if self._putting[cid] > 1:
+                self._putting[cid] -= 1
+            else:
+                del self._putting[cid]
+            self._put_ended.set()
+            self._put_ended = trio.Event()
         if stored:
             log.debug("stored chunk %s (%d bytes) on node %s", cid.hex(), len(data), self.node)
-        return {"stored": stored}, b""
+        return Stored(stored), b""
 
-    async def read_range(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        cid = check_id(meta["id"])
-        length = int(meta["length"])
-        if length > MAX_DATA:  # the reply could not be sent, and pread would allocate it all first
-            raise ValueError(f"length {length} is over the {MAX_DATA}-byte frame limit")
+    async def read_range(self, req: ReadRange, data: bytearray) -> Reply:
         # Sent with sendfile: the bytes go from the page cache to the socket, never through here,
-        # so unlike an index piece the reply holds none of the node's memory budget.
-        out = await trio.to_thread.run_sync(
-            self.store.open_range, cid, int(meta["offset"]), length, limiter=self.io
-        )
+        # so unlike an index piece the reply holds none of the node's memory budget. (Its length is
+        # at most a frame's: ReadRange says so.)
+        out = await trio.to_thread.run_sync(self.store.open_range, req.id, req.offset, req.length, limiter=self.io)
         self.reads += 1
         self.bytes_served += len(out)
-        return {}, out
+        return Empty(), out
 
-    async def has_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        ids = [check_id(c) for c in meta["ids"]]
+    async def has_chunks(self, req: ChunkIds, data: bytearray) -> Reply:
+        ids = req.ids
         missing = await trio.to_thread.run_sync(lambda: [c for c in ids if not self.store.has(c)])
-        return {"missing": missing}, b""
+        return Missing(missing), b""
 
-    async def delete_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        ids = [check_id(c) for c in meta["ids"]]
+    async def delete_chunks(self, req: ChunkIds, data: bytearray) -> Reply:
+        ids = req.ids
+        with trio.move_on_after(PUT_WAIT):
+            while not self._putting.keys().isdisjoint(ids):
+                await self._put_ended.wait()
         if self.rdma is not None:
             for cid in ids:  # readers must not get a mapping of a deleted file
                 self.rdma.registry.invalidate(cid)
         deleted = await trio.to_thread.run_sync(lambda: sum(self.store.delete(c) for c in ids))
         if deleted:
             log.info("deleted %d chunks on node %s", deleted, self.node)
-        return {"deleted": deleted}, b""
+        return Deleted(deleted), b""
 
-    async def list_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def list_chunks(self, req: Empty, data: bytearray) -> Reply:
         ids = await trio.to_thread.run_sync(self.store.list)
-        return {"count": len(ids)}, b"".join(ids)
+        return ChunkCount(len(ids)), b"".join(ids)
 
-    async def verify_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        ids = [check_id(c) for c in meta["ids"]]
+    async def verify_chunks(self, req: ChunkIds, data: bytearray) -> Reply:
         bad = {}
-        for cid in ids:
+        for cid in req.ids:
             why = await trio.to_thread.run_sync(self.store.verify, cid, limiter=self.io)
             if why:
                 bad[cid.hex()] = why
                 if why != "missing":
                     self.checksum_failures += 1
                     log.warning("chunk %s on node %s fails its check: %s", cid.hex(), self.node, why)
-        return {"bad": bad}, b""
+        return Verified(bad), b""
 
     def _responder(self) -> RdmaResponder:
         if self.rdma is None:
             raise TransportUnavailable(f"node {self.node} does not serve RDMA ({self.transport_reason or 'transport tcp'})")
         return self.rdma
 
-    async def rdma_connect(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        return await self._responder().connect(meta, data)
+    async def rdma_connect(self, req: QpEndpoint, data: bytearray) -> Reply:
+        return await self._responder().connect(req)
 
-    async def rdma_region(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        return await self._responder().regions(meta, data)
+    async def rdma_region(self, req: RegionRequest, data: bytearray) -> Reply:
+        return await self._responder().regions(req)

@@ -15,7 +15,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from dlfs.errors import CorruptData, DlfsError, NotFound, StorageFull
-from dlfs.format.chunk import ID_BYTES, chunk_id, verify_chunk
+from dlfs.format.chunk import chunk_id, verify_chunk
+from dlfs.private import DIR_MODE, FILE_MODE, private_dirs
 from dlfs.wire.protocol import FileRange
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,6 @@ def chunk_path(chunk_dir: Path, cid: bytes) -> Path:
     return chunk_dir / h[:2] / h
 
 
-def check_id(cid: object) -> bytes:
-    if not isinstance(cid, bytes) or len(cid) != ID_BYTES:
-        raise ValueError("a chunk id is 16 bytes")
-    return cid
-
-
 class ChunkStore:
     """Chunk files on local disk. Thread-safe: the service calls it from worker threads."""
 
@@ -47,8 +42,8 @@ class ChunkStore:
         self.root = root
         self.chunk_dir = root / "chunks"
         self.tmp_dir = root / "tmp"
-        self.chunk_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.chunk_dir)
+        private_dirs(self.tmp_dir)
         for leftover in self.tmp_dir.iterdir():  # half-written chunks of a daemon that died
             leftover.unlink(missing_ok=True)
         self._fds: OrderedDict[bytes, int] = OrderedDict()
@@ -70,7 +65,7 @@ class ChunkStore:
         verify_chunk(data, cid)
         tmp = self.tmp_dir / f"{cid.hex()}.{threading.get_ident()}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
             try:
                 view = memoryview(data)
                 while view:
@@ -78,7 +73,7 @@ class ChunkStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             # Two puts of one chunk may race here: only the first into place counts it.
             with self._lock:
                 if path.exists():
@@ -190,4 +185,4 @@ class ChunkStore:
             self._fds.clear()
 
 
-__all__ = ["ChunkStore", "check_id", "chunk_id"]
+__all__ = ["ChunkStore", "chunk_id"]

@@ -53,7 +53,6 @@ FLAG_LZ4 = 1
 FLAG_BLOCK_SUMS = 2
 ID_BYTES = 16
 MAX_CHUNK_SIZE = 1 << 30
-MAX_RECORD = (1 << 32) - 1
 MAX_RECORD_BYTES = 4 << 20  # raw bytes of one record at most: it fits a 4 MiB cache slab whole
 BLOCK_SIZE = 4096  # bytes checked by one block sum
 BLOCK_SUMS_MIN = 256 << 10  # uncompressed records this big carry block sums

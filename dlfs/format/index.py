@@ -18,7 +18,11 @@ Layout (little-endian; every section starts on an 8-byte boundary, in this order
                             offset is where its stored bytes start, and flags are its record flags
                             (format/chunk.py): FLAG_LZ4 = 1 (lz4-compressed), FLAG_BLOCK_SUMS = 2
                             (one xxh3-64 per 4 KiB follows the stored bytes: `block_range`)
-    names    bytes          names and symlink targets, as raw bytes (any byte but / and NUL)
+    names    bytes          names and symlink targets, as raw bytes (any byte but / and NUL); a name
+                            is 1..NAME_MAX bytes, as on Linux
+
+LAYOUT below is the one statement of every record's fields; native/indexview.h restates it as C
+structs, and tests/test_index_layout.py parses that header and holds the two together.
 
 The file is read with mmap: opening touches only the header and a streaming checksum pass, so a
 10-million-file index costs its page cache, not Python objects.
@@ -26,26 +30,44 @@ The file is read with mmap: opening touches only the header and a streaming chec
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import xxhash
 
-from dlfs.errors import CorruptData
-from dlfs.format.chunk import Record
+from dlfs.errors import CorruptData, SourceError
+from dlfs.format.chunk import ID_BYTES, Record
 
 MAGIC = b"DLFSINDX"
 VERSION = 1
-HEADER = struct.Struct("<8sII" + "Q" * 8 + "qQQ")
-CHUNK = struct.Struct("<16sQII")
-INODE = struct.Struct("<IIIIqqQII")
-DIRENT = struct.Struct("<QII")
-EXTENT = struct.Struct("<IIIIQII")
+NAME_MAX = 255  # bytes of one name (Linux's NAME_MAX): ingest writes none longer, lookup refuses longer
+# Bytes of one index file at most (about 70 million files): what a metadata daemon stages and hashes.
+MAX_INDEX_BYTES = 8 << 30
+# Every record's fields in file order, as struct codes (little-endian, no padding).
+LAYOUT: dict[str, tuple[tuple[str, str], ...]] = {
+    "header": (("magic", "8s"), ("version", "I"), ("flags", "I"), ("n_chunks", "Q"), ("n_inodes", "Q"),
+               ("n_dirents", "Q"), ("n_extents", "Q"), ("names_size", "Q"), ("files", "Q"), ("bytes", "Q"),
+               ("chunk_size", "Q"), ("created_ns", "q"), ("body_sum", "Q"), ("head_sum", "Q")),
+    "chunk": (("id", f"{ID_BYTES}s"), ("size", "Q"), ("first_extent", "I"), ("n_extents", "I")),
+    "inode": (("mode", "I"), ("uid", "I"), ("gid", "I"), ("nlink", "I"), ("size", "q"), ("mtime_ns", "q"),
+              ("ref", "Q"), ("count", "I"), ("parent", "I")),
+    "dirent": (("name_off", "Q"), ("name_len", "I"), ("ino", "I")),
+    "extent": (("chunk", "I"), ("offset", "I"), ("stored_len", "I"), ("raw_len", "I"), ("checksum", "Q"),
+               ("flags", "I"), ("spare", "I")),
+}
+
+
+def _record(kind: str) -> struct.Struct:
+    return struct.Struct("<" + "".join(code for _, code in LAYOUT[kind]))
+
+
+HEADER, CHUNK, INODE, DIRENT, EXTENT = (_record(k) for k in ("header", "chunk", "inode", "dirent", "extent"))
 ROOT_INO = 1
 
 
@@ -149,8 +171,14 @@ class IndexWriter:
         return len(self.extents) // EXTENT.size - 1
 
     def add_dirents(self, entries: list[tuple[bytes, int]]) -> tuple[int, int]:
-        """Add one directory's entries (name, inode); returns (first dirent, count)."""
+        """Add one directory's entries (name, inode); returns (first dirent, count). SourceError for a
+        name no lookup could find (empty, over NAME_MAX bytes, with a / or NUL, . or ..)."""
         first = len(self.dirents) // DIRENT.size
+        for name, _ in entries:
+            if not 0 < len(name) <= NAME_MAX or b"/" in name or b"\0" in name or name in (b".", b".."):
+                shown = name[:60] + b"..." if len(name) > 60 else name
+                raise SourceError(f"cannot store the name {shown!r} ({len(name)} bytes): a name is 1 to {NAME_MAX} "
+                                  "bytes without / or NUL, not . or ..")
         for name, ino in sorted(entries):
             off, n = self.add_name(name)
             self.dirents += DIRENT.pack(off, n, ino)
@@ -219,6 +247,7 @@ class Index:
             if h.intdigest() != body_sum:
                 raise CorruptData(f"index {self.path}: checksum mismatch (corrupt file)")
             self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        self._view: Any = None  # dlfs._native.IndexView from the first lookup on; False without the helper
         t = self.totals
         self._chunks = HEADER.size
         self._inodes = self._chunks + _align(t.chunks * CHUNK.size)
@@ -251,6 +280,8 @@ class Index:
         return totals, body_sum
 
     def close(self) -> None:
+        if self._view:
+            self._view.close()  # its hold on the mapping, which cannot be closed under it
         self._map.close()
 
     def sections(self) -> Sections:
@@ -276,11 +307,6 @@ class Index:
             raise self._bad("name runs past the names section")
         return self._map[self._names + off : self._names + off + n]
 
-    def dirent(self, i: int) -> tuple[bytes, int]:
-        """(name, inode) of dirent i."""
-        off, n, ino = DIRENT.unpack_from(self._map, self._dirents + i * DIRENT.size)
-        return self.name(off, n), ino
-
     def entries(self, dir_ino: int, start: int = 0) -> Iterator[tuple[int, bytes, int]]:
         """(position, name, inode) of a directory's entries from position `start`."""
         node = self.inode(dir_ino)
@@ -295,24 +321,22 @@ class Index:
                 raise self._bad("name runs past the names section")
             yield pos, m[names + off : names + off + n], ino
 
-    def lookup(self, dir_ino: int, name: bytes) -> int | None:
-        """The inode of `name` in a directory, by binary search, or None."""
-        node = self.inode(dir_ino)
-        lo, hi = node.ref, node.ref + node.count
-        if hi > self.totals.dirents:
-            raise self._bad(f"directory inode {dir_ino} points past the dirents")
-        m, base, size = self._map, self._dirents, DIRENT.size
-        while lo < hi:
-            mid = (lo + hi) // 2
-            off, n, ino = DIRENT.unpack_from(m, base + mid * size)
-            probe = m[self._names + off : self._names + off + n]
-            if probe == name:
-                return ino
-            if probe < name:
-                lo = mid + 1
-            else:
-                hi = mid
-        return None
+    def lookup(self, dir_ino: int, name: bytes) -> int:
+        """The inode of `name` in a directory (> 0), or -errno: ENOENT (absent), ENOTDIR (not a
+        directory), ENAMETOOLONG (over NAME_MAX bytes). CorruptData where the index is damaged.
+        The C lookup (native/indexview.c) answers where the helper is built, lookup_in elsewhere."""
+        if self._view is None:
+            self._view = self._native_view()
+        found: int = self._view.lookup(dir_ino, name) if self._view else lookup_in(self, dir_ino, name)
+        if found == -errno.EIO:
+            raise self._bad(f"directory inode {dir_ino}: out of range, or an entry lies outside the index")
+        return found
+
+    def _native_view(self) -> Any:
+        """The C lookup over this mapping, or False where the helper is not built."""
+        from dlfs.native import native  # here, not at the top: dlfs.native imports this module
+
+        return False if native is None else native.IndexView(self.sections())
 
     def extent(self, i: int) -> Extent:
         if not 0 <= i < self.totals.extents:
@@ -349,3 +373,32 @@ class Index:
                 seen_dirs.add(ino)
                 for _, name, child in self.entries(ino):
                     stack.append((path + b"/" + name if path else name, child))
+
+
+def lookup_in(index: Index, dir_ino: int, name: bytes) -> int:
+    """Index.lookup in Python, for where the C helper is not built: the same answers, -EIO included,
+    as dlfs_ix_lookup (native/indexview.c), step for step."""
+    if not 1 <= dir_ino <= index.totals.inodes:
+        return -errno.EIO
+    mode, *_, ref, count, _ = index.inode_fields(dir_ino)
+    if not stat.S_ISDIR(mode):
+        return -errno.ENOTDIR
+    if len(name) > NAME_MAX:  # refused, never cut to a prefix: a name that long is in no index
+        return -errno.ENAMETOOLONG
+    if ref + count > index.totals.dirents:
+        return -errno.EIO
+    m, base, names, limit = index._map, index._dirents, index._names, index.totals.names_size
+    lo, hi = ref, ref + count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        off, n, ino = DIRENT.unpack_from(m, base + mid * DIRENT.size)
+        if off + n > limit:
+            return -errno.EIO
+        probe = m[names + off : names + off + n]
+        if probe == name:
+            return ino if 1 <= ino <= index.totals.inodes else -errno.EIO
+        if probe < name:
+            lo = mid + 1
+        else:
+            hi = mid
+    return -errno.ENOENT

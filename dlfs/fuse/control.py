@@ -4,7 +4,8 @@ A client finds the socket through the xattr user.dlfs.control on the mount's roo
 receives the cache's memfds and the index by SCM_RIGHTS), then reads most files with no request at
 all: only records not yet in a slab come here, a batch at a time (DIRECT_READ), and are answered
 pinned for that client. Each connection is one client process with one row of the pin table; when
-the connection ends, for whatever reason, its row is zeroed and every pin it held is released.
+the connection ends, for whatever reason, the row goes back once its owner released it or is gone
+(dlfs/fuse/rows.py: its views may outlive the connection).
 
 The socket is the mount owner's (mode 0600, and the peer's uid is checked): a client maps the whole
 cache, so file permissions cannot be enforced per file here; anyone else reads through the mount.
@@ -19,16 +20,21 @@ import os
 import socket
 import struct
 import tempfile
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import trio
 
 from dlfs.client.cache import DIRECT_CLIENTS, ChunkCache
 from dlfs.errors import Conflict, DlfsError, ProtocolError, UsageError, status_of
 from dlfs.format.index import Index
+from dlfs.fuse.rows import ClientProcess, PinRows
+from dlfs.private import owned_private_dir, private_dirs
 from dlfs.tasks import open_nursery
+from dlfs.wire.messages import Attached, DirectAnswer, DirectAttach, DirectRead, Empty, request, to_meta
 from dlfs.wire.protocol import (
     DIRECT_BATCH,
     DIRECT_REQUEST_BYTES,
@@ -46,8 +52,19 @@ FETCH_TASKS = 8  # windows of one batch fetched at once
 INLINE_ANSWERS = 1  # answers with copies in them (up to DIRECT_REQUEST_BYTES, twice) built at once, all clients
 
 
+@dataclass(frozen=True)
+class _Conn:
+    """One attached client's connection: its pin-table row, and what its answers go out through."""
+
+    row: int
+    pid: int
+    stream: trio.SocketStream
+    frames: FrameStream
+
+
 def control_socket_path(home: Path, mountpoint: Path) -> Path:
-    """Where a mount's control socket lives: under its home, or the temp dir if that path is too long."""
+    """Where a mount's control socket lives: under its home, or in the temp dir's dlfs-<uid> if that path
+    is too long for a socket (a directory another user may have made first: `serve` checks it is ours)."""
     key = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
     path = home / "run" / "direct" / f"{key}.sock"
     if len(os.fsencode(path.absolute())) > SUN_PATH_MAX:
@@ -61,9 +78,10 @@ class ControlServer:
             raise UsageError("the shared cache needs dlfs's C helper")
         self.cache, self.index, self.shared = cache, index, cache.shared
         self.label, self.mountpoint, self.path = label, mountpoint, path
-        self._free_rows = list(range(DIRECT_CLIENTS - 1, -1, -1))
+        self.rows = PinRows(self.shared, DIRECT_CLIENTS)
+        self._nursery: trio.Nursery | None = None  # where held rows are watched: serve's
         self._index_fd = os.open(index.path, os.O_RDONLY | os.O_CLOEXEC)
-        self.attached = self.attaches = self.requests = self.reclaimed_pins = 0
+        self.attached = self.attaches = self.requests = 0
         self.served_pinned = self.served_inline = 0
         self._inline = trio.Semaphore(INLINE_ANSWERS)  # bounds the copies, whatever the number of clients
 
@@ -71,13 +89,19 @@ class ControlServer:
         os.close(self._index_fd)
 
     def stats(self) -> dict[str, int]:
-        return {"direct_clients": self.attached, "direct_attaches": self.attaches, "direct_requests": self.requests,
+        # A client whose connection ended while its views live is attached still: it holds a row.
+        return {"direct_clients": self.attached + len(self.rows.held), "direct_rows_held": len(self.rows.held),
+                "direct_refused_releases": self.shared.refused_releases,
+                "direct_attaches": self.attaches, "direct_requests": self.requests,
                 "direct_pinned": self.served_pinned, "direct_inline": self.served_inline,
-                "direct_reclaimed_pins": self.reclaimed_pins}
+                "direct_reclaimed_pins": self.rows.reclaimed_pins}
 
     async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; the socket file is removed on the way out."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Whoever can replace the socket receives the attaches of root's dlfs.direct clients: its directory
+        # is ours alone, or the mount does not start.
+        private_dirs(self.path.parent.parent)
+        owned_private_dir(self.path.parent)
         self.path.unlink(missing_ok=True)  # a dead mount's: this mountpoint is ours now
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -90,6 +114,7 @@ class ControlServer:
             raise
         try:
             async with open_nursery() as nursery:
+                self._nursery = nursery
                 task_status.started()
                 await trio.serve_listeners(self._client, [listener], handler_nursery=nursery)
         finally:
@@ -104,9 +129,9 @@ class ControlServer:
             await stream.aclose()
             return
         frames.authenticated()
-        row = self._free_rows.pop() if self._free_rows else None
+        proc = ClientProcess(pid, stream.socket)  # watched from now on: its pid may be reused once it ends
+        row = self.rows.take()
         if row is not None:
-            self.shared.clear_row(row)
             self.attached += 1
         try:
             while True:
@@ -121,7 +146,7 @@ class ControlServer:
                     if row is None:
                         raise Conflict(f"{DIRECT_CLIENTS} dlfs.direct processes are attached to {self.label} "
                                        "already: no room for another")
-                    reply = await self._answer(f, row, pid, stream, frames)
+                    reply = await self._answer(f, _Conn(row, pid, stream, frames))
                 except DlfsError as exc:
                     reply = Frame(RESPONSE, f.msg, f.req_id, status_of(exc), {"error": exc.message})
                 if reply is not None:
@@ -135,54 +160,63 @@ class ControlServer:
             log.exception("%s: request failed; closing its connection", frames.peer)
         finally:
             if row is not None:
-                held = self.shared.clear_row(row)
-                self._free_rows.append(row)
                 self.attached -= 1
-                if held:
-                    self.reclaimed_pins += held
-                    log.info("%s ended holding %d pins: released", frames.peer, held)
+                assert self._nursery is not None
+                self.rows.end(row, proc, self._nursery)
+            else:
+                proc.close()
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _answer(self, f: Frame, row: int, pid: int, stream: trio.SocketStream,
-                      frames: FrameStream) -> Frame | None:
-        """The reply to `f`, or None if it was sent here already."""
-        if f.msg == Msg.DIRECT_ATTACH:
-            self.attaches += 1
-            reply = Frame(RESPONSE, f.msg, f.req_id, 0, {"row": row, "label": self.label,
-                                                          "mountpoint": str(self.mountpoint)})
-            assert self.cache.ctl_fd is not None and self.cache.arena_fd is not None
-            fds = array.array("i", [self.cache.ctl_fd, self.cache.arena_fd, self._index_fd])
-            await send_with_fds(stream, encode_frame(reply), fds)
-            log.debug("dlfs.direct client pid %d attached as row %d", pid, row)
-            return None
-        if f.msg == Msg.DIRECT_READ:
-            await self._read(f, row, frames)
-            return None
-        if f.msg == Msg.DIRECT_STATS:
-            return Frame(RESPONSE, f.msg, f.req_id, 0, {**self.cache.stats(), **self.stats(),
-                                                         "fetched_by_node": self.cache.fetched_by_node})
-        raise ProtocolError(f"message {f.msg} is not spoken on a mount's control socket")
+    async def _answer(self, f: Frame, conn: _Conn) -> Frame | None:
+        """The reply to `f`, or None if it was sent here already. A body of the wrong shape is refused
+        before any handler runs: one ProtocolError naming the field, and the connection goes on."""
+        route = self.HANDLERS.get(f.msg)
+        if route is None:
+            raise ProtocolError(f"message {f.msg} is not spoken on a mount's control socket")
+        kind, handler = route
+        return await handler(self, request(kind, f.meta, f.msg), f, conn)
 
-    async def _read(self, f: Frame, row: int, frames: FrameStream) -> None:
-        exts = f.meta.get("exts")
+    async def _attach(self, req: DirectAttach, f: Frame, conn: _Conn) -> None:
+        self.attaches += 1
+        body = Attached(conn.row, self.label, str(self.mountpoint))
+        assert self.cache.ctl_fd is not None and self.cache.arena_fd is not None
+        fds = array.array("i", [self.cache.ctl_fd, self.cache.arena_fd, self._index_fd])
+        await send_with_fds(conn.stream, encode_frame(Frame(RESPONSE, f.msg, f.req_id, 0, to_meta(body))), fds)
+        log.debug("dlfs.direct client pid %d attached as row %d", conn.pid, conn.row)
+
+    async def _stats(self, req: Empty, f: Frame, conn: _Conn) -> Frame:
+        return Frame(RESPONSE, f.msg, f.req_id, 0, {**self.cache.stats(), **self.stats(),
+                                                     "fetched_by_node": self.cache.fetched_by_node})
+
+    async def _read(self, req: DirectRead, f: Frame, conn: _Conn) -> None:
+        exts = req.exts
         n_ext = self.index.totals.extents
-        if (not isinstance(exts, list) or len(exts) > DIRECT_BATCH
-                or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < n_ext for e in exts)):
+        if any(e >= n_ext for e in exts):
             raise ProtocolError(f"DIRECT_READ takes up to {DIRECT_BATCH} extents of the index, each 0..{n_ext - 1}")
         asked = sum(self.index.extent(e).record.raw_len for e in exts)
         if asked > DIRECT_REQUEST_BYTES:
             raise UsageError(f"DIRECT_READ asked for {asked} bytes: at most {DIRECT_REQUEST_BYTES} in one request")
-        async with AsyncExitStack() as turn:  # to copy: taken by the first record not in a slab, kept until sent
-            meta, data = await self._gather(exts, row, turn)
-            await frames.send(Frame(RESPONSE, f.msg, f.req_id, 0, meta, data))
+        pinned: list[int] = []  # slabs pinned for this answer
+        try:
+            async with AsyncExitStack() as turn:  # to copy: taken by the first record not in a slab, kept until sent
+                body, data = await self._gather(exts, conn.row, turn, pinned)
+                await conn.frames.send(Frame(RESPONSE, f.msg, f.req_id, 0, to_meta(body), data))
+        except BaseException:
+            # Never delivered whole (a send that raises stops short of the end): the client makes no
+            # view of these pins, so they are let go here.
+            for slab in pinned:
+                self.shared.unpin_for(conn.row, slab)
+            raise
 
-    async def _gather(self, exts: list[int], row: int, turn: AsyncExitStack) -> tuple[dict[str, Any], bytes]:
-        """Where each record of `exts` is: slabs pinned for `row` where it lies whole in one, else copied
-        inline (once this answer has its turn to copy, entered into `turn`); and the copies, in order."""
-        at: list[list[int] | None] = [None] * len(exts)
+    async def _gather(self, exts: list[int], row: int, turn: AsyncExitStack,
+                      pinned: list[int]) -> tuple[DirectAnswer, bytes]:
+        """Where each record of `exts` is: slabs pinned for `row` where it lies whole in one (each added to
+        `pinned` as it is taken), else copied inline (once this answer has its turn to copy, entered into
+        `turn`); and the copies, in order."""
+        at: list[tuple[int, int] | None] = [None] * len(exts)
         inline: dict[int, bytes] = {}
-        errors: list[list[Any]] = []
+        errors: list[tuple[int, int, str]] = []
         by_window: dict[tuple[int, int], list[int]] = {}
         for i, e in enumerate(exts):
             by_window.setdefault(self.cache.window_of(e), []).append(i)
@@ -199,7 +233,7 @@ class ControlServer:
                             await turn.enter_async_context(self._inline)
                             raw = await self.cache.record(exts[i], direct=True)  # it may have gone meanwhile
                     except DlfsError as exc:
-                        errors.append([i, status_of(exc), exc.message])
+                        errors.append((i, status_of(exc), exc.message))
                         continue
                     # No await from here to the pin: the record cannot be dropped in between.
                     where = self.cache.where(exts[i])
@@ -207,14 +241,24 @@ class ControlServer:
                         inline[i] = bytes(raw)  # not in a slab (compressed, too big, RDMA memory): a copy
                     else:
                         self.shared.pin_for(row, where[0])
-                        at[i] = list(where)
+                        pinned.append(where[0])
+                        at[i] = where
 
         async with open_nursery() as nursery:
             for positions in by_window.values():
                 nursery.start_soon(fetch, positions)
         self.served_pinned += len(exts) - len(inline) - len(errors)
         self.served_inline += len(inline)
-        return {"at": at, "errors": errors}, b"".join(inline[i] for i in sorted(inline))
+        return DirectAnswer(at, errors), b"".join(inline[i] for i in sorted(inline))
+
+    # Each message's request schema (dlfs/wire/messages.py) and its handler, which answers the request
+    # decoded into it on a connection (None: the handler sent the reply itself).
+    HANDLERS: ClassVar[dict[int, tuple[type[Any], Callable[[ControlServer, Any, Frame, _Conn],
+                                                           Awaitable[Frame | None]]]]] = {
+        Msg.DIRECT_ATTACH: (DirectAttach, _attach),
+        Msg.DIRECT_READ: (DirectRead, _read),
+        Msg.DIRECT_STATS: (Empty, _stats),
+    }
 
 
 async def send_with_fds(stream: trio.SocketStream, data: bytes, fds: array.array[int]) -> None:

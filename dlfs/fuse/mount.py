@@ -25,20 +25,21 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.client.local import open_local_chunks
 from dlfs.client.pressure import watch_memory
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
-from dlfs.config import Cluster
+from dlfs.config import Cluster, check_dataset_name
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.control import ControlServer, control_socket_path
 from dlfs.fuse.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
 from dlfs.fuse.stats import MountStats, stats_file
 from dlfs.logs import set_context
-from dlfs.meta.store import VersionInfo
 from dlfs.native import engine_stats, native, start_engine
+from dlfs.private import private_dirs, private_opener, tighten_home, write_private
 from dlfs.procmounts import is_mount_point
 from dlfs.procs import running
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.units import human_bytes
+from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class MountOptions:
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
     """NAME or NAME@VERSION."""
     name, sep, version = ref.partition("@")
+    check_dataset_name(name)
     if not sep:
         return name, None
     if not version.isdigit():
@@ -128,15 +130,14 @@ def want_io_uring(mode: str, param: Path = URING_PARAM, cache_size: int | None =
 
 async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> Path:
     """The version's index in the local index cache, fetched once and checked by its checksum."""
-    cache_dir = home / "mounts" / "index"
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = private_dirs(home / "mounts" / "index")
     path = cache_dir / f"{info.name}.{info.version}.{info.index_sum:016x}.idx"
     if path.exists() and path.stat().st_size == info.index_size:
         if await trio.to_thread.run_sync(file_checksum, path) == info.index_sum:
             return path
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=private_opener) as f:
             offset = 0
             while offset < info.index_size:
                 _, piece = await client.call_meta(Msg.READ_INDEX, {"name": info.name, "version": info.version,
@@ -194,6 +195,7 @@ def mount_record(home: Path, mountpoint: Path) -> Path:
 
 async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     """Mount and serve until unmounted or signalled; `ready` is told once the mount is live."""
+    tighten_home(opts.home)  # its index cache, records and control socket: once, before any is made
     arena = arena_for_cache(opts.cache_size)
     choice = choose_for(opts.cluster, arena, f"mount of {opts.dataset}")
     async with AsyncExitStack() as stack:
@@ -205,7 +207,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         await stack.enter_async_context(chunk_transport(client, choice, arena))
         nursery.start_soon(client.probe_failing, name="dlfs-probe-failing-nodes")
         meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": opts.dataset, "version": opts.version})
-        info = VersionInfo(**meta)
+        info = reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)
         index = Index(await fetch_index(client, info, opts.home))
         stack.callback(index.close)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
@@ -264,8 +266,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             # A stat through the kernel proves the session answers; only then is the mount ready.
             st = await trio.to_thread.run_sync(os.stat, opts.mountpoint)
             _raise_read_ahead(st.st_dev)
-            record.parent.mkdir(parents=True, exist_ok=True)
-            record.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "dataset": label}))
+            private_dirs(record.parent)
+            write_private(record, json.dumps({"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "dataset": label}))
             stack.callback(record.unlink, missing_ok=True)
             log.info("mounted %s at %s (%d files, %d bytes)", label, opts.mountpoint, info.files, info.bytes)
             ready(f"mounted {label} at {opts.mountpoint} ({info.files} files, {human_bytes(info.bytes)})")

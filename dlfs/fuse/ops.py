@@ -19,7 +19,7 @@ import pyfuse3
 from dlfs.client.cache import ChunkCache
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError
-from dlfs.format.index import Index, Inode
+from dlfs.format.index import NAME_MAX, Index, Inode
 from dlfs.native import fuse_hooked
 
 log = logging.getLogger(__name__)
@@ -98,16 +98,15 @@ class DlfsOperations(pyfuse3.Operations):
             return self.attrs(self.index.inode(parent_inode))
         if name == b"..":
             return self.attrs(self.index.inode(self.index.inode(parent_inode).parent))
-        parent = self.index.inode(parent_inode)
-        if not stat.S_ISDIR(parent.mode):
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
         ino = self.index.lookup(parent_inode, name)
-        if ino is None:
-            # A negative entry, as the native engine answers: the namespace never changes, so the
-            # kernel may remember the miss (the caller still gets ENOENT).
+        if ino == -errno.ENOENT:
+            # A negative entry, as the native engine answers: the mount's version never changes, so the
+            # kernel may keep the miss (in its dentry cache, bounded, gone with the mount): ENOENT.
             miss = _new_attrs()
             miss.st_ino = 0
             return miss
+        if ino < 0:
+            raise pyfuse3.FUSEError(-ino)  # ENOTDIR, ENAMETOOLONG
         return self.attrs(self.index.inode(ino))
 
     async def forget(self, inode_list: Any) -> None:
@@ -242,7 +241,7 @@ class DlfsOperations(pyfuse3.Operations):
         s.f_bfree = s.f_bavail = 0
         s.f_files = t.inodes
         s.f_ffree = s.f_favail = 0
-        s.f_namemax = 255
+        s.f_namemax = NAME_MAX
         return s
 
     @fuse_errors

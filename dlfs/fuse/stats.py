@@ -17,6 +17,7 @@ from typing import Any
 import trio
 
 from dlfs.native import engine_stats
+from dlfs.private import private_dirs, write_private
 from dlfs.transport.base import Address
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def stats_file(home: Path, mountpoint: Path) -> Path:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(f".stats.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    write_private(tmp, text)
     os.replace(tmp, path)
 
 
@@ -92,7 +93,7 @@ class MountStats:
         nursery.start_soon(self.write_every, stats_file(home, self.mountpoint), name="dlfs-mount-stats")
 
     async def write_every(self, path: Path, interval: float = WRITE_INTERVAL) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(path.parent)
         warned = False
         try:
             while True:

@@ -1,12 +1,15 @@
 """One ingest, end to end: walk, pack and store chunks, upload the index, commit it atomically.
 
 Nothing is visible until the metadata daemon commits the index, and it commits only once every
-chunk the index names is stored on its replicas. Packing is deterministic (sorted walk, content
--named chunks), so running a failed ingest again finds the chunks it already stored and skips them.
+chunk the index names is stored on its replicas. An ingest that fails gives its session up, and the
+metadata daemon frees the chunks it stored that nothing else needs. Packing is deterministic (sorted
+walk, content-named chunks), so running a killed ingest again finds the chunks it already stored
+and skips them.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import tempfile
@@ -14,25 +17,28 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import trio
 
 from dlfs.client.cluster import ClusterClient, rank
 from dlfs.config import Cluster, NodeSpec, check_dataset_name
-from dlfs.errors import Unreachable, UsageError
+from dlfs.errors import DlfsError, StorageFull, Unreachable, UsageError
 from dlfs.format.chunk import MAX_CHUNK_SIZE
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.pack import Packed, Packer
 from dlfs.ingest.walk import Tree, walk
-from dlfs.meta.store import VersionInfo
+from dlfs.private import private_dirs
 from dlfs.tasks import open_nursery
+from dlfs.wire.messages import META_DAEMON, IngestBegun, Missing, VersionInfo, reply
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 INDEX_PIECE = 8 << 20
 UPLOADERS = 3
 MIN_CHUNK_SIZE = 64 << 10
+ABORT_WAIT = 30.0  # seconds a failed ingest waits for its session to be given up and its chunks freed
+KEEPALIVE_DEFAULT = 60.0  # seconds between keepalives where the metadata daemon does not say its TTL
 
 
 @dataclass
@@ -87,11 +93,15 @@ async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 2
     async with open_nursery() as nursery:
         client = ClusterClient(cluster, nursery)
         meta, _ = await client.call_meta(Msg.BEGIN_INGEST, {"name": name})
-        session = meta["session"]
+        begun = reply(IngestBegun, meta, Msg.BEGIN_INGEST, META_DAEMON)
+        session = begun.session
+        keepalive = trio.CancelScope()
+        nursery.start_soon(_keep_alive, client, session, begun.ttl, keepalive)
         try:
             report = await _ingest(client, session, src, name, chunk_size, compress, progress, tmp_dir)
         except BaseException:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
+            keepalive.cancel()
+            with trio.CancelScope(shield=True), trio.move_on_after(ABORT_WAIT):
                 await _abort(cluster, session)
             raise
         nursery.cancel_scope.cancel()
@@ -99,13 +109,26 @@ async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 2
     return report
 
 
+async def _keep_alive(client: ClusterClient, session: str, ttl: float, scope: trio.CancelScope) -> None:
+    """Touch the session well within its TTL, so that a slow walk, source or commit never outlives it
+    (a killed ingest's session then expires in minutes)."""
+    every = max(ttl / 4, 0.1) if ttl else KEEPALIVE_DEFAULT
+    with scope:
+        while True:
+            await trio.sleep(every)
+            try:
+                await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": []}, timeout=max(every, 5.0))
+            except DlfsError as exc:  # the ingest's own calls meet whatever this is, and report it
+                log.info("ingest session %s: keepalive failed: %s", session, exc)
+
+
 async def _abort(cluster: Cluster, session: str) -> None:
-    """Give an ingest session up, so that its pins go (best effort)."""
+    """Give an ingest session up: its pins go, and the chunks nothing else needs are freed (best effort)."""
     # A client of its own: when the ingest was cancelled from outside (Ctrl-C), the ingest's
     # connections live in a cancelled nursery and close under the call.
     try:
         async with open_nursery() as nursery:
-            await ClusterClient(cluster, nursery).call_meta(Msg.ABORT_INGEST, {"session": session}, timeout=5)
+            await ClusterClient(cluster, nursery).call_meta(Msg.ABORT_INGEST, {"session": session}, timeout=ABORT_WAIT)
             nursery.cancel_scope.cancel()
     except Exception as exc:  # the ingest's own error is the one to report
         log.info("could not abort ingest session %s: %s", session, exc)
@@ -177,7 +200,7 @@ async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: di
     async def put(spec: NodeSpec) -> None:
         try:
             meta, _ = await client.call(spec, "data", Msg.HAS_CHUNKS, {"ids": [p.cid]})
-            if meta["missing"]:
+            if reply(Missing, meta, Msg.HAS_CHUNKS, spec.name).missing:
                 await client.call(spec, "data", Msg.PUT_CHUNK, {"id": p.cid}, p.data, timeout=120)
                 stats["sent"] += 1
                 stats["bytes"] += len(p.data)
@@ -199,17 +222,29 @@ async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: di
 async def commit_index(client: ClusterClient, session: str, writer: IndexWriter, tmp_dir: Path | None) -> VersionInfo:
     """Write the index, upload it in pieces to the session's metadata daemon, and commit it."""
     if tmp_dir is not None:
-        tmp_dir.mkdir(parents=True, exist_ok=True)  # a client that never ran a node has no home yet
+        private_dirs(tmp_dir)  # a client that never ran a node has no home yet
     with tempfile.TemporaryFile(dir=tmp_dir) as f:
-        checksum = await trio.to_thread.run_sync(writer.write, f)
-        size = f.tell()
+        checksum, size = await trio.to_thread.run_sync(_write_index, writer, f, tmp_dir)
         f.seek(0)
         offset = 0
         while piece := await trio.to_thread.run_sync(f.read, INDEX_PIECE):
             await client.call_meta(Msg.PUT_INDEX, {"session": session, "offset": offset}, piece)
             offset += len(piece)
     meta, _ = await client.call_meta(Msg.COMMIT, {"session": session, "size": size, "checksum": checksum}, timeout=300)
-    return VersionInfo(**meta)
+    return reply(VersionInfo, meta, Msg.COMMIT, META_DAEMON)
+
+
+def _write_index(writer: IndexWriter, f: BinaryIO, where: Path | None) -> tuple[int, int]:
+    """The index into `f`, flushed; returns its checksum and size. A full local disk is StorageFull."""
+    try:
+        checksum = writer.write(f)
+        f.flush()
+        return checksum, f.tell()
+    except OSError as exc:
+        place = where if where is not None else tempfile.gettempdir()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFull(f"cannot write the index locally: the disk is full at {place}") from None
+        raise DlfsError(f"cannot write the index locally at {place}: {exc.strerror}") from None
 
 
 __all__ = ["IngestReport", "Progress", "check_chunk_size", "ingest"]

@@ -24,7 +24,8 @@ from dlfs.config import NodeSpec
 from dlfs.control.etcd import EtcdUnavailable
 from dlfs.control.plane import ControlPlane, VersionRecord
 from dlfs.errors import Conflict, CorruptData, DlfsError, NotFound
-from dlfs.meta.store import MetaStore
+from dlfs.meta.store import MetaStore, VersionInfo
+from dlfs.private import private_opener
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import Response
@@ -92,15 +93,16 @@ class CatalogFollower:
                 if not self.store.has_index(rec.info.name, rec.info.version):
                     await self.fetch(rec)
 
-    async def fetch(self, rec: VersionRecord) -> None:
-        """The index of `rec` from the daemon that committed it or any other, checked, then installed."""
+    async def fetch(self, rec: VersionRecord, install: Callable[[VersionInfo, Path], Any] | None = None) -> None:
+        """The index of `rec` from the daemon that committed it or any other, checked, then installed
+        (by `install`: default, the store's apply_peer)."""
         order = sorted(self.peers, key=lambda p: p.name != rec.holder)
         errors = []
         for peer in order:
             path = self.store.staging_file()
             try:
                 await self._fetch_from(peer, rec, path)
-                await trio.to_thread.run_sync(self.store.apply_peer, rec.info, path)
+                await trio.to_thread.run_sync(install or self.store.apply_peer, rec.info, path)
                 return
             except DlfsError as exc:
                 errors.append(f"{peer.name}: {exc}")
@@ -110,7 +112,7 @@ class CatalogFollower:
 
     async def _fetch_from(self, peer: NodeSpec, rec: VersionRecord, path: Path) -> None:
         info = rec.info
-        with open(path, "wb") as f:
+        with open(path, "wb", opener=private_opener) as f:
             offset = 0
             while offset < info.index_size:
                 _, piece = await self.caller.call(

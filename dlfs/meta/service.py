@@ -12,16 +12,36 @@ import time
 from typing import Any, Protocol
 
 import trio
+from msgspec.structs import replace
 
 from dlfs.config import NodeSpec
 from dlfs.control.etcd import EtcdUnavailable
 from dlfs.control.plane import ControlPlane, Lease, VersionRecord, mounts_phrase
-from dlfs.errors import Conflict, NotFound, Unreachable
+from dlfs.errors import Conflict, DlfsError, NotFound, Unreachable
+from dlfs.format.check import check_index
 from dlfs.meta.follow import CatalogFollower
 from dlfs.meta.store import MetaStore, VersionInfo
 from dlfs.wire.budget import MemoryBudget
+from dlfs.wire.messages import (
+    BeginIngest,
+    Collected,
+    Commit,
+    DatasetList,
+    DatasetRef,
+    Empty,
+    IndexCheck,
+    IndexesChecked,
+    IndexPiece,
+    IngestBegun,
+    MetaStatus,
+    MountHolder,
+    PinChunks,
+    PutIndex,
+    Removed,
+    SessionRef,
+)
 from dlfs.wire.protocol import Msg
-from dlfs.wire.rpc import Reply, Service, reserve_reply
+from dlfs.wire.rpc import Reply, Route, Service, reserve_reply
 
 log = logging.getLogger(__name__)
 MAX_INDEX_PIECE = 16 << 20
@@ -32,7 +52,7 @@ class ChunkLedger(Protocol):
 
     async def under_replicated(self, ids: list[bytes]) -> dict[bytes, list[str]]: ...
 
-    async def sweep(self, live: set[bytes]) -> tuple[int, list[str]]: ...
+    async def sweep(self, live: set[bytes], only: set[bytes] | None = None) -> tuple[int, list[str]]: ...
 
 
 class MetaService(Service):
@@ -50,21 +70,23 @@ class MetaService(Service):
         if self.follower is not None:
             self.follower.collect = self.collect_pending
         self._pin_seq = 0
+        self._committing: set[str] = set()  # sessions whose COMMIT is running
         # Commit and collection exclude each other: a commit checks its chunks exist and a
         # collection decides what is dead, each against a catalog the other cannot change.
         self.gc_lock = trio.Lock()
         self.handlers.update({
-            Msg.STATUS: self.status,
-            Msg.LIST_DATASETS: self.list_datasets,
-            Msg.GET_DATASET: self.get_dataset,
-            Msg.READ_INDEX: self.read_index,
-            Msg.BEGIN_INGEST: self.begin_ingest,
-            Msg.PIN_CHUNKS: self.pin_chunks,
-            Msg.PUT_INDEX: self.put_index,
-            Msg.COMMIT: self.commit,
-            Msg.ABORT_INGEST: self.abort_ingest,
-            Msg.REMOVE: self.remove,
-            Msg.COLLECT: self.collect,
+            Msg.STATUS: Route(Empty, self.status),
+            Msg.LIST_DATASETS: Route(Empty, self.list_datasets),
+            Msg.GET_DATASET: Route(DatasetRef, self.get_dataset),
+            Msg.READ_INDEX: Route(IndexPiece, self.read_index),
+            Msg.BEGIN_INGEST: Route(BeginIngest, self.begin_ingest),
+            Msg.PIN_CHUNKS: Route(PinChunks, self.pin_chunks),
+            Msg.PUT_INDEX: Route(PutIndex, self.put_index),
+            Msg.COMMIT: Route(Commit, self.commit),
+            Msg.ABORT_INGEST: Route(SessionRef, self.abort_ingest),
+            Msg.REMOVE: Route(DatasetRef, self.remove),
+            Msg.COLLECT: Route(Empty, self.collect),
+            Msg.CHECK_INDEXES: Route(IndexCheck, self.check_indexes),
         })
 
     def _lease_id(self) -> int:
@@ -75,81 +97,117 @@ class MetaService(Service):
             raise Unreachable(f"node {self.node} holds no lease in etcd ({self.control.etcd.describe()}): {why}")
         return self.lease.id
 
-    async def status(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def status(self, req: Empty, data: bytearray) -> Reply:
+        self.store.expire_sessions()  # a killed ingest is not "in progress" (etcd's record goes in expire_idle)
         live = self.store.datasets()
-        return {"node": self.node, "datasets": len({v.name for v in live}),
-                "versions": len(live), "ingests": len(self.store.sessions)}, b""
+        return MetaStatus(self.node, len({v.name for v in live}), len(live), len(self.store.sessions)), b""
 
-    async def list_datasets(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def list_datasets(self, req: Empty, data: bytearray) -> Reply:
         if self.control is not None:  # the cluster's list, the same from every node
             recs, _ = await self.control.versions()
-            return {"datasets": [r.info.to_wire() for r in recs if not r.info.removed]}, b""
-        return {"datasets": [v.to_wire() for v in self.store.datasets()]}, b""
+            return DatasetList([r.info for r in recs if not r.info.removed]), b""
+        return DatasetList(self.store.datasets()), b""
 
-    async def get_dataset(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        name, raw = str(meta["name"]), meta.get("version")
-        version = int(raw) if raw is not None else None
+    async def get_dataset(self, req: DatasetRef, data: bytearray) -> Reply:
+        name, version = req.name, req.version
         if self.control is None:
-            return self.store.get(name, version).to_wire(), b""
+            return self.store.get(name, version), b""
         try:
             recs, _ = await self.control.versions(name)
         except EtcdUnavailable as exc:
             # A version this daemon knows is still served (a mount of it takes its lease later);
             # one it does not know cannot be vouched for.
             try:
-                return self.store.get(name, version).to_wire(), b""
+                return self.store.get(name, version), b""
             except NotFound:
                 raise EtcdUnavailable(f"{exc}; this metadata daemon does not know {name}"
                                       f"{'@' + str(version) if version else ''}") from None
         rec = _pick(recs, name, version)
         assert self.follower is not None
         await self.follower.ensure(rec)  # a version committed elsewhere a moment ago: its index, now
-        return rec.info.to_wire(), b""
+        return rec.info, b""
 
-    async def read_index(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        length = min(int(meta["length"]), MAX_INDEX_PIECE)
+    async def read_index(self, req: IndexPiece, data: bytearray) -> Reply:
+        length = min(req.length, MAX_INDEX_PIECE)
         await reserve_reply(length)  # the piece is read into memory and held until it is sent
-        piece = await trio.to_thread.run_sync(
-            self.store.read_index, str(meta["name"]), int(meta["version"]), int(meta["offset"]), length
-        )
-        return {}, piece
+        piece = await trio.to_thread.run_sync(self.store.read_index, req.name, req.version, req.offset, length)
+        return Empty(), piece
 
-    async def begin_ingest(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        sid = self.store.begin(str(meta["name"]))
+    async def begin_ingest(self, req: BeginIngest, data: bytearray) -> Reply:
+        await self._expire()
+        sid = self.store.begin(req.name)
         if self.control is not None:
-            while self.store.expired:  # their pins in etcd go with them
-                await self.control.close_ingest(self.store.expired.pop())
             try:
-                await self.control.open_ingest(sid, str(meta["name"]), self.node, self._lease_id())
+                await self.control.open_ingest(sid, req.name, self.node, self._lease_id())
             except BaseException:
                 self.store.abort(sid)
                 raise
-        log.info("ingest of %s began (session %s)", meta["name"], sid)
-        return {"session": sid}, b""
+        log.info("ingest of %s began (session %s)", req.name, sid)
+        return IngestBegun(sid, self.store.session_ttl), b""
 
-    async def pin_chunks(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def _expire(self) -> None:
+        """Drop the sessions of ingests that stopped asking (killed): their pins, here and in etcd, go."""
+        self.store.expire_sessions()
+        control = self.control
+        if control is None:
+            self.store.expired.clear()
+        while control is not None and self.store.expired:
+            sid = self.store.expired.pop()
+            try:
+                await control.close_ingest(sid)
+            except DlfsError as exc:  # tried again at the next expiry; the node's lease bounds them anyway
+                self.store.expired.append(sid)
+                log.warning("could not close expired ingest session %s in etcd: %s", sid, exc)
+                return
+
+    async def expire_idle(self) -> None:
+        """Expire dead ingests' sessions on time, also where no request comes (a cluster's gc elsewhere)."""
+        while True:
+            await trio.sleep(max(self.store.session_ttl / 4, 0.1))
+            await self._expire()
+
+    async def pin_chunks(self, req: PinChunks, data: bytearray) -> Reply:
         # Not during a collection: it computed the live set already and would delete a chunk
         # pinned now, after this reply told the ingest the chunk was safe.
-        ids = [bytes(c) for c in meta["ids"]]
+        ids = req.ids
+        if not ids:  # the ingest's keepalive (no collection to wait for)
+            self.store.session(req.session)
+            return Empty(), b""
         if self.control is not None:  # in etcd, where every collection looks (a cluster-wide lock)
-            s = self.store.session(str(meta["session"]))
+            s = self.store.session(req.session)
             self._pin_seq += 1
-            await self.control.pin(str(meta["session"]), self._pin_seq, ids, self._lease_id())
+            await self.control.pin(req.session, self._pin_seq, ids, self._lease_id())
             s.pins.update(ids)
-            return {}, b""
+            return Empty(), b""
         async with self.gc_lock:
-            s = self.store.session(str(meta["session"]))
+            s = self.store.session(req.session)
             s.pins.update(ids)
-        return {}, b""
+        return Empty(), b""
 
-    async def put_index(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        await trio.to_thread.run_sync(self.store.put_index, str(meta["session"]), int(meta["offset"]), data)
-        return {}, b""
+    def _not_committing(self, sid: str) -> None:
+        # A session's staged file is moved into place by its commit: nothing else may touch it meanwhile.
+        if sid in self._committing:
+            raise Conflict(f"ingest session {sid} is being committed")
 
-    async def commit(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        sid, size, checksum = str(meta["session"]), int(meta["size"]), int(meta["checksum"])
+    async def put_index(self, req: PutIndex, data: bytearray) -> Reply:
+        self._not_committing(req.session)
+        await trio.to_thread.run_sync(self.store.put_index, req.session, req.offset, data)
+        return Empty(), b""
+
+    async def commit(self, req: Commit, data: bytearray) -> Reply:
+        self._not_committing(req.session)
+        self._committing.add(req.session)
+        try:
+            return await self._commit(req)
+        finally:
+            self._committing.discard(req.session)
+
+    async def _commit(self, req: Commit) -> Reply:
+        sid, size, checksum = req.session, req.size, req.checksum
         s, index = await trio.to_thread.run_sync(self.store.staged_chunks, sid, size, checksum)
         try:
+            # Every reader trusts a committed index's references: refuse one that is not sane inside.
+            await trio.to_thread.run_sync(check_index, index)
             ids = index.chunk_ids()
             if not set(ids) <= s.pins:
                 raise Conflict(f"ingest of {s.name} commits chunks it never pinned")
@@ -169,7 +227,7 @@ class MetaService(Service):
             index.close()
         log.info("committed dataset %s version %d: %d files, %d bytes, %d chunks",
                  info.name, info.version, info.files, info.bytes, info.chunks)
-        return info.to_wire(), b""
+        return info, b""
 
     async def _commit_in_cluster(self, sid: str, index: Any, size: int, checksum: int) -> VersionInfo:
         """The number is taken in etcd (one transaction, which also drops the session's pins), then
@@ -187,23 +245,33 @@ class MetaService(Service):
             raise
         return info
 
-    async def abort_ingest(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        sid = str(meta["session"])
-        self.store.abort(sid)
+    async def abort_ingest(self, req: SessionRef, data: bytearray) -> Reply:
+        """Give a failed ingest up and free its chunks that nothing else needs, now (no `dlfs gc`)."""
+        self._not_committing(req.session)
+        pins = self.store.abort(req.session)
         if self.control is not None:
-            await self.control.close_ingest(sid)
-        return {}, b""
+            pins |= await self.control.close_ingest(req.session)  # also those pinned through a peer
+        if pins:
+            try:
+                freed, deferred = await self._collect(only=pins)
+                log.info("ingest session %s given up: %d of its %d chunks freed%s", req.session, freed, len(pins),
+                         f" ({deferred})" if deferred else "")
+            except DlfsError as exc:  # e.g. another node is collecting: it or a later collection frees them
+                log.warning("ingest session %s given up; its chunks are freed later: %s", req.session, exc)
+        return Empty(), b""
 
-    async def remove(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        name, raw = str(meta["name"]), meta.get("version")
-        version = int(raw) if raw is not None else None
+    async def remove(self, req: DatasetRef, data: bytearray) -> Reply:
         if self.control is not None:
-            return await self._remove_in_cluster(name, version)
-        gone = self.store.remove(name, version)
+            return await self._remove_in_cluster(req.name, req.version)
+        gone = self.store.remove(req.name, req.version)
         for v in gone:
             log.info("removed dataset %s version %d", v.name, v.version)
-        freed, deferred = await self._collect()
-        return {"removed": [v.to_wire() for v in gone], "freed_chunks": freed, "gc_deferred": deferred}, b""
+        try:
+            freed, deferred = await self._collect()
+        except DlfsError as exc:  # removed all the same: the reply says so, and why nothing was freed
+            log.warning("removed %s, but garbage collection failed: %s", req.name, exc)
+            return Removed(gone, 0, str(exc)), b""
+        return Removed(gone, freed, deferred), b""
 
     async def _remove_in_cluster(self, name: str, version: int | None) -> Reply:
         """Hidden from new mounts at once; the chunks go now if nothing mounts it, else when the last
@@ -214,20 +282,43 @@ class MetaService(Service):
             log.info("removed dataset %s version %d%s", v.name, v.version,
                      f" ({mounts_phrase(mounts)} still hold it)" if mounts else "")
             await trio.to_thread.run_sync(self.store.tombstone, v)
-        out = {"removed": [v.to_wire() for v in gone], "freed_chunks": 0, "gc_deferred": "",
-               "mounts": [{"node": m.node, "mountpoint": m.mountpoint, "version": m.version} for m in mounts]}
+        out = Removed(gone, mounts=[MountHolder(m.node, m.mountpoint, m.version) for m in mounts])
         if mounts:
-            out["gc_deferred"] = f"chunks are freed when the {mounts_phrase(mounts)} end"
-            return out, b""
+            return replace(out, gc_deferred=f"chunks are freed when the {mounts_phrase(mounts)} end"), b""
         try:
-            out["freed_chunks"], out["gc_deferred"] = await self._collect()
-        except Conflict as exc:  # another node is collecting: it or the collector frees them
-            out["gc_deferred"] = str(exc)
-        return out, b""
+            freed, deferred = await self._collect()
+        except DlfsError as exc:  # another node collecting (Conflict), a damaged index: freed later
+            return replace(out, gc_deferred=str(exc)), b""
+        return replace(out, freed_chunks=freed, gc_deferred=deferred), b""
 
-    async def collect(self, meta: dict[str, Any], data: bytearray) -> Reply:
+    async def check_indexes(self, req: IndexCheck, data: bytearray) -> Reply:
+        """verify and repair: each live version's index file here checked against its commit; with
+        `restore`, a damaged or missing one replaced by a good copy from a peer (found by checksum)."""
+        damaged: dict[str, str] = {}
+        restored: list[str] = []
+        for ref in req.versions:
+            info = self.store.find(ref.name, ref.version or 0)
+            if info is None or info.removed:
+                continue  # not here (yet), or removed since the caller listed it: nothing to check
+            label = f"{info.name}@{info.version}"
+            why = await trio.to_thread.run_sync(self.store.check_index, info)
+            if why and req.restore and self.follower is not None:
+                try:
+                    rec = VersionRecord(info, holder="", freed=False, mod_revision=0)  # any peer with its checksum
+                    async with self.follower.lock:
+                        await self.follower.fetch(rec, install=self.store.restore_index)
+                    log.warning("index of %s was damaged here (%s): restored from a peer's copy", label, why)
+                    restored.append(label)
+                    continue
+                except DlfsError as exc:
+                    why = f"{why}; {exc}"
+            if why:
+                damaged[label] = why
+        return IndexesChecked(damaged, restored), b""
+
+    async def collect(self, req: Empty, data: bytearray) -> Reply:
         freed, deferred = await self._collect()
-        return {"freed_chunks": freed, "gc_deferred": deferred}, b""
+        return Collected(freed, deferred), b""
 
     async def collect_pending(self) -> None:
         """The collector's job: free removed versions that no mount holds any more."""
@@ -239,14 +330,16 @@ class MetaService(Service):
             log.info("collected removed versions no mount holds: %d chunks freed%s", freed,
                      f" ({deferred})" if deferred else "")
 
-    async def _collect(self) -> tuple[int, str]:
-        """Delete the chunks nothing needs. Embedded: this daemon's catalog and sessions decide. In a
-        cluster: one snapshot of etcd decides (live versions, removed ones still mounted, every open
-        ingest's pins), under the cluster's gc lock, which keeps new pins out until the sweep ends."""
+    async def _collect(self, only: set[bytes] | None = None) -> tuple[int, str]:
+        """Delete the chunks nothing needs (of `only`, where given: an aborted ingest's). Embedded: this
+        daemon's catalog and sessions decide. In a cluster: one snapshot of etcd decides (live versions,
+        removed ones still mounted, every open ingest's pins), under the cluster's gc lock, which keeps
+        new pins out until the sweep ends."""
+        await self._expire()  # a dead ingest's pins keep nothing
         if self.control is None:
             async with self.gc_lock:
                 live = await trio.to_thread.run_sync(self.store.live_chunks)
-                freed, skipped = await self.ledger.sweep(live)
+                freed, skipped = await self.ledger.sweep(live, only)
             return freed, _skipped(skipped)
         assert self.follower is not None
         async with self.gc_lock, self.control.gc_lock(self.node, self._lease_id()):
@@ -255,11 +348,13 @@ class MetaService(Service):
             needed = [r for r in snap.versions if not r.freed and (not r.info.removed or (r.info.name, r.info.version) in held)]
             live = set(snap.pins)
             for rec in needed:
-                await self.follower.ensure(rec)  # a version this daemon never fetched: its chunk list
-                live |= await trio.to_thread.run_sync(self.store.chunks_of, rec.info.name, rec.info.version)
-            freed, skipped = await self.ledger.sweep(live)
+                name, version = rec.info.name, rec.info.version
+                if not await trio.to_thread.run_sync(self.store.knows_chunks, name, version):
+                    await self.follower.ensure(rec)  # a version this daemon never fetched: its chunk list
+                live |= await trio.to_thread.run_sync(self.store.chunks_of, name, version)
+            freed, skipped = await self.ledger.sweep(live, only)
             done = [r for r in snap.versions if r.info.removed and not r.freed and (r.info.name, r.info.version) not in held]
-            if not skipped and done:
+            if not skipped and done and only is None:
                 await self.control.mark_freed(done)
                 for r in done:
                     await trio.to_thread.run_sync(self.store.drop_index, r.info.name, r.info.version)

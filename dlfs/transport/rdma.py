@@ -4,7 +4,7 @@ pairs, and the queue pair attributes that move a pair INIT -> RTR -> RTS.
 
 The data daemon (dlfs/data/rdma.py) registers chunk files mapped read-only for remote reads; the
 client (dlfs/client/rdma.py) registers an arena that its RDMA READs land in. The exchange that
-connects two queue pairs is QpEndpoint in dlfs/wire/protocol.py.
+connects two queue pairs is QpEndpoint in dlfs/wire/messages.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pyverbs.wr import SGE, SendWR
 
 from dlfs.errors import DlfsError
 from dlfs.transport.verbs import PortInfo, gid_text
-from dlfs.wire.protocol import QpEndpoint
+from dlfs.wire.messages import QpEndpoint
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ import hmac
 import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 
 import trio
 
-from dlfs.errors import AuthError, DlfsError, ProtocolError, UsageError, status_of
+from dlfs.errors import AuthError, DlfsError, KeyExposed, ProtocolError, UsageError, status_of
 from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, FrameStream, Msg
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,21 @@ def write_key(path: Path) -> bytes:
     return key
 
 
+def key_exposure(mode: int) -> str | None:
+    """Who besides its owner may read or change a key file of `mode` ("group", "others", "group and
+    others"), or None: the one rule for key files, which the node, every command and `dlfs doctor` apply."""
+    return " and ".join(who for who, bits in (("group", 0o070), ("others", 0o007)) if mode & bits) or None
+
+
 def read_key(path: Path) -> bytes:
+    """The key in `path`, refused if anyone but its owner may read or change the file."""
     try:
-        text = path.read_text().strip()
+        with open(path) as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+            if key_exposure(mode):
+                raise KeyExposed(f"cluster key {path} can be read or changed by other users (mode {mode:04o}): "
+                                 f"run `chmod 600 {path}`", str(path))
+            text = f.read().strip()
     except FileNotFoundError:
         raise UsageError(f"cluster key {path} does not exist (create one with `dlfs keygen {path}`)") from None
     except OSError as exc:

@@ -9,6 +9,10 @@ bytes held never exceed `total`, nor `per_connection` for any one connection:
 - one that does not fit now waits, its connection reading no further frames meanwhile (backpressure),
   for at most `wait` seconds, then is refused as busy (Unreachable: the client tries another replica);
 - waits for the total are served in arrival order, so a big request is not starved by small ones.
+
+A reservation bounds what its frame may come to hold, not what it holds at once: the frame's buffer
+grows only as its bytes arrive (protocol.py), and a frame whose bytes stop coming ends its connection
+after FRAME_STALL, which releases the reservation.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ Every frame (little-endian):
     header  20 B  magic u16 0xD1F5, version u8, kind u8 (0 request, 1 response), message id u16,
                   status u16 (0 ok, else an errors.py status), request id u32, meta length u32,
                   data length u32
-    meta          msgpack map (a request's arguments, a response's results or error message)
+    meta          msgpack map (a request's arguments, a response's results or error message), one
+                  schema per message in messages.py, checked before a handler sees it
     data          raw bytes (chunk contents, index pieces), received straight into one buffer
 
 A frame that does not parse, or breaks a size limit, closes its connection (ProtocolError); the
-peer's other connections and the daemon are unaffected. A request the daemon has no memory for
+peer's other connections and the daemon are unaffected. A header allocates nothing: a frame's bytes
+land in their destination as they arrive (a buffer that grows with them), and once a frame has begun
+its bytes must keep coming (FRAME_STALL). A request the daemon has no memory for
 (budget.py) is read past, kept nowhere, and answered with an error; its connection goes on.
 
 RDMA set-up rides on an authenticated data connection (dlfs/data/rdma.py, dlfs/client/rdma.py):
@@ -44,14 +47,15 @@ import errno
 import os
 import select
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
 import trio
 
-from dlfs.errors import ProtocolError, Unreachable
+from dlfs.errors import ProtocolError
 
 MAGIC = 0xD1F5
 VERSION = 1
@@ -66,6 +70,9 @@ DIRECT_BATCH = 4096  # extents in one DIRECT_READ
 # Raw bytes one DIRECT_READ may ask for: any of them may come back inline, copied in the mount's memory.
 DIRECT_REQUEST_BYTES = 4 << 20
 SKIP_PIECE = 64 << 10  # a frame read past (not served) goes through a scratch buffer this big
+# A received frame's buffer grows as its bytes come: to this at first, then to at most twice what came.
+GROW_PIECE = 1 << 20
+FRAME_STALL = 30.0  # seconds a begun frame may go without a byte before its connection is closed
 
 
 class Msg(enum.IntEnum):
@@ -91,6 +98,7 @@ class Msg(enum.IntEnum):
     REMOVE = 28
     # 29-31 (CATALOG, NOTIFY, PINS: the peer-to-peer catalog sync) retired: clusters use etcd
     COLLECT = 32
+    CHECK_INDEXES = 33  # verify / repair: is each index file here the one committed (restore it from a peer)
     # data daemon
     PUT_CHUNK = 50
     READ_RANGE = 51
@@ -217,15 +225,18 @@ Sink = Callable[[int, int], memoryview | None]
 
 
 class FrameStream:
-    """Frames over one byte stream; receive() fills buffers sized from the header."""
+    """Frames over one byte stream; receive() takes each frame's bytes as they arrive, into the
+    sink's memory or a buffer that grows with them, never into one sized from the header alone."""
 
     def __init__(self, stream: trio.abc.Stream, peer: str = "peer") -> None:
         self.stream = stream
         self.peer = peer
         self._pending = bytearray()
-        self._got = 0
         self.max_meta = MAX_META_UNAUTHENTICATED
         self.max_data = MAX_DATA_UNAUTHENTICATED
+        self.stall = FRAME_STALL
+        self.stalled = False  # a frame stalled: the ProtocolError raised was for that
+        self.last_activity = 0.0  # trio clock when a frame was last sent or received whole
         # recv_into straight into the destination where the stream is a real socket.
         sock = getattr(stream, "socket", None)
         self._recv_into = getattr(sock, "recv_into", None)
@@ -241,12 +252,14 @@ class FrameStream:
                 await self._send_file(f.data)
             finally:
                 f.data.close()
+            self.last_activity = trio.current_time()
             return
         if len(f.data) <= 65536:
             await self.stream.send_all(head + bytes(f.data))
         else:
             await self.stream.send_all(head)
             await self.stream.send_all(f.data)
+        self.last_activity = trio.current_time()
 
     async def _send_file(self, r: FileRange) -> None:
         sock = getattr(self.stream, "socket", None)
@@ -261,59 +274,104 @@ class FrameStream:
         finally:
             os.close(fd)
 
-    async def _fill(self, view: memoryview) -> None:
-        """Fill `view` exactly: leftover bytes first, then the socket.
+    async def _receive_into(self, view: memoryview) -> int:
+        """Some bytes (at least one) into the start of `view`: leftovers first, then the stream.
+        EndOfChannel if the peer has ended."""
+        if self._pending:
+            n = min(len(self._pending), len(view))
+            view[:n] = self._pending[:n]
+            del self._pending[:n]
+            return n
+        if self._recv_into is not None:
+            n = await self._recv_into(view)
+        else:
+            block = await self.stream.receive_some(len(view))
+            n = len(block)
+            view[:n] = block
+        if n == 0:
+            raise trio.EndOfChannel
+        return n
 
-        EndOfChannel if the peer ends first; `self._got` says how much arrived by then.
-        """
-        self._got = got = min(len(self._pending), len(view))
-        if got:
-            view[:got] = self._pending[:got]
-            del self._pending[:got]
+    @contextmanager
+    def _unstalled(self) -> Iterator[trio.CancelScope]:
+        """The bound on a begun frame: each wait for its next bytes ends after `stall` seconds, and
+        the frame with it (ProtocolError). Receivers move the deadline on as bytes come."""
+        with trio.CancelScope(deadline=trio.current_time() + self.stall) as bound:
+            yield bound
+        if bound.cancelled_caught:
+            self.stalled = True
+            raise ProtocolError(f"a frame from {self.peer} stalled: no byte of it for {self.stall:g} s")
+
+    async def _fill(self, view: memoryview, bound: trio.CancelScope) -> None:
+        """Fill `view` exactly (EndOfChannel if the peer ends first)."""
+        got = 0
         while got < len(view):
-            if self._recv_into is not None:
-                n = await self._recv_into(view[got:])
-                if n == 0:
-                    raise trio.EndOfChannel
-                got += n
-            else:
-                block = await self.stream.receive_some(len(view) - got)
-                if not block:
-                    raise trio.EndOfChannel
-                view[got : got + len(block)] = block
-                got += len(block)
-            self._got = got
+            got += await self._receive_into(view[got:])
+            bound.deadline = trio.current_time() + self.stall
+
+    async def _grow(self, n: int, bound: trio.CancelScope) -> bytearray:
+        """`n` bytes into a buffer that grows as they come: it holds at most GROW_PIECE, or twice
+        what has arrived, whatever `n` a header declared."""
+        buf = bytearray(min(n, GROW_PIECE))
+        got = 0
+        while got < n:
+            if got == len(buf):
+                # bytes(k) is calloc'ed (its pages untouched): only buf's new part is written.
+                buf += bytes(min(n, 2 * got) - got)
+            got += await self._receive_into(memoryview(buf)[got:])
+            bound.deadline = trio.current_time() + self.stall
+        return buf
 
     async def receive(self, sink: Sink | None = None) -> Frame:
-        """The next frame; EndOfChannel at a clean end, ProtocolError on garbage.
+        """The next frame; EndOfChannel at a clean end, ProtocolError on garbage or a stall.
 
         `sink(req_id, data_len)` may name where the data goes (a view of at least data_len bytes):
         a fetch then lands straight in the cache's memory."""
         return await self.receive_body(await self.receive_head(), sink)
 
+    async def wait_frame(self, timeout: float) -> bool:
+        """True once the next frame's first bytes are here, False if none came within `timeout`
+        (nothing is lost either way); EndOfChannel if the peer has ended."""
+        if self._pending:
+            return True
+        with trio.move_on_after(timeout):
+            block = await self.stream.receive_some(HEADER.size)  # cancelled: no bytes taken
+            if not block:
+                raise trio.EndOfChannel
+            self._pending += block
+            return True
+        return False
+
     async def receive_head(self) -> Head:
         """The next frame's header (EndOfChannel at a clean end, ProtocolError on garbage); its body
-        comes next, with receive_body or skip_body."""
+        comes next, with receive_body or skip_body. Its first byte may take as long as the peer
+        likes (callers bound idleness); the rest must not stall."""
         head = bytearray(HEADER.size)
-        try:
-            await self._fill(memoryview(head))
-        except trio.EndOfChannel:
-            if self._got:  # a partial header is a broken frame, not a clean end
+        view = memoryview(head)
+        got = await self._receive_into(view)
+        with self._unstalled() as bound:
+            try:
+                await self._fill(view[got:], bound)
+            except trio.EndOfChannel:
                 raise ProtocolError(f"connection from {self.peer} ended inside a frame header") from None
-            raise
         return parse_header(head, self.peer, self.max_meta, self.max_data)
 
     async def receive_body(self, head: Head, sink: Sink | None = None) -> Frame:
-        """The frame whose header is `head`, its meta and data read into buffers of their size."""
-        raw_meta = bytearray(head.meta_len)
+        """The frame whose header is `head`: its data into the sink's view where one is given, else
+        (and its meta) into buffers that grow as the bytes arrive."""
         dest = sink(head.req_id, head.data_len) if sink is not None and head.data_len else None
-        data: bytearray | memoryview = bytearray(head.data_len) if dest is None else dest[:head.data_len]
-        try:
-            await self._fill(memoryview(raw_meta))
-            await self._fill(memoryview(data))
-        except trio.EndOfChannel:
-            raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
+        with self._unstalled() as bound:
+            try:
+                raw_meta = await self._grow(head.meta_len, bound)
+                if dest is None:
+                    data: bytearray | memoryview = await self._grow(head.data_len, bound)
+                else:
+                    data = dest[:head.data_len]
+                    await self._fill(data, bound)
+            except trio.EndOfChannel:
+                raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
         meta = unpack_meta(raw_meta) if head.meta_len else {}
+        self.last_activity = trio.current_time()
         return Frame(head.kind, head.msg, head.req_id, head.status, meta, data)
 
     async def skip_body(self, head: Head) -> None:
@@ -321,80 +379,16 @@ class FrameStream:
         stream stays in step for the frames after it."""
         left = head.meta_len + head.data_len
         scratch = memoryview(bytearray(min(left, SKIP_PIECE)))
-        try:
-            while left:
-                n = min(left, len(scratch))
-                await self._fill(scratch[:n])
-                left -= n
-        except trio.EndOfChannel:
-            raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
+        with self._unstalled() as bound:
+            try:
+                while left:
+                    n = min(left, len(scratch))
+                    await self._fill(scratch[:n], bound)
+                    left -= n
+            except trio.EndOfChannel:
+                raise ProtocolError(f"connection from {self.peer} ended inside a frame") from None
+        self.last_activity = trio.current_time()
 
     async def aclose(self) -> None:
         await self.stream.aclose()
 
-
-# --- RDMA set-up records ------------------------------------------------------------------------
-def _field(meta: Mapping[str, Any], name: str, what: str, bits: int) -> int:
-    value = meta.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < (1 << bits):
-        raise ProtocolError(f"malformed {what}: {name} must be an unsigned {bits}-bit number, got {value!r}")
-    return value
-
-
-def _bytes16(meta: Mapping[str, Any], name: str, what: str, means: str) -> bytes:
-    value = meta.get(name)
-    if not isinstance(value, bytes) or len(value) != 16:
-        raise ProtocolError(f"malformed {what}: {name} must be {means}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class QpEndpoint:
-    """What the far side needs to connect to one reliable-connected queue pair."""
-
-    qpn: int  # queue pair number, 24 bits
-    psn: int  # first packet sequence number this side sends, 24 bits
-    lid: int  # port LID (InfiniBand); 0 on RoCE, where the GID routes
-    gid: bytes  # 16-byte port GID (sgid of the chosen index); zeros when unused
-    mtu: int  # active path MTU as an ibv_mtu value (1 = 256 ... 5 = 4096)
-    rd_atomic: int  # RDMA READs in flight at once: wanted (client) or accepted (daemon)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"qpn": self.qpn, "psn": self.psn, "lid": self.lid, "gid": self.gid, "mtu": self.mtu,
-                "rd_atomic": self.rd_atomic}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> QpEndpoint:
-        what = "RDMA endpoint"
-        gid = _bytes16(meta, "gid", what, "16 bytes")
-        mtu = _field(meta, "mtu", what, 8)
-        if not 1 <= mtu <= 5:
-            raise ProtocolError(f"malformed {what}: mtu {mtu} is not an ibv_mtu value (1-5)")
-        rd_atomic = _field(meta, "rd_atomic", what, 8)
-        if rd_atomic < 1:
-            raise ProtocolError(f"malformed {what}: rd_atomic must be at least 1")
-        return cls(_field(meta, "qpn", what, 24), _field(meta, "psn", what, 24), _field(meta, "lid", what, 16),
-                   gid, mtu, rd_atomic)
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteRegion:
-    """A chunk's registered read-only mapping on a data daemon: the target of RDMA READs."""
-
-    id: bytes  # chunk id
-    addr: int  # virtual address of the chunk's first byte in the daemon
-    rkey: int  # remote key of its memory registration
-    length: int  # bytes registered: the whole chunk file
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"id": self.id, "addr": self.addr, "rkey": self.rkey, "length": self.length}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> RemoteRegion:
-        what = "RDMA region"
-        cid = _bytes16(meta, "id", what, "a 16-byte chunk id")
-        return cls(cid, _field(meta, "addr", what, 64), _field(meta, "rkey", what, 32), _field(meta, "length", what, 64))
-
-
-def connection_lost(peer: str, exc: BaseException) -> Unreachable:
-    return Unreachable(f"lost connection to {peer} ({type(exc).__name__}: {exc})")

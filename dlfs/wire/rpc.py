@@ -10,26 +10,43 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import trio
+from msgspec import Struct
 
 from dlfs.counters import MessageStats
 from dlfs.errors import AuthError, DlfsError, ProtocolError, Unreachable, error_from_status, status_of
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.transport.tcp import TRANSPORT
+from dlfs.wire import auth
 from dlfs.wire.auth import client_handshake, server_handshake
 from dlfs.wire.budget import ConnectionShare, MemoryBudget
+from dlfs.wire.limits import ConnectionStats, HalfOpen, LogThrottle, accept_loop, peer_key
+from dlfs.wire.messages import Clock, Empty, NodeName, request, to_meta
 from dlfs.wire.protocol import REQUEST, RESPONSE, FileRange, Frame, FrameStream, Msg, Payload
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
 CALL_TIMEOUT = 60.0
-Reply = tuple[dict[str, Any], Payload]  # what a handler answers
+# A daemon closes an authenticated connection with nothing in flight and no frame either way for this
+# long; a client reopens a pooled one idle for half of it, so no call meets that close.
+IDLE_TIMEOUT = 300.0
+Reply = tuple[Struct | dict[str, Any], Payload]  # what a handler answers: its reply's body (messages.py), data
 Response = tuple[dict[str, Any], bytes | bytearray | memoryview]  # what a caller receives
-Handler = Callable[[dict[str, Any], bytearray], Awaitable[Reply]]
+T = TypeVar("T")
+Handler = Callable[[T, bytearray], Awaitable[Reply]]
+
+
+@dataclass(frozen=True)
+class Route(Generic[T]):
+    """How a service answers one message: its request's schema (a messages.py Struct), which the
+    request's meta is decoded into before `handler` runs, and the handler."""
+
+    kind: type[T]
+    handler: Handler[T]
 
 
 @dataclass
@@ -52,6 +69,17 @@ class Connection:
         self._send_lock = trio.Lock()
         self.closed: DlfsError | None = None
         self.done = trio.Event()
+        self.last_used = trio.current_time()  # when a call last began or ended
+
+    def idle_expiring(self) -> bool:
+        """No call in flight, and none for half the daemon's idle timeout: reopen rather than use it."""
+        return not self._waiting and trio.current_time() - self.last_used > IDLE_TIMEOUT / 2
+
+    async def aclose(self) -> None:
+        """Close it from this side; calls made after fail at once."""
+        if self.closed is None:
+            self.closed = Unreachable(f"connection to {self.node} at {self.fs.peer} closed by this client")
+        await self.fs.aclose()
 
     async def _read_responses(self) -> None:
         try:
@@ -93,6 +121,7 @@ class Connection:
         req_id = next(self._ids) & 0xFFFFFFFF
         w = _Waiter(trio.Event(), into=into)
         self._waiting[req_id] = w
+        self.last_used = trio.current_time()
         try:
             with trio.fail_after(timeout):
                 async with self._send_lock:
@@ -111,6 +140,7 @@ class Connection:
             raise Unreachable(f"lost connection to {self.node} at {self.fs.peer} ({type(exc).__name__})") from None
         finally:
             self._waiting.pop(req_id, None)
+            self.last_used = trio.current_time()
             if w.filling and not w.event.is_set():
                 # Given up while its data is still arriving into the caller's memory: end the
                 # connection, so that nothing writes there once the caller reuses it.
@@ -223,8 +253,15 @@ class Service:
         self.node = node
         # Bytes held for requests in flight; a node's daemons share one (node.py).
         self.memory = memory or MemoryBudget(f"node {node}")
-        self.handlers: dict[int, Handler] = {Msg.PING: self._ping, Msg.TIME: self._time}
+        self.handlers: dict[int, Route[Any]] = {Msg.PING: Route(Empty, self._ping), Msg.TIME: Route(Empty, self._time)}
         self.served: dict[int, MessageStats] = {}  # by message id; 0 gathers the unknown ones
+        self.conns = ConnectionStats()
+        self.half_open = HalfOpen(self.conns)  # caps from limits.py, read now
+        # Peers' misdeeds are counted (conns) and logged a line per LOG_INTERVAL at most, per kind.
+        self._log_refused_key = LogThrottle(log)
+        self._log_handshake = LogThrottle(log)
+        self._log_closing = LogThrottle(log)
+        self._log_refused_request = LogThrottle(log)
 
     def _account(self, f: Frame, reply: Frame, seconds: float) -> None:
         # Unknown ids share one entry: a peer sending garbage ids must not grow this without bound.
@@ -238,46 +275,32 @@ class Service:
         s.bytes_out += len(reply.data)
         s.latency.observe(seconds)
 
-    async def _ping(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        return {"node": self.node}, b""
+    async def _ping(self, req: Empty, data: bytearray) -> Reply:
+        return NodeName(self.node), b""
 
-    async def _time(self, meta: dict[str, Any], data: bytearray) -> Reply:
-        return {"node": self.node, "time": time.time()}, b""
+    async def _time(self, req: Empty, data: bytearray) -> Reply:
+        return Clock(self.node, time.time()), b""
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
-        """Serve one peer until it leaves; bad frames or keys close this connection only."""
+        """Serve one peer until it leaves; bad frames or keys close this connection only.
+
+        Until its handshake is done the connection is half-open (limits.HalfOpen: dropped first when
+        too many are); then it is closed after IDLE_TIMEOUT with nothing in flight."""
         peer = _peer_name(stream)
         fs = FrameStream(stream, peer)
         state = Peer(peer)
         _PEER.set(state)
         share = self.memory.connection()
         try:
+            if not await self._handshake(fs, peer_key(stream)):
+                return
+            self.conns.authenticated += 1
             try:
-                await server_handshake(fs, self.key, self.name, self.node)
-            except AuthError as exc:
-                log.warning("%s daemon: %s", self.name, exc)
-                return
-            except (ProtocolError, trio.TooSlowError, trio.EndOfChannel) as exc:
-                log.warning("%s daemon: closing connection from %s: handshake failed (%s)",
-                            self.name, peer, exc or type(exc).__name__)
-                return
-            send_lock = trio.Lock()
-            limiter = trio.CapacityLimiter(self.concurrency)
-            async with open_nursery() as nursery:
-                while True:
-                    try:
-                        req = await self._receive_request(fs, share)
-                    except trio.EndOfChannel:
-                        break
-                    except ProtocolError as exc:
-                        log.warning("%s daemon: closing connection from %s: %s", self.name, peer, exc)
-                        break
-                    token = object()
-                    await limiter.acquire_on_behalf_of(token)
-                    nursery.start_soon(self._answer, fs, send_lock, limiter, token, req)
-                nursery.cancel_scope.cancel()
+                await self._serve_requests(fs, share, state)
+            finally:
+                self.conns.authenticated -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            log.info("%s daemon: connection from %s dropped (%s)", self.name, peer, type(exc).__name__)
+            log.debug("%s daemon: connection from %s dropped (%s)", self.name, peer, type(exc).__name__)
         except Exception:
             # Whatever one connection does, the daemon keeps serving the others.
             log.exception("%s daemon: connection from %s failed", self.name, peer)
@@ -286,6 +309,67 @@ class Service:
             state.close()
             with trio.CancelScope(shield=True):
                 await fs.aclose()
+
+    async def _handshake(self, fs: FrameStream, peer: str) -> bool:
+        """True once the peer has proven the key; else why not is counted (conns.handshake_failures)
+        and logged at most once per LOG_INTERVAL."""
+        entry = self.half_open.admit(peer)
+        failed, why = "", ""
+        try:
+            with entry.scope:  # cancelled when a newer connection needs the slot (counted there)
+                await server_handshake(fs, self.key, self.name, self.node)
+            return not entry.scope.cancel_called
+        except AuthError as exc:
+            self.conns.handshake_failures["wrong_key"] += 1
+            self._log_refused_key.log(logging.WARNING, "%s daemon: %s", self.name, exc)
+            return False
+        except trio.TooSlowError:
+            failed, why = "timeout", f"handshake not finished within {auth.HANDSHAKE_TIMEOUT:g} s"
+        except ProtocolError as exc:
+            failed, why = "malformed", f"handshake failed: {exc}"
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            failed, why = "closed", f"the peer left during the handshake ({type(exc).__name__})"
+        finally:
+            self.half_open.leave(entry)
+        self.conns.handshake_failures[failed] += 1
+        self._log_handshake.log(logging.INFO, "%s daemon: closing connection from %s: %s", self.name, fs.peer, why)
+        return False
+
+    async def _serve_requests(self, fs: FrameStream, share: ConnectionShare, peer: Peer) -> None:
+        send_lock = trio.Lock()
+        limiter = trio.CapacityLimiter(self.concurrency)
+        async with open_nursery() as nursery:
+            while True:
+                try:
+                    if not await self._wait_request(fs, limiter, peer):
+                        self.conns.closed["idle"] += 1
+                        log.debug("%s daemon: closing connection from %s: idle for %g s", self.name, fs.peer,
+                                  IDLE_TIMEOUT)
+                        break
+                    req = await self._receive_request(fs, share)
+                except trio.EndOfChannel:
+                    break
+                except ProtocolError as exc:
+                    self.conns.closed["stall" if fs.stalled else "protocol"] += 1
+                    self._log_closing.log(logging.WARNING, "%s daemon: closing connection from %s: %s",
+                                          self.name, fs.peer, exc)
+                    break
+                token = object()
+                await limiter.acquire_on_behalf_of(token)
+                nursery.start_soon(self._answer, fs, send_lock, limiter, token, req)
+            nursery.cancel_scope.cancel()
+
+    async def _wait_request(self, fs: FrameStream, limiter: trio.CapacityLimiter, peer: Peer) -> bool:
+        """Until the next request begins (True), or the connection has been idle for IDLE_TIMEOUT:
+        no request in flight, no frame either way, and no RDMA session (whose reads bypass it)."""
+        while True:
+            left = fs.last_activity + IDLE_TIMEOUT - trio.current_time()
+            if left <= 0:
+                if not limiter.borrowed_tokens and not peer.state:
+                    return False
+                left = IDLE_TIMEOUT  # in use: its reply will be activity
+            if await fs.wait_frame(left):
+                return True
 
     async def _receive_request(self, fs: FrameStream, share: ConnectionShare) -> _Request:
         """The next request, its frame's bytes reserved before they are read (waiting for room, the
@@ -298,7 +382,8 @@ class Service:
             await share.reserve(nbytes)
         except DlfsError as exc:
             await fs.skip_body(head)
-            log.warning("%s daemon: refused %s from %s: %s", self.name, _msg_name(head.msg), fs.peer, exc)
+            self._log_refused_request.log(logging.WARNING, "%s daemon: refused %s from %s: %s", self.name,
+                                          _msg_name(head.msg), fs.peer, exc)
             return _Request(Frame(REQUEST, head.msg, head.req_id), share, refused=exc)
         return _Request(await fs.receive_body(head), share, held=nbytes)
 
@@ -309,20 +394,17 @@ class Service:
         reply: Frame | None = None
         t0 = perf_counter()
         try:
-            handler = self.handlers.get(f.msg)
+            route = self.handlers.get(f.msg)
             try:
                 if req.refused is not None:
                     raise req.refused
-                if handler is None:
+                if route is None:
                     raise ProtocolError(f"the {self.name} daemon does not handle message {f.msg}")
-                meta, data = await handler(f.meta, f.data)  # type: ignore[arg-type]
-                reply = Frame(RESPONSE, f.msg, f.req_id, 0, meta, data)
+                # A body of the wrong shape is refused here, naming the field: handlers see only valid ones.
+                body, data = await route.handler(request(route.kind, f.meta, f.msg), f.data)  # type: ignore[arg-type]
+                reply = Frame(RESPONSE, f.msg, f.req_id, 0, to_meta(body), data)
             except DlfsError as exc:
                 reply = Frame(RESPONSE, f.msg, f.req_id, status_of(exc), {"error": exc.message})
-            except (KeyError, TypeError, ValueError) as exc:
-                # Arguments of the wrong shape: the caller's bug, reported to it, not fatal here.
-                reply = Frame(RESPONSE, f.msg, f.req_id, status_of(ProtocolError("")),
-                              {"error": f"bad request {_msg_name(f.msg)}: {type(exc).__name__}: {exc}"})
             except Exception as exc:
                 # A bug in one handler must not take the daemon down with it.
                 log.exception("%s daemon: %s failed", self.name, _msg_name(f.msg))
@@ -365,6 +447,14 @@ async def serve(service: Service, address: Address, *,
     for lst in listeners:
         name = lst.socket.getsockname()  # type: ignore[attr-defined]
         bound.append(Address(path=name) if isinstance(name, str) else Address(name[0], name[1]))
-    async with open_nursery() as nursery:
-        task_status.started(bound)
-        await trio.serve_listeners(service.serve_stream, listeners, handler_nursery=nursery)
+    try:
+        async with open_nursery() as nursery:
+            for lst in listeners:
+                assert isinstance(lst, trio.SocketListener)
+                nursery.start_soon(accept_loop, lst, service.serve_stream, nursery, service.half_open,
+                                   service.conns, f"{service.name} daemon", name=f"dlfs-accept {service.name}")
+            task_status.started(bound)
+    finally:
+        with trio.CancelScope(shield=True):
+            for lst in listeners:
+                await lst.aclose()
