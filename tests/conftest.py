@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from etcdlab import free_ports as _free_ports  # one definition, for the tests that import it from here
 from etcdlab import local_etcd
 
 from dlfs.procmounts import mounts_under as table_mounts_under
@@ -171,17 +171,6 @@ def running_node(home: Path, scratch: Path, *node_args: str) -> Iterator[Node]:
     finally:
         force_unmount(scratch)
         node.stop()
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 @contextmanager

@@ -11,14 +11,14 @@ import os
 import resource
 import subprocess
 import tracemalloc
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
 from conftest import DLFS, REPO, dlfs_env, stop_node, wait_for_node
 from prometheus_client import generate_latest
+from test_node_memory import serving
+from test_services import _closed_by_peer
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster, NodeSpec, ensure_home_key, runtime_file
@@ -28,7 +28,7 @@ from dlfs.node import raise_open_files_limit
 from dlfs.transport.base import Address
 from dlfs.wire import auth, limits, protocol, rpc
 from dlfs.wire.protocol import HEADER, MAGIC, MAX_DATA, REQUEST, VERSION, FrameStream, Msg
-from dlfs.wire.rpc import Service, connect, serve
+from dlfs.wire.rpc import Service, connect
 
 KEY = b"L" * 32
 MiB = 1 << 20
@@ -40,12 +40,6 @@ class Plain(Service):
     name = "data"
 
 
-@asynccontextmanager
-async def serving(svc: Service) -> AsyncIterator[Address]:
-    async with trio.open_nursery() as n:
-        bound = await n.start(serve, svc, Address("127.0.0.1", 0))
-        yield bound[0]
-        n.cancel_scope.cancel()
 
 
 async def half_open(address: Address, source: str) -> trio.SocketStream:
@@ -55,18 +49,6 @@ async def half_open(address: Address, source: str) -> trio.SocketStream:
     hello = await FrameStream(stream, "daemon").receive()
     assert hello.msg == Msg.HELLO
     return stream
-
-
-async def closed_by_peer(stream: trio.SocketStream, within: float) -> bool:
-    """True if the daemon closes the connection within `within` seconds."""
-    with trio.move_on_after(within):
-        try:
-            while await stream.receive_some(4096):
-                pass
-        except trio.BrokenResourceError:
-            pass
-        return True
-    return False
 
 
 def dlfs_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -87,13 +69,13 @@ async def test_half_open_caps_drop_the_oldest_and_a_client_still_gets_in(
         assert len(svc.half_open) == 8 and svc.conns.handshake_failures["cap"] == 0
         # A fifth from one address: that address's oldest goes.
         b.append(await half_open(address, "127.0.0.3"))
-        assert await closed_by_peer(b[0], 5)
+        assert await _closed_by_peer(b[0], 5)
         # A new address past the total: the oldest of all goes.
         c = await half_open(address, "127.0.0.4")
-        assert await closed_by_peer(a[0], 5)
+        assert await _closed_by_peer(a[0], 5)
         assert svc.conns.handshake_failures["cap"] == 2
         for stream in (*a[1:], *b[1:], c):
-            assert not await closed_by_peer(stream, 0.05), "a newer half-open connection was dropped"
+            assert not await _closed_by_peer(stream, 0.05), "a newer half-open connection was dropped"
 
         # A flood from many addresses, held open: the daemon keeps 8 and a real client gets in.
         flood = []
@@ -125,7 +107,7 @@ async def test_failed_handshakes_are_counted_and_logged_once_per_interval(
                     pass
         silent = [await half_open(address, "127.0.0.1") for _ in range(3)]
         for stream in silent:
-            assert await closed_by_peer(stream, 5)
+            assert await _closed_by_peer(stream, 5)
             await stream.aclose()
     assert svc.conns.handshake_failures["wrong_key"] == 5
     assert svc.conns.handshake_failures["timeout"] == 3
@@ -269,7 +251,7 @@ async def test_a_flood_on_the_metrics_port_is_capped_and_a_scrape_still_answers(
         closed = []
 
         async def watch(stream: trio.SocketStream) -> None:
-            closed.append(await closed_by_peer(stream, 2))
+            closed.append(await _closed_by_peer(stream, 2))
 
         async with trio.open_nursery() as watching:  # the oldest are closed for the newer ones
             for stream in flood:

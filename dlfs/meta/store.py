@@ -163,14 +163,20 @@ class MetaStore:
             return f"its file cannot be read: {exc.strerror}"
         return ""
 
-    def restore_index(self, info: VersionInfo, fetched: Path) -> bool:
-        """Put a good copy of a version's index (from a peer) in place of a damaged or missing one."""
+    def _place_fetched(self, info: VersionInfo, fetched: Path) -> ChunkTable:
+        """Check an index fetched from a peer against its version and move it into place; returns its
+        chunk table."""
         chunks = _checked_copy(fetched, info)
         _stamp(fetched, info.created)
         dest = self.index_path(info.name, info.version)
         dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
         os.replace(fetched, dest)
         _fsync_dir(dest.parent)
+        return chunks
+
+    def restore_index(self, info: VersionInfo, fetched: Path) -> bool:
+        """Put a good copy of a version's index (from a peer) in place of a damaged or missing one."""
+        chunks = self._place_fetched(info, fetched)
         if self.catalog.chunk_set(info.name, info.version) is None:
             self.catalog.set_chunks(info.name, info.version, chunks)
         log.info("index of %s@%d put in place from a peer's copy", info.name, info.version)
@@ -406,13 +412,7 @@ class MetaStore:
             return self.restore_index(mine, fetched)  # recorded here, but its file was lost
         if fetched is None:
             raise ValueError("a live version needs its index")
-        chunks = _checked_copy(fetched, info)
-        _stamp(fetched, info.created)
-        dest = self.index_path(info.name, info.version)
-        dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-        os.replace(fetched, dest)
-        _fsync_dir(dest.parent)
-        return self.catalog.insert(info, chunks)
+        return self.catalog.insert(info, self._place_fetched(info, fetched))
 
     def staging_file(self) -> Path:
         return self.staging / f"peer-{secrets.token_hex(8)}.idx"
