@@ -6,6 +6,7 @@ test's directory; `stop()` SIGKILLs it as a crash would, `start()` brings it bac
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -76,6 +77,16 @@ class Member:
         argv = [*self.wrap, "etcdctl", "--endpoints", self.client_url, "--command-timeout=2s", "get", "x"]
         return subprocess.run(argv, capture_output=True, env={**os.environ, "ETCDCTL_API": "3"}).returncode == 0
 
+    def is_leader(self) -> bool:
+        """Whether this member leads its cluster now (etcdctl endpoint status)."""
+        argv = [*self.wrap, "etcdctl", "--endpoints", self.client_url, "--command-timeout=2s", "endpoint", "status",
+                "-w", "json"]
+        out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=30)
+        if out.returncode:
+            return False
+        status = json.loads(out.stdout)[0]["Status"]
+        return bool(status["header"]["member_id"] == status["leader"])
+
     def stop(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -117,6 +128,12 @@ class EtcdCluster:
     def stop(self) -> None:
         for m in self.members:
             m.stop()
+
+    def leader(self) -> Member:
+        for m in self.members:
+            if m.proc is not None and m.is_leader():
+                return m
+        raise RuntimeError("no etcd member leads")
 
     def toml(self, lease_ttl: int = 4) -> str:
         urls = ", ".join(f'"{e}"' for e in self.endpoints)

@@ -22,7 +22,9 @@ import trio
 from dlfs.errors import ControlUnavailable, Unreachable
 
 log = logging.getLogger(__name__)
-REQUEST_TIMEOUT = 5.0  # seconds one request waits; etcd without a leader answers within about this
+REQUEST_TIMEOUT = 5.0  # seconds one request waits, over all endpoints; etcd without a leader answers within about this
+FIRST_ATTEMPT = 1.5  # seconds one endpoint is given at first: more than an election takes (etcd's default 1 s)
+ROUND_PAUSE = 0.2  # between rounds over the endpoints
 WATCH_IDLE = 30.0  # a watch that hears nothing (not even progress) for this long is reopened
 MAX_RESPONSE = 64 << 20  # the most one reply may hold: the catalog is small, a peer is not trusted
 
@@ -156,27 +158,39 @@ class Etcd:
         return [self.endpoints[(self._first + i) % n] for i in range(n)]
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /v3/<path> to the first endpoint that answers for the cluster."""
-        errors: list[str] = []
-        for endpoint in self._order():
-            try:
-                with trio.fail_after(self.timeout + 1):
-                    r = await self._client().post(f"{endpoint}/v3/{path}", json=body)
-                if len(r.content) > MAX_RESPONSE:
-                    raise EtcdRefused(f"etcd at {endpoint}: reply of {len(r.content)} bytes to {path} is too big")
-                doc = r.json() if r.content else {}
-            except (httpx.HTTPError, OSError, ValueError, trio.TooSlowError) as exc:
-                errors.append(f"{endpoint}: {_why(exc)}")
-                continue
-            if r.status_code != 200 or "error" in doc:
-                message = str(doc.get("error") or doc.get("message") or f"HTTP {r.status_code}")
-                if _retryable(message, r.status_code):
-                    errors.append(f"{endpoint}: {message}")
+        """POST /v3/<path> to the first endpoint that answers for the cluster, within `timeout`.
+
+        Endpoints are tried in rounds, each attempt bounded by FIRST_ATTEMPT at first and twice that
+        each round: a member whose leader just died holds a write until a new one is elected (about
+        an election timeout), so a short attempt and the next member beat waiting out one long one."""
+        errors: dict[str, str] = {}
+        deadline = trio.current_time() + self.timeout
+        attempt = min(FIRST_ATTEMPT, self.timeout)
+        while True:
+            for endpoint in self._order():
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    raise EtcdUnavailable(f"etcd is unavailable ({'; '.join(f'{e}: {w}' for e, w in errors.items())})")
+                try:
+                    with trio.fail_after(min(attempt, left)):
+                        r = await self._client().post(f"{endpoint}/v3/{path}", json=body)
+                    if len(r.content) > MAX_RESPONSE:
+                        raise EtcdRefused(f"etcd at {endpoint}: reply of {len(r.content)} bytes to {path} is too big")
+                    doc = r.json() if r.content else {}
+                except (httpx.HTTPError, OSError, ValueError, trio.TooSlowError) as exc:
+                    errors[endpoint] = _why(exc)
                     continue
-                raise EtcdRefused(f"etcd at {endpoint} refused {path}: {message}")
-            self._first = self.endpoints.index(endpoint)
-            return doc
-        raise EtcdUnavailable(f"etcd is unavailable ({'; '.join(errors)})")
+                if r.status_code != 200 or "error" in doc:
+                    message = str(doc.get("error") or doc.get("message") or f"HTTP {r.status_code}")
+                    if _retryable(message, r.status_code):
+                        errors[endpoint] = message
+                        continue
+                    raise EtcdRefused(f"etcd at {endpoint} refused {path}: {message}")
+                self._first = self.endpoints.index(endpoint)
+                return doc
+            # Every endpoint failed this round: a pause (refusals come back at once), then longer attempts.
+            await trio.sleep(min(ROUND_PAUSE, max(0.0, deadline - trio.current_time())))
+            attempt *= 2
 
     # --- keys -----------------------------------------------------------------------------------------
     async def range(self, key: str, prefix: bool = False, revision: int = 0) -> tuple[list[KV], int]:
