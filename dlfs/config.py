@@ -190,9 +190,6 @@ def load_cluster(cluster_file: str | None, home: Path) -> Cluster:
     return Cluster([spec], ensure_home_key(home), 1, str(path), local=spec.name, key_file=str(key_path(home)))
 
 
-    return True
-
-
 def parse_cluster_file(path: Path) -> Cluster:
     """Read and check a cluster file; every mistake is one line naming the file."""
     try:

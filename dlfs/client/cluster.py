@@ -25,14 +25,10 @@ PROBE_TIMEOUT = 5.0
 
 
 def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
-    """Every node in the chunk's rendezvous (highest-random-weight) order."""
+    """Every node in the chunk's rendezvous (highest-random-weight) order. A chunk's R replicas are the
+    first R of its rank; repair places a copy further down when one of them is lost, and readers
+    look there next."""
     return sorted(nodes, key=lambda n: xxhash.xxh64_intdigest(n.name.encode() + b"\0" + cid), reverse=True)
-
-
-def placement(cid: bytes, nodes: list[NodeSpec], replicas: int) -> list[NodeSpec]:
-    """The R nodes that hold a chunk: the first R of its rank. Repair places a copy further down
-    the rank when one of them is lost, and readers look there next."""
-    return rank(cid, nodes)[:replicas]
 
 
 @dataclass

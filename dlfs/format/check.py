@@ -7,8 +7,8 @@ chunk cache) trusts a committed index's references: each one in range, each dire
 sorted and valid, every directory reached once from the root (no cycle), each file's extents
 adding up to its size and lying inside their chunk.
 
-Linear in the index's size, a pass over each section with struct.iter_unpack (about 1 s per
-million files here); run in a worker thread.
+Linear in the index's size, a pass over each section with struct.iter_unpack (2.8 s for a million
+files, a 103 MB index, on this machine); run in a worker thread.
 """
 
 from __future__ import annotations
