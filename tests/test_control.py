@@ -63,6 +63,18 @@ async def test_concurrent_commits_of_one_name_get_distinct_numbers(control: Cont
     await control.aclose()
 
 
+async def test_an_allocation_tried_again_finds_its_own_version(control: ControlPlane) -> None:
+    """An allocation applied by etcd whose reply was lost is tried again (on another member): it finds
+    the version its session recorded, and takes no second number."""
+    await session(control, "s1")
+    first = await control.allocate(info("ds"), "n1", "s1")
+    again = await control.allocate(info("ds"), "n1", "s1")
+    assert again.version == first.version == 1
+    recs, _ = await control.versions("ds")
+    assert [r.info.version for r in recs] == [1]
+    await control.aclose()
+
+
 async def test_a_commit_whose_session_lost_its_lease_is_refused(control: ControlPlane) -> None:
     lease = await session(control, "s1")
     await control.etcd.revoke(lease)

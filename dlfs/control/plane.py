@@ -90,6 +90,7 @@ class _VersionDoc(Struct, frozen=True):
     info: VersionInfo
     holder: str = ""
     freed: bool = False
+    session: str = ""  # the ingest that allocated it: a retried allocation finds its own version
 
 
 def _version_of(kv: KV) -> VersionRecord:
@@ -103,8 +104,8 @@ def _mount_of(kv: KV) -> MountRecord:
                        int(doc.get("pid", 0)), kv.lease)
 
 
-def _record(info: VersionInfo, holder: str, freed: bool = False) -> str:
-    return json.dumps({"info": info.to_wire(), "holder": holder, "freed": freed})
+def _record(info: VersionInfo, holder: str, freed: bool = False, session: str = "") -> str:
+    return json.dumps({"info": info.to_wire(), "holder": holder, "freed": freed, "session": session})
 
 
 def mounts_phrase(mounts: list[MountRecord]) -> str:
@@ -162,12 +163,18 @@ class ControlPlane:
             key = self.version_key(info.name, number)
             r = await self.etcd.txn(
                 [absent(key), present(self.ingest_key(sid))],
-                [put_op(key, _record(mine, holder)), delete_op(f"{self.p}pins/{sid}/", prefix=True),
+                [put_op(key, _record(mine, holder, session=sid)), delete_op(f"{self.p}pins/{sid}/", prefix=True),
                  delete_op(self.ingest_key(sid))],
-                [range_op(self.ingest_key(sid))])
+                [range_op(self.ingest_key(sid)), range_op(self._versions_of(info.name), prefix=True)])
             if r.succeeded:
                 return mine
             if not r.ranges or not r.ranges[0]:
+                # An earlier try may have been applied with its reply lost (the etcd client then asks
+                # another member): the version it recorded names this session.
+                for kv in r.ranges[1] if len(r.ranges) > 1 else []:
+                    doc = decode(_VersionDoc, kv.json(), f"version record {kv.key} in etcd", CorruptData)
+                    if doc.session == sid and not doc.freed:
+                        return doc.info
                 raise Conflict(f"ingest of {info.name}: its session lost its lease in etcd (its metadata daemon "
                                "was cut off from etcd for longer than lease_ttl); run the ingest again")
         raise Conflict(f"ingest of {info.name}: {ALLOCATE_TRIES} other commits of the name took every number "
