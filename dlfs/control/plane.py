@@ -83,6 +83,17 @@ class Snapshot:
     pins: set[bytes]
     revision: int
 
+    def _held(self, r: VersionRecord) -> bool:
+        return any(m.name == r.info.name and m.version == r.info.version for m in self.mounts)
+
+    def needed(self) -> list[VersionRecord]:
+        """Versions whose chunks must stay: live ones, and removed ones a mount still holds."""
+        return [r for r in self.versions if not r.freed and (not r.info.removed or self._held(r))]
+
+    def collectable(self) -> list[VersionRecord]:
+        """Removed versions no mount holds whose chunks are not yet freed."""
+        return [r for r in self.versions if r.info.removed and not r.freed and not self._held(r)]
+
 
 class _VersionDoc(Struct, frozen=True):
     """A version's value in etcd (see the module's docstring)."""

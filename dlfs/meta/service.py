@@ -323,9 +323,7 @@ class MetaService(Service):
     async def collect_pending(self) -> None:
         """The collector's job: free removed versions that no mount holds any more."""
         assert self.control is not None
-        snap = await self.control.snapshot()
-        held = {(m.name, m.version) for m in snap.mounts}
-        if any(r.info.removed and not r.freed and (r.info.name, r.info.version) not in held for r in snap.versions):
+        if (await self.control.snapshot()).collectable():
             freed, deferred = await self._collect()
             log.info("collected removed versions no mount holds: %d chunks freed%s", freed,
                      f" ({deferred})" if deferred else "")
@@ -344,16 +342,14 @@ class MetaService(Service):
         assert self.follower is not None
         async with self.gc_lock, self.control.gc_lock(self.node, self._lease_id()):
             snap = await self.control.snapshot()
-            held = {(m.name, m.version) for m in snap.mounts}
-            needed = [r for r in snap.versions if not r.freed and (not r.info.removed or (r.info.name, r.info.version) in held)]
             live = set(snap.pins)
-            for rec in needed:
+            for rec in snap.needed():
                 name, version = rec.info.name, rec.info.version
                 if not await trio.to_thread.run_sync(self.store.knows_chunks, name, version):
                     await self.follower.ensure(rec)  # a version this daemon never fetched: its chunk list
                 live |= await trio.to_thread.run_sync(self.store.chunks_of, name, version)
             freed, skipped = await self.ledger.sweep(live, only)
-            done = [r for r in snap.versions if r.info.removed and not r.freed and (r.info.name, r.info.version) not in held]
+            done = snap.collectable()
             if not skipped and done and only is None:
                 await self.control.mark_freed(done)
                 for r in done:

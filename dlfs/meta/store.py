@@ -167,12 +167,24 @@ class MetaStore:
         """Check an index fetched from a peer against its version and move it into place; returns its
         chunk table."""
         chunks = _checked_copy(fetched, info)
-        _stamp(fetched, info.created)
-        dest = self.index_path(info.name, info.version)
-        dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-        os.replace(fetched, dest)
-        _fsync_dir(dest.parent)
+        self._put_in_place(fetched, info.name, info.version, info.created,
+                           f"cannot install the index of {info.name}@{info.version}")
         return chunks
+
+    def _put_in_place(self, src: Path, name: str, version: int, created: float, what: str) -> Path:
+        """Move an index file to where a version's index lives, durably (the file, then its directory,
+        synced), stamped with the version's commit time; returns where it went."""
+        dest = self.index_path(name, version)
+        try:
+            dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            _stamp(src, created)
+            with open(src, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(src, dest)
+            _fsync_dir(dest.parent)
+        except OSError as exc:
+            raise _os_error(exc, what) from None
+        return dest
 
     def restore_index(self, info: VersionInfo, fetched: Path) -> bool:
         """Put a good copy of a version's index (from a peer) in place of a damaged or missing one."""
@@ -301,17 +313,7 @@ class MetaStore:
         placed: list[Path] = []
 
         def publish(number: int) -> None:
-            dest = self.index_path(s.name, number)
-            try:
-                dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-                _stamp(s.path, info.created)
-                with open(s.path, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(s.path, dest)
-                placed.append(dest)
-                _fsync_dir(dest.parent)
-            except OSError as exc:
-                raise _os_error(exc, f"cannot commit {s.name}") from None
+            placed.append(self._put_in_place(s.path, s.name, number, info.created, f"cannot commit {s.name}"))
 
         try:
             info = self.catalog.add(info, publish, chunks)
@@ -325,16 +327,7 @@ class MetaStore:
     def install(self, sid: str, info: VersionInfo, index: Index) -> None:
         """Put a staged index in place under the number the cluster gave it (etcd), and record it."""
         s = self.session(sid)
-        dest = self.index_path(info.name, info.version)
-        try:
-            dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-            _stamp(s.path, info.created)
-            with open(s.path, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(s.path, dest)
-            _fsync_dir(dest.parent)
-        except OSError as exc:
-            raise _os_error(exc, f"cannot commit {info.name}") from None
+        self._put_in_place(s.path, info.name, info.version, info.created, f"cannot commit {info.name}")
         self.catalog.insert(info, chunk_table(index))
         self.sessions.pop(sid, None)
 

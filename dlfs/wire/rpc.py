@@ -24,7 +24,7 @@ from dlfs.wire import auth
 from dlfs.wire.auth import client_handshake, server_handshake
 from dlfs.wire.budget import ConnectionShare, MemoryBudget
 from dlfs.wire.limits import ConnectionStats, HalfOpen, LogThrottle, accept_loop, peer_key
-from dlfs.wire.messages import Clock, Empty, NodeName, request, to_meta
+from dlfs.wire.messages import Clock, Empty, NodeName, msg_name, request, to_meta
 from dlfs.wire.protocol import REQUEST, RESPONSE, FileRange, Frame, FrameStream, Msg, Payload
 
 log = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ class Service:
         except DlfsError as exc:
             await fs.skip_body(head)
             self._log_refused_request.log(logging.WARNING, "%s daemon: refused %s from %s: %s", self.name,
-                                          _msg_name(head.msg), fs.peer, exc)
+                                          msg_name(head.msg), fs.peer, exc)
             return _Request(Frame(REQUEST, head.msg, head.req_id), share, refused=exc)
         return _Request(await fs.receive_body(head), share, held=nbytes)
 
@@ -407,8 +407,8 @@ class Service:
                 reply = Frame(RESPONSE, f.msg, f.req_id, status_of(exc), {"error": exc.message})
             except Exception as exc:
                 # A bug in one handler must not take the daemon down with it.
-                log.exception("%s daemon: %s failed", self.name, _msg_name(f.msg))
-                reply = Frame(RESPONSE, f.msg, f.req_id, 1, {"error": f"internal error in {_msg_name(f.msg)}: {exc}"})
+                log.exception("%s daemon: %s failed", self.name, msg_name(f.msg))
+                reply = Frame(RESPONSE, f.msg, f.req_id, 1, {"error": f"internal error in {msg_name(f.msg)}: {exc}"})
             self._account(f, reply, perf_counter() - t0)
             async with send_lock:
                 await fs.send(reply)
@@ -419,13 +419,6 @@ class Service:
                 reply.data.close()  # never sent (the connection went first)
             req.share.release(req.held)
             limiter.release_on_behalf_of(token)
-
-
-def _msg_name(msg: int) -> str:
-    try:
-        return Msg(msg).name
-    except ValueError:
-        return f"message {msg}"
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:
