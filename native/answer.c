@@ -408,10 +408,24 @@ static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint6
     return fd;
 }
 
+#ifndef RWF_DONTCACHE
+#define RWF_DONTCACHE 0x00000080 /* Linux 6.14+: read through the page cache, dropping what it read */
+#endif
+
+static int dontcache = RWF_DONTCACHE; /* 0 once the kernel or file system says it has no such flag */
+
+/* Reads of chunk files leave no page cache behind (RWF_DONTCACHE where the kernel has it): the kernel
+ * caches what it is sent for the FUSE file, and one copy of each byte in memory is enough. */
 static int pread_all(int fd, char *buf, size_t len, off_t off)
 {
     while (len) {
-        ssize_t n = pread(fd, buf, len, off);
+        struct iovec iov = {buf, len};
+        int flags = __atomic_load_n(&dontcache, __ATOMIC_RELAXED);
+        ssize_t n = preadv2(fd, &iov, 1, off, flags);
+        if (n < 0 && flags && (errno == EOPNOTSUPP || errno == EINVAL)) {
+            __atomic_store_n(&dontcache, 0, __ATOMIC_RELAXED);
+            continue;
+        }
         if (n <= 0)
             return -1;
         buf += n;
@@ -541,6 +555,12 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
             uint32_t slab;
             if (e.flags & DLFS_RECORD_LZ4 || rp->n == DLFS_REPLY_IOV || !sv->shm ||
                 !dlfs_shm_pin(sv->shm, sv->pin, i, e.raw_len, &buf, &slab)) {
+                if (!(e.flags & DLFS_RECORD_LZ4) && rp->n < DLFS_REPLY_IOV && sv->consume &&
+                    dlfs_consume_pending(sv->consume, i)) {
+                    unpin_all(sv, rp); /* its window is on its way: wait for it here (engine.c) */
+                    rp->n = 1;
+                    return DLFS_PARK;
+                }
                 if (rp->npins == 0 && off >= pos && end <= next &&
                     read_local(sv, rp, i, &e, off - pos, end - pos, r->size, n.count == 1, c) == 0) {
                     c->reads++;

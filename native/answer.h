@@ -33,6 +33,7 @@ struct dlfs_counters {
     uint64_t reads, read_bytes, read_misses, corrupt;
     uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
     uint64_t record_reads, record_bytes, record_failures; /* whole small records read there, in scan mode */
+    uint64_t parked, parked_answered, parked_forwarded; /* READs that waited in C for a window being fetched */
 };
 
 #define DLFS_SUMS_KEPT 1024 /* records whose block sums the engine keeps: 8 KiB for a 4 MiB record */
@@ -90,7 +91,9 @@ struct dlfs_serve {
     struct dlfs_sums *sums; /* with local_dir: the sums kept (the one mutable part, locked) */
 };
 
-enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2 };
+/* DLFS_PARK: a READ of a record the cache is fetching now: it waits in C (engine.c) and is answered
+ * when the record lands, never sent to Python for that. */
+enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3 };
 
 /* Scan mode, set by the mount's cache when its read-ahead has no room (an epoch over more than the
  * cache holds): a READ of a whole small record of this machine's chunks that is not in the cache is
@@ -101,7 +104,8 @@ void dlfs_set_scan(int on);
 /* The size of `opcode`'s fixed argument struct, or -1 if it is not one answered here. */
 int dlfs_op_len(uint32_t opcode);
 /* Answer `rq` into `rp` (DLFS_ANSWERED: send rp->iov[0..n), then call dlfs_reply_done), or say it
- * goes to Python (DLFS_FORWARD) or needs no reply (DLFS_NO_REPLY: FORGET). */
+ * goes to Python (DLFS_FORWARD), waits for a record being fetched (DLFS_PARK), or needs no reply
+ * (DLFS_NO_REPLY: FORGET). */
 int dlfs_answer(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                 struct dlfs_counters *c);
 /* After the reply was sent (or failed to be): let go of its pins and count what the kernel got. */

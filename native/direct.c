@@ -426,6 +426,30 @@ static PyObject *shared_reset_served(SharedCache *s, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* set_pending(exts, on): the cache starts (or ends) fetching these records; READs of them wait in C meanwhile. */
+static PyObject *shared_set_pending(SharedCache *s, PyObject *args)
+{
+    PyObject *exts;
+    int on;
+    if (!mount_ok(s) || !PyArg_ParseTuple(args, "Op", &exts, &on))
+        return NULL;
+    PyObject *seq = PySequence_Fast(exts, "set_pending takes a sequence of extents");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long ext;
+        if (index_arg(items[i], s->shm.h.n_extents, "extent", &ext) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        dlfs_consume_set_pending(&s->consume, ext, on);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
 static PyObject *shared_take_consumed(SharedCache *s, PyObject *unused)
 {
     uint32_t got[TAKE_BATCH];
@@ -649,6 +673,8 @@ static PyMethodDef shared_methods[] = {
      "served(ext, n, raw_len) -> bool: n more bytes of the record went to the kernel; True if that completed it."},
     {"reset_served", (PyCFunction)shared_reset_served, METH_O,
      "reset_served(ext): the record is kept anew (outside a slab): nothing of it has been sent."},
+    {"set_pending", (PyCFunction)shared_set_pending, METH_VARARGS,
+     "set_pending(exts, on): these records are (no longer) being fetched; the engine parks READs of them."},
     {"take_consumed", (PyCFunction)shared_take_consumed, METH_NOARGS,
      "take_consumed() -> [ext]: records the serving threads completed, for the cache to drop."},
     {"read_many", (PyCFunction)shared_read_many, METH_O,

@@ -57,6 +57,22 @@ static struct {
     int nworkers;
 } E = {.devfd = -1, .wake_fd = -1, .native_ok = 1, .lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* A READ waiting for its record's window to land (dlfs_engine_park), as the device gave it. */
+struct parked {
+    uint64_t since_ns;
+    uint32_t len;
+    char data[];
+};
+
+/* The parked READs. Lock order: P.lock, then E.lock or a ring queue's lock (never the other way). */
+static struct {
+    pthread_mutex_t lock;
+    struct parked *slot[DLFS_PARK_MAX];
+    int n, closed;
+    struct dlfs_reply reply; /* answers parked READs, under the lock */
+    struct dlfs_counters counters;
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
 static int stop_signal(void)
 {
     return SIGRTMIN + 3; /* interrupts a blocked read of the device; Python uses no real-time signal */
@@ -173,6 +189,110 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
     return writev(E.devfd, iov, count);
 }
 
+/* --- READs parked until their window lands ---------------------------------------------------- */
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* A reply to a request that was not answered by the thread that read it: into its ring entry if it came
+ * through io_uring, else to /dev/fuse (as Python's replies go). */
+static void send_late(struct dlfs_reply *rp)
+{
+    int sent = 1;
+    if (!dlfs_uring_reply(rp->iov, rp->n)) {
+        ssize_t n = writev(E.devfd, rp->iov, rp->n);
+        if (n < 0 && errno != ENOENT)
+            __atomic_fetch_add(&E.write_errors, 1, __ATOMIC_RELAXED);
+        sent = n >= 0;
+    }
+    dlfs_reply_done(&E.serve, rp, sent);
+}
+
+/* Under P.lock: answer `p` if its records are here, or pass it to Python if they are no longer coming (or
+ * `give_up`); 1 if it is settled (the caller frees it), 0 if it still waits. */
+static int settle(struct parked *p, int give_up)
+{
+    const struct fuse_in_header *in = (const void *)p->data;
+    int op_len = dlfs_op_len(in->opcode), r = DLFS_FORWARD;
+    if (__atomic_load_n(&E.serving, __ATOMIC_ACQUIRE) && op_len >= 0 && p->len >= sizeof *in + (uint32_t)op_len) {
+        struct dlfs_req rq = {in, p->data + sizeof *in, (uint32_t)op_len, p->data + sizeof *in + op_len,
+                              (uint32_t)(p->len - sizeof *in - op_len)};
+        r = dlfs_answer(&E.serve, &rq, &P.reply, &P.counters);
+    }
+    if (r == DLFS_ANSWERED) {
+        send_late(&P.reply);
+        P.counters.parked_answered++;
+        return 1;
+    }
+    if (r == DLFS_PARK && !give_up)
+        return 0;
+    P.counters.parked_forwarded++;
+    dlfs_engine_forward(p->data, p->len);
+    return 1;
+}
+
+void dlfs_engine_park(const void *buf, uint32_t len, struct dlfs_counters *c)
+{
+    struct parked *p = malloc(sizeof *p + len);
+    if (!p) {
+        c->forwarded++;
+        dlfs_engine_forward(buf, len);
+        return;
+    }
+    p->since_ns = now_ns();
+    p->len = len;
+    memcpy(p->data, buf, len);
+    pthread_mutex_lock(&P.lock);
+    /* Looked at again under the lock: the window may have landed (and its wake-up passed) meanwhile. */
+    if (!settle(p, P.closed || P.n == DLFS_PARK_MAX)) {
+        P.slot[P.n++] = p;
+        c->parked++;
+        p = NULL;
+    }
+    pthread_mutex_unlock(&P.lock);
+    free(p);
+}
+
+int dlfs_engine_wake(void)
+{
+    int answered = 0;
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&P.lock);
+    uint64_t before = P.counters.parked_answered;
+    for (int i = 0; i < P.n;) {
+        if (settle(P.slot[i], now - P.slot[i]->since_ns > (uint64_t)DLFS_PARK_SECONDS * 1000000000u)) {
+            free(P.slot[i]);
+            P.slot[i] = P.slot[--P.n];
+        } else {
+            i++;
+        }
+    }
+    answered = (int)(P.counters.parked_answered - before);
+    pthread_mutex_unlock(&P.lock);
+    return answered;
+}
+
+/* Nobody will answer what is parked (the engine stops): tell the kernel so. */
+static void unpark_all(int err)
+{
+    pthread_mutex_lock(&P.lock);
+    P.closed = 1;
+    for (int i = 0; i < P.n; i++) {
+        struct fuse_out_header out = {.len = sizeof out, .error = -err,
+                                      .unique = ((struct fuse_in_header *)P.slot[i]->data)->unique};
+        struct iovec iov = {&out, sizeof out};
+        if (!dlfs_uring_reply(&iov, 1) && write(E.devfd, &out, sizeof out) < 0)
+            __atomic_fetch_add(&E.write_errors, 1, __ATOMIC_RELAXED);
+        free(P.slot[i]);
+    }
+    P.n = 0;
+    pthread_mutex_unlock(&P.lock);
+}
+
 /* --- the /dev/fuse readers ------------------------------------------------------------------- */
 
 static void end_session(void)
@@ -207,6 +327,8 @@ static void handle(struct worker *w, const char *buf, size_t n)
     }
     if (r == DLFS_ANSWERED) {
         send_reply(&w->reply);
+    } else if (r == DLFS_PARK) {
+        dlfs_engine_park(buf, (uint32_t)n, &w->counters);
     } else if (r == DLFS_FORWARD) {
         w->counters.forwarded++;
         dlfs_engine_forward(buf, (uint32_t)n);
@@ -319,8 +441,19 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
         return -1;
     E.serve = *sv;
     E.workers = calloc((size_t)threads, sizeof *E.workers);
-    if (!E.workers)
+    P.reply.scratch = malloc(SCRATCH);
+    if (!E.workers || !P.reply.scratch) {
+        free(E.workers);
+        free(P.reply.scratch);
+        E.workers = NULL;
+        P.reply.scratch = NULL;
+        errno = ENOMEM;
         return -1;
+    }
+    P.reply.scratch_size = SCRATCH;
+    dlfs_local_fds_init(&P.reply.local);
+    memset(&P.counters, 0, sizeof P.counters);
+    P.closed = 0;
     __atomic_store_n(&E.serving, E.native_ok, __ATOMIC_RELEASE);
     /* One thread per CPU the process may use (and more in turn): pinned only if every CPU gets one. */
     cpu_set_t allowed;
@@ -362,6 +495,7 @@ void dlfs_engine_close_python(void)
         free(f);
         f = next;
     }
+    unpark_all(ENOTCONN); /* nor wake these: their windows are Python's to fetch */
 }
 
 void dlfs_engine_stop(void)
@@ -402,6 +536,11 @@ void dlfs_engine_stats(struct dlfs_engine_stats *out)
             dst[k] += __atomic_load_n(&src[k], __ATOMIC_RELAXED);
     }
     dlfs_uring_add_counters(&out->c);
+    pthread_mutex_lock(&P.lock);
+    const uint64_t *psrc = (const uint64_t *)&P.counters;
+    for (size_t k = 0; k < sizeof P.counters / sizeof(uint64_t); k++)
+        ((uint64_t *)&out->c)[k] += psrc[k];
+    pthread_mutex_unlock(&P.lock);
     out->threads = (uint64_t)E.nworkers;
     out->uring_queues = dlfs_uring_queues();
     out->uring_state = dlfs_uring_state();
@@ -421,6 +560,9 @@ void dlfs_engine_release(void)
     for (int i = 0; i < E.nworkers; i++)
         free(E.workers[i].reply.scratch);
     free(E.workers);
+    dlfs_local_fds_close(&P.reply.local);
+    free(P.reply.scratch);
+    P.reply.scratch = NULL;
     E.workers = NULL;
     E.nworkers = 0;
     close(E.devfd);

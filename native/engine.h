@@ -39,6 +39,15 @@ int dlfs_engine_running(void);
 /* For the io_uring transport: what requests are answered from (NULL until serving), and the queue to Python. */
 const struct dlfs_serve *dlfs_engine_serve(void);
 void dlfs_engine_forward(const void *request, uint32_t len);
+/* A READ that dlfs_answer said to park (DLFS_PARK): it waits here, copied, until dlfs_engine_wake finds its
+ * record landed (or no longer coming: then it goes to Python); at most DLFS_PARK_MAX wait at once, and none
+ * longer than DLFS_PARK_SECONDS. Its reply goes out as Python's do (the ring entry it came in, or /dev/fuse). */
+#define DLFS_PARK_MAX 1024
+#define DLFS_PARK_SECONDS 30
+void dlfs_engine_park(const void *request, uint32_t len, struct dlfs_counters *c);
+/* Answer the parked READs whose records have landed, pass on those whose records are no longer coming or
+ * that waited too long; how many were answered. Called by the cache after each fetch ends. */
+int dlfs_engine_wake(void);
 
 /* io_uring transport (uring.c): per-CPU queues beside the /dev/fuse readers. Each queue holds
  * DLFS_URING_ENTRIES requests at once, each with a payload buffer the kernel requires to fit its

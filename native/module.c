@@ -226,7 +226,7 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
         dlfs_reply_done(&sv, &rp, 1);
         out = reply ? Py_BuildValue("(sN)", "answered", reply) : NULL;
     } else {
-        out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : "no_reply", "");
+        out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : r == DLFS_PARK ? "park" : "no_reply", "");
     }
     dlfs_local_fds_close(&rp.local);
     serve_local_free(sv.local_dir, sv.sums);
@@ -261,7 +261,8 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}",
+        "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
         s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
         s.c.record_failures,
@@ -270,6 +271,15 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
         s.uring_queues, "queued_max", s.queued_max, "write_errors", s.write_errors, "python_replies",
         s.python_replies, "io_uring", state, "ended", s.ended ? Py_True : Py_False);
+}
+
+static PyObject *wake_parked(PyObject *self, PyObject *unused)
+{
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = dlfs_engine_wake();
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
 }
 
 static PyObject *engine_running(PyObject *self, PyObject *unused)
@@ -288,6 +298,8 @@ static PyMethodDef methods[] = {
     {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
     {"set_scan", set_scan, METH_O, "Scan mode on or off: serving threads read whole small local records themselves."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
+    {"wake_parked", wake_parked, METH_NOARGS,
+     "Answer the READs parked for records that have landed (and pass on the rest that wait no more); how many."},
     {"fuse_hooked", fuse_hooked, METH_NOARGS,
      "True once pyfuse3's session was created through the hook, so READ carries the inode as fh."},
     {NULL, NULL, 0, NULL},
@@ -313,7 +325,8 @@ PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m && (dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 || add_layout(m) < 0 ||
-              PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0))
+              PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0 ||
+              PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);
     return m;

@@ -160,11 +160,18 @@ int dlfs_consume_init(struct dlfs_consume *c, uint64_t n_extents, uint32_t ring_
     void *served = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (served == MAP_FAILED)
         return -1;
+    void *pending = mmap(NULL, bytes / sizeof(uint32_t), PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (pending == MAP_FAILED) {
+        munmap(served, bytes);
+        return -1;
+    }
     c->ring = calloc(ring_cap, sizeof *c->ring);
     c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (!c->ring || c->wake_fd < 0) {
         int err = errno ? errno : ENOMEM;
         munmap(served, bytes);
+        munmap(pending, bytes / sizeof(uint32_t));
         free(c->ring);
         if (c->wake_fd >= 0)
             close(c->wake_fd);
@@ -172,6 +179,7 @@ int dlfs_consume_init(struct dlfs_consume *c, uint64_t n_extents, uint32_t ring_
         return -1;
     }
     c->served = served;
+    c->pending = pending;
     c->n_extents = n_extents;
     c->cap = ring_cap;
     pthread_mutex_init(&c->lock, NULL);
@@ -182,6 +190,8 @@ void dlfs_consume_free(struct dlfs_consume *c)
 {
     if (c->served)
         munmap(c->served, (size_t)(c->n_extents ? c->n_extents : 1) * sizeof(uint32_t));
+    if (c->pending)
+        munmap(c->pending, (size_t)(c->n_extents ? c->n_extents : 1));
     free(c->ring);
     if (c->wake_fd >= 0)
         close(c->wake_fd);

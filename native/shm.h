@@ -111,6 +111,7 @@ uint64_t dlfs_shm_clear_row(const struct dlfs_shm *s, uint64_t row, uint64_t *re
  * kernel keeps the pages). Counted by whoever replies: the serving threads or the Python handlers. */
 struct dlfs_consume {
     uint32_t *served;  /* bytes per extent, reset when the record is published again */
+    uint8_t *pending;  /* 1 per extent while the cache fetches it: a READ of it waits in C (engine.c) */
     uint64_t n_extents;
     pthread_mutex_t lock;
     uint32_t *ring;    /* extents consumed and not yet taken by the cache */
@@ -126,6 +127,16 @@ void dlfs_consume_free(struct dlfs_consume *c);
 int dlfs_consume_add(struct dlfs_consume *c, uint64_t ext, uint32_t n, uint32_t len);
 /* Queue a completed extent for the cache. */
 void dlfs_consume_push(struct dlfs_consume *c, uint32_t ext);
+/* Whether extent `ext` is being fetched into the cache (set and cleared by the cache, one owner). */
+static inline int dlfs_consume_pending(const struct dlfs_consume *c, uint64_t ext)
+{
+    return ext < c->n_extents && __atomic_load_n(&c->pending[ext], __ATOMIC_ACQUIRE);
+}
+static inline void dlfs_consume_set_pending(struct dlfs_consume *c, uint64_t ext, int on)
+{
+    if (ext < c->n_extents)
+        __atomic_store_n(&c->pending[ext], (uint8_t)!!on, __ATOMIC_RELEASE);
+}
 /* Move up to `max` queued extents to `out`; how many. */
 uint32_t dlfs_consume_take(struct dlfs_consume *c, uint32_t *out, uint32_t max);
 #endif

@@ -221,6 +221,7 @@ static void handle(struct queue *q, int i)
     }
     uint32_t op_len = in->len - sizeof *in - payload_len;
     const struct dlfs_serve *sv = dlfs_engine_serve();
+    int park = 0;
     if (sv) {
         struct dlfs_req rq = {in, e->hdr->op_in, op_len, e->payload, payload_len};
         int r = dlfs_answer(sv, &rq, &q->reply, &q->counters);
@@ -237,8 +238,9 @@ static void handle(struct queue *q, int i)
             commit_error(q, i, in->unique, ENOSYS);
             return;
         }
+        park = r == DLFS_PARK;
     }
-    /* To Python: header, op struct and payload contiguous, as read(2) of the device gives them. */
+    /* To Python (or parked): header, op struct and payload contiguous, as read(2) of the device gives them. */
     char *buf = malloc(in->len);
     if (!buf) {
         commit_error(q, i, in->unique, ENOMEM);
@@ -250,8 +252,12 @@ static void handle(struct queue *q, int i)
     pthread_mutex_lock(&q->lock);
     e->waiting = in->unique;
     pthread_mutex_unlock(&q->lock);
-    q->counters.forwarded++;
-    dlfs_engine_forward(buf, in->len);
+    if (park) {
+        dlfs_engine_park(buf, in->len, &q->counters); /* answered through dlfs_uring_reply, as Python's are */
+    } else {
+        q->counters.forwarded++;
+        dlfs_engine_forward(buf, in->len);
+    }
     free(buf);
 }
 

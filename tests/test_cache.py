@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from test_services import make_chunk, make_index, running_node
 
 from dlfs.client.cache import ChunkCache
@@ -88,22 +89,63 @@ async def test_partly_served_record_stays_until_all_its_bytes_are_served(tmp_pat
 
 
 @pytest.mark.timeout(60)
-async def test_a_miss_prefetches_the_rest_of_its_chunk(tmp_path: Path) -> None:
+async def test_a_random_miss_fetches_its_window_not_its_chunk(tmp_path: Path) -> None:
+    """Nothing predicts the next file of a random order: a miss brings its own window (one range),
+    and no prefetch of the rest of its chunk fills memory with what may never be asked for."""
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
-        # Chunks of 8 records of 20 kB: a 64K slab holds 3, so a chunk needs several fetches.
-        index, payloads, stored = await _dataset(tmp_path, client, spec, n_chunks=4)
+        # Chunks of 8 records of 20 kB: a 64K slab holds a few, so a chunk is several windows.
+        index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=4)
         cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB)
         n.start_soon(cache.prefetch_worker)
         for c in range(4):
-            await cache.record(c * 8 + 5)  # one miss in the middle of each chunk
-        with trio.fail_after(10):
-            while not all(ext in cache for ext in range(len(payloads))):
-                await trio.sleep(0.01)
+            await cache.record(c * 8 + 4)  # one miss in the middle of each chunk
+        await trio.testing.wait_all_tasks_blocked()
+        windows = [cache.window_of(c * 8 + 4) for c in range(4)]
+        held = sorted(ext for ext in range(len(payloads)) if ext in cache)
+        assert held == sorted(e for lo, hi in windows for e in range(lo, hi))
+        assert cache.fetches == 4 and cache.prefetched_bytes == 0
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_keeps_its_next_windows_in_flight(tmp_path: Path) -> None:
+    """A file read in order (its extents [0, 32) here, across chunks) has its next windows fetched
+    ahead: after the first miss, every record is a hit and no byte is fetched twice."""
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
+        index, payloads, stored = await _dataset(tmp_path, client, spec, n_chunks=4)
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB)
+        for _ in range(2):
+            n.start_soon(cache.prefetch_worker)
         for ext in range(len(payloads)):
-            assert bytes(await cache.record(ext)) == payloads[ext]
-        assert cache.misses == 4, "every other record was prefetched"
+            got = await cache.record(ext, stream=(0, len(payloads)))
+            assert bytes(got) == payloads[ext], f"extent {ext}"
+            cache.consume(ext, len(got))
+        assert cache.misses == 1, cache.stats()
         assert cache.prefetched_bytes > 0 and cache.fetched_bytes <= stored, "nothing was fetched twice"
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_second_cold_epoch_reads_ahead_as_the_first(tmp_path: Path) -> None:
+    """Records sent whole to the kernel are passed over by read-ahead only until the kernel asks for
+    one again (it dropped pages): the second epoch then fetches windows, not single records."""
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
+        index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=4)
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB, prefetch=False)
+        fetches = []
+        for epoch in range(2):
+            before = cache.fetches
+            for ext in range(len(payloads)):
+                got = await cache.record(ext)
+                assert bytes(got) == payloads[ext]
+                cache.consume(ext, len(got))
+            fetches.append(cache.fetches - before)
+        windows = len({cache.window_of(ext) for ext in range(len(payloads))})
+        assert windows < len(payloads) and fetches == [windows, windows], fetches  # a fetch per window, each epoch
+        assert cache.generations == 2
         n.cancel_scope.cancel()
 
 

@@ -38,6 +38,7 @@ import logging
 import math
 import mmap
 import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,14 +60,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 FETCH_TIMEOUT = 10.0
-PREFETCH_WORKERS = 2
+PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or a node) busy
 NO_SLAB = -1
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
 STREAMS = 4096  # records whose last read is remembered, to tell sequential reads from random ones
 SEQUENTIAL_AFTER = 2  # reads continuing the one before, after which a stream fetches whole records
-STREAM_CHUNKS = 3  # chunks queued ahead of a file read in order
+# READs bigger than this are the kernel's read-ahead, so part of a sequential read, in whatever order
+# they arrive (several are in flight at once); smaller ones are an application's random reads. The
+# serving threads draw the same line (native/answer.h).
+RANDOM_READ_MAX = getattr(native, "RANDOM_READ_MAX", 64 << 10)
+# Windows kept ahead of a file read in order: from the first, doubled whenever a read has to wait for
+# one (the reader outran them), up to the most (a slab each).
+STREAM_WINDOWS, STREAM_WINDOWS_MAX = 8, 16
+# Read-ahead for the FUSE path lands in at most this much of the arena (slabs reused once consumed):
+# a cold epoch touches a working set sized by what is ahead of its readers, not the dataset.
+READAHEAD_MAX = 256 << 20
 # Records held outside the arena at most (decompressed ones, records bigger than a slab, those fetched
 # while every slab is pinned): beside the arena, this bounds what the cache holds.
 OWN_MEMORY = 8 << 20
@@ -142,23 +152,35 @@ class ChunkCache:
         self._want_fresh = trio.Event()
         self._records: dict[int, tuple[bytes | memoryview, int]] = {}  # extent -> (raw bytes, block)
         self._served: dict[int, int] = {}  # extent -> bytes of it sent to the kernel so far
-        # 1 once an extent was consumed: read-ahead and prefetch pass it over (the kernel has it).
-        self._done = bytearray(index.totals.extents)
         self._blocks: dict[int, Block] = {}
         self._resident: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._scratch: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._scratch_cap = self.capacity // 8
         self._resident_cap = self.capacity - self._scratch_cap
+        # dlfs.direct clients keep reading what they fetched (nothing consumes it): they may use all of
+        # the resident part; the kernel's read-ahead only what is in flight ahead of its readers.
+        self._readahead_cap = min(self._resident_cap, max(READAHEAD_MAX, 4 * self.slab_size))
         self._resident_size = self._scratch_size = self._inflight_size = self._own_size = 0
         self._next_block = 0
         self._inflight: dict[int, trio.Event] = {}
         self._prefetch = prefetch
         self.local: LocalChunks | None = None  # this machine's chunk files, read in place when set
-        self._queued: set[int] = set()
+        # Which records the kernel was sent whole, as of the current *generation*: read-ahead passes
+        # them over (the kernel keeps its pages) until the kernel asks again for one it was sent, which
+        # shows it drops pages (memory pressure, a dataset bigger than memory): that starts a new
+        # generation, in which no earlier note holds, so every cold epoch reads ahead as the first did.
+        self._sent = array("H", bytes(2 * max(index.totals.extents, 1)))
+        self._generation = 1
+        self.generations = 1
+        self._queued: set[int] = set()  # windows (their first extent) waiting for a prefetch worker
         self._streams: OrderedDict[int, tuple[int, int]] = OrderedDict()  # ext -> (end of last read, run)
-        self._streaming: dict[int, int] = {}  # chunk queued for a file read in order -> the file's extents' end
+        # Windows read ahead of a file read in order (their first extent) -> (the file's first extent,
+        # its extents' end): the consumption of one of their records moves the stream on.
+        self._streaming: dict[int, tuple[int, int]] = {}
+        self._depth: OrderedDict[int, int] = OrderedDict()  # a streamed file's first extent -> windows ahead
         self._windows: dict[int, list[int]] = {}  # chunk -> first extent of each of its windows, then its end
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
+        self.stream_waits = 0  # reads that found their window still being fetched: the stream then deepens
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
         self.prefetched_bytes = self.consumed = self.corrupt = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
@@ -177,18 +199,20 @@ class ChunkCache:
 
     # --- room and memory ---
 
-    def _room(self, more: int) -> bool:
-        """Whether `more` bytes of read-ahead may join the resident part."""
-        return self._resident_size + self._inflight_size + more <= self._resident_cap
+    def _room(self, more: int, direct: bool = False) -> bool:
+        """Whether `more` bytes of read-ahead may join the resident part (for a dlfs.direct client: all
+        of it; for the kernel's reads: READAHEAD_MAX of it)."""
+        cap = self._resident_cap if direct else self._readahead_cap
+        return self._resident_size + self._inflight_size + more <= cap
 
     def _make_room(self) -> bool:
         """Drop the oldest resident blocks until a window fits: for a dlfs.direct miss. Its clients read
         records without consuming them, so the resident part fills with what they have read; its new
         windows would otherwise go to the small scratch area and be dropped before their records are
         asked for (a chunk-local epoch fetched a third of its windows twice)."""
-        while self._resident and not self._room(self.slab_size):
+        while self._resident and not self._room(self.slab_size, direct=True):
             self._drop(next(iter(self._resident)), evicted=True)
-        return self._room(self.slab_size)
+        return self._room(self.slab_size, direct=True)
 
     def _readahead_room(self) -> bool:
         """Whether a miss may read ahead, and so whether the serving threads are in scan mode (read
@@ -196,7 +220,7 @@ class ChunkCache:
         Scan mode ends once half the resident part is free again, not at the first slab's room: read
         ahead in drips, each window would mostly bring records the threads had already read."""
         if self._scan:
-            room = self._resident_size + self._inflight_size <= self._resident_cap // 2
+            room = self._resident_size + self._inflight_size <= self._readahead_cap // 2
         else:
             room = self._room(self.slab_size)
         if room == self._scan:
@@ -289,11 +313,11 @@ class ChunkCache:
             self.shared.unpublish(ext)
 
     def _add_block(self, slab: int, nbytes: int, records: dict[int, bytes | memoryview],
-                   offsets: dict[int, int]) -> None:
+                   offsets: dict[int, int], direct: bool = False) -> None:
         """Keep fetched records as one block; `offsets` are those lying whole in the slab (published)."""
         bid = self._next_block
         self._next_block += 1
-        resident = self._resident_size + nbytes <= self._resident_cap
+        resident = self._resident_size + nbytes <= (self._resident_cap if direct else self._readahead_cap)
         own = nbytes - (self.slab_size if slab != NO_SLAB else 0)
         self._blocks[bid] = Block(slab, nbytes, resident, own, set(records))
         self._own_size += own
@@ -330,18 +354,22 @@ class ChunkCache:
         """(slab, offset) of extent `ext` if it lies whole in a slab of the shared arena now."""
         return self.shared.where(ext) if self.shared is not None else None
 
-    async def read(self, ext: int, lo: int, hi: int, first: int, end: int) -> bytes | bytearray | memoryview:
+    async def read(self, ext: int, lo: int, hi: int, first: int, end: int,
+                   size: int = 0) -> bytes | bytearray | memoryview:
         """Bytes [lo, hi) of extent `ext`'s record for a read of the file made of extents [first, end),
-        fetched as its access pattern asks, as the kernel's own read-ahead does: reading the file from
-        its start, or a third read in a row continuing the one before (across records too), is
-        sequential: the record's whole window, the rest of its chunk and the file's next chunk are
-        fetched; any other read inside a record with block sums fetches just the 4 KiB blocks it covers."""
-        sequential = self._stream(ext, lo, hi, first)
-        if sequential or ext in self._records or ext in self._inflight:
-            return (await self.record(ext, end))[lo:hi]
+        fetched as its access pattern asks, as the kernel's own read-ahead does: a READ of more than
+        RANDOM_READ_MAX (`size`: the kernel's read-ahead), reading the file from its start, or a third
+        read in a row continuing the one before (across records too), is sequential: the record's window is fetched and the file's next windows kept in flight ahead of
+        it; any other read inside a record with block sums fetches just the 4 KiB blocks it covers, and
+        of a small record its window alone (nothing predicts the next file of a random order)."""
+        sequential = self._stream(ext, lo, hi, first) or size > RANDOM_READ_MAX
+        if sequential:
+            return (await self.record(ext, (first, end)))[lo:hi]
+        if ext in self._records or ext in self._inflight:
+            return (await self.record(ext))[lo:hi]
         if self.index.extent(ext).record.flags & FLAG_BLOCK_SUMS:
             return await self._fetch_blocks(ext, lo, hi)
-        return (await self.record(ext, ahead=False))[lo:hi]  # a small record, read at random: it alone
+        return (await self.record(ext))[lo:hi]
 
     def _stream(self, ext: int, lo: int, hi: int, first: int) -> bool:
         """Note a read of [lo, hi) of extent `ext` (of a file starting at extent `first`); True if it
@@ -359,42 +387,46 @@ class ChunkCache:
             self._streams.popitem(last=False)
         return (lo == 0 and ext == first) or run >= SEQUENTIAL_AFTER
 
-    async def record(self, ext: int, file_end: int | None = None, ahead: bool = True,
+    async def record(self, ext: int, stream: tuple[int, int] | None = None, ahead: bool = True,
                      direct: bool = False) -> bytes | bytearray | memoryview:
         """The raw bytes of extent `ext`, verified; CorruptData if no replica has good bytes. Whatever
         the source (this machine's chunk files, a data daemon), the record lands in the cache and stays
         until the kernel (or a dlfs.direct client) has it. With `ahead`, a miss fetches the record's
-        window and queues the rest of its chunk (and, given `file_end`, the end of the file's extents,
-        the file's next chunk); without, the record alone. For a `direct` client, a window brings the
-        records the kernel already had too: the client reads them again, and a slab per record would
-        fill the cache."""
+        window while read-ahead has room (else the record alone); given `stream` (the first extent and
+        the extents' end of a file read in order), the file's next windows are kept in flight too.
+        Whether a record is fetched is decided by this call alone, never by a note that the kernel was
+        sent it once: the kernel may have dropped it since (a second cold epoch). For a `direct` client
+        the window comes even when read-ahead has no room (into the part kept for such clients): it
+        reads the records again, and a slab per record would fill the cache."""
+        if stream is not None:
+            self._stream_ahead(ext, *stream)
+        waited = False
         while True:
             hit = self._records.get(ext)
             if hit is not None:
                 if hit[1] in self._scratch:
                     self._scratch.move_to_end(hit[1])
                 self.hits += 1
+                if waited and stream is not None:
+                    self._deepen(stream[0])
                 return hit[0]
             pending = self._inflight.get(ext)
             if pending is None:
                 break
+            waited = True
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
+        if self._sent[ext] == self._generation:
+            self._new_generation()
         room = self._readahead_room()
         if not room and direct:
             room = self._make_room()
-        readahead = ahead and room
-        if readahead:
-            ci = self.index.extent(ext).chunk
-            self._queue_chunk(ci)
-            if file_end is not None:  # a big file read in order: its next chunks too
-                self._stream_ahead(ci, file_end)
-        self._done[ext] = 0  # asked again: the kernel no longer has it, if it ever did
-        # A direct client's batch pins what it reads: a slab for each record alone would run out of
-        # slabs, so its miss brings the window even when no read-ahead is queued (into the scratch area).
-        window = readahead or direct
-        data = await self._fetch(self._run(ext, done=not direct) if window else [ext], ext)
+        window = (ahead and room) or direct
+        data = await self._fetch(self._run(ext, sent=not direct) if window else [ext], ext, direct)
         assert data is not None
+        if stream is not None:
+            self._deepen(stream[0])
+            self._stream_ahead(ext, *stream)
         return data
 
     def _count_fetch(self, node: str, nbytes: int) -> None:
@@ -426,17 +458,25 @@ class ChunkCache:
         if hit is None:
             return
         self._unpublish(ext)
-        self._done[ext] = 1
+        self._sent[ext] = self._generation
         self.consumed += 1
         if self._streaming:
-            ci = self.index.extent(ext).chunk
-            file_end = self._streaming.pop(ci, None)
-            if file_end is not None:  # a streamed chunk is being read: keep the stream ahead of it
-                self._stream_ahead(ci, file_end)
+            stream = self._streaming.pop(self.window_of(ext)[0], None)
+            if stream is not None:  # a streamed window is being read: keep the stream ahead of it
+                self._stream_ahead(ext, *stream)
         b = self._blocks[hit[1]]
         b.live.discard(ext)
         if not b.live:
             self._drop(hit[1])
+
+    async def unpark_stale(self, every: float = 1.0) -> None:
+        """Run for the mount's life: let the engine pass on READs parked too long (each fetch's end
+        wakes the parked READs anyway; this bounds the wait of any that a lost wake-up would strand)."""
+        if native is None or self.shared is None:
+            return
+        while True:
+            await trio.sleep(every)
+            native.wake_parked()
 
     async def drain_consumed(self) -> None:
         """Run for the mount's life: drop the records the serving threads sent whole to the kernel."""
@@ -448,10 +488,19 @@ class ChunkCache:
                 self._consumed(ext)
             self._readahead_room()
 
-    def _here(self, i: int, done: bool = True) -> bool:
-        """Whether extent i needs no fetch: cached, being fetched, or (with `done`) already sent whole
-        to the kernel, which keeps it unless it runs short of memory."""
-        return (done and bool(self._done[i])) or i in self._records or i in self._inflight
+    def _new_generation(self) -> None:
+        """The kernel asked again for a record it was sent whole: it drops pages, so no note of what
+        it was sent holds any more."""
+        self._generation += 1
+        self.generations += 1
+        if self._generation > 0xFFFF:
+            self._sent = array("H", bytes(len(self._sent) * 2))
+            self._generation = 1
+
+    def _here(self, i: int, sent: bool = True) -> bool:
+        """Whether extent i needs no fetch: cached, being fetched, or (with `sent`) sent whole to the
+        kernel in this generation (see _sent)."""
+        return (sent and self._sent[i] == self._generation) or i in self._records or i in self._inflight
 
     def window_of(self, ext: int) -> tuple[int, int]:
         """[first, end) extents of the window of ext's chunk that holds it. A chunk's windows are
@@ -473,11 +522,11 @@ class ChunkCache:
         k = bisect.bisect_right(starts, ext) - 1
         return starts[k], starts[k + 1]
 
-    def _run(self, ext: int, done: bool = True) -> list[int]:
+    def _run(self, ext: int, sent: bool = True) -> list[int]:
         """`ext` and the other extents of its window that are not here (one range covers them); with
-        `done=False` the records the kernel was once sent too (a dlfs.direct client reads them again)."""
+        `sent=False` those the kernel was sent too (a dlfs.direct client reads them again)."""
         lo, hi = self.window_of(ext)
-        return [i for i in range(lo, hi) if i == ext or not self._here(i, done)]
+        return [i for i in range(lo, hi) if i == ext or not self._here(i, sent)]
 
     async def _from_sources(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
                             check: Callable[[Sequence[Buffer], str], Awaitable[T]]) -> T:
@@ -522,7 +571,7 @@ class ChunkCache:
         cls = CorruptData if corrupt else Unreachable
         raise cls(f"chunk {cid.hex()}: no replica has good bytes ({'; '.join(errors)})")
 
-    async def _fetch(self, run: list[int], need: int | None) -> bytes | memoryview | None:
+    async def _fetch(self, run: list[int], need: int | None, direct: bool = False) -> bytes | memoryview | None:
         """Fetch the records of `run` (ascending, in one window of a chunk) as one range into one slab; returns
         `need`'s bytes (CorruptData/Unreachable if no replica has them), None for a prefetch."""
         extents = [self.index.extent(i) for i in run]
@@ -540,6 +589,8 @@ class ChunkCache:
         for i in run:
             self._inflight[i] = done
         self._inflight_size += length
+        if self.shared is not None:  # the serving threads park READs of these until they land
+            self.shared.set_pending(run, True)
         slab_kept = False
 
         async def keep(got: Sequence[Buffer], node: str) -> bytes | memoryview | None:
@@ -549,7 +600,8 @@ class ChunkCache:
             # read of the local disk may start the bytes a little into the slab.
             in_slab = slab != NO_SLAB and isinstance(data, memoryview) and data.obj is self.arena
             at = _address(data) - _address(into) if isinstance(data, memoryview) and in_slab and into else 0
-            raw = await self._keep(run, extents, chunk.id, base, data, node, need, slab if in_slab else NO_SLAB, at)
+            raw = await self._keep(run, extents, chunk.id, base, data, node, need, slab if in_slab else NO_SLAB, at,
+                                   direct)
             slab_kept = in_slab
             if need is None:
                 self.prefetched_bytes += len(data)
@@ -564,6 +616,11 @@ class ChunkCache:
             done.set()
             if not slab_kept and slab != NO_SLAB:
                 self._free.append(slab)
+            if self.shared is not None:
+                # Published (or failed) first, then no longer pending, then the parked READs looked at.
+                self.shared.set_pending(run, False)
+                if native is not None:
+                    native.wake_parked()
 
     async def _fetch_blocks(self, ext: int, lo: int, hi: int) -> memoryview:
         """Bytes [lo, hi) of extent `ext`'s record, reading only the 4 KiB blocks that hold them and
@@ -585,7 +642,7 @@ class ChunkCache:
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,
-                    slab: int, at: int = 0) -> bytes | memoryview | None:
+                    slab: int, at: int = 0, direct: bool = False) -> bytes | memoryview | None:
         """Verify the fetched records and keep them as one block (its bytes `at` bytes into `slab`);
         returns `need`'s, or raises CorruptData if it is bad (keeping nothing: the next replica's copy
         replaces them all)."""
@@ -594,7 +651,7 @@ class ChunkCache:
                 self._verify, run, extents, cid, base, data, node, need, slab, at)
         else:
             kept, in_slab, nbytes = self._verify(run, extents, cid, base, data, node, need, slab, at)
-        self._add_block(slab, nbytes, kept, in_slab)
+        self._add_block(slab, nbytes, kept, in_slab, direct)
         return kept[need] if need is not None else None
 
     def _verify(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
@@ -644,50 +701,53 @@ class ChunkCache:
 
     # --- prefetch ---
 
-    def _stream_ahead(self, ci: int, file_end: int) -> None:
-        """A file whose extents end before `file_end` is read in order, now in chunk `ci`: keep its next
-        STREAM_CHUNKS chunks queued. The serving threads answer the reads of what arrived without a word
-        to Python, so it is each consumed record of a chunk read this way that moves the stream on."""
-        for _ in range(STREAM_CHUNKS):
-            chunk = self.index.chunk(ci)
-            after = chunk.first_extent + chunk.n_extents
-            if after >= file_end:
-                return
-            ci = self.index.extent(after).chunk
-            if ci not in self._streaming:
-                self._streaming[ci] = file_end
-                self._queue_chunk(ci)
+    def _deepen(self, first: int) -> None:
+        """A read of the file starting at extent `first` waited for its window: keep more ahead."""
+        self.stream_waits += 1
+        self._depth[first] = min(self._depth.get(first, STREAM_WINDOWS) * 2, STREAM_WINDOWS_MAX)
+        self._depth.move_to_end(first)
+        if len(self._depth) > STREAMS:
+            self._depth.popitem(last=False)
 
-    def _queue_chunk(self, chunk: int) -> None:
-        if self._prefetch and chunk not in self._queued:
-            self._queued.add(chunk)
-            self._queue_send.send_nowait(chunk)
+    def _stream_ahead(self, ext: int, first: int, file_end: int) -> None:
+        """The file of extents [first, file_end) is read in order, now at extent `ext`: keep its next
+        windows (as many as its depth) here or queued. The serving threads answer the reads of what
+        arrived without a word to Python, so it is each consumed record of a streamed window that
+        moves the stream on."""
+        depth = self._depth.get(first, STREAM_WINDOWS)
+        nxt = self.window_of(ext)[1]
+        for _ in range(depth):
+            if nxt >= file_end or not self._room(self.slab_size):
+                return
+            self._streaming[nxt] = (first, file_end)
+            if not self._here(nxt):
+                self._queue_window(nxt)
+            nxt = self.window_of(nxt)[1]
+
+    def _queue_window(self, start: int) -> None:
+        if self._prefetch and start not in self._queued:
+            self._queued.add(start)
+            self._queue_send.send_nowait(start)
 
     async def prefetch_worker(self) -> None:
-        """Run for the mount's life: fetch the records of queued chunks that are not here yet,
-        a slab at a time, while the resident part has room."""
-        async for ci in self._queue_recv:
-            self._queued.discard(ci)
-            chunk = self.index.chunk(ci)
-            ext, end = chunk.first_extent, chunk.first_extent + chunk.n_extents
-            while ext < end and self._room(self.slab_size):
-                if self._here(ext):
-                    ext += 1
-                    continue
-                run = self._run(ext)
-                try:
-                    await self._fetch(run, None)
-                except DlfsError as exc:
-                    log.debug("prefetch of chunk %s stopped: %s", chunk.id.hex(), exc)
-                    break
-                ext = self.window_of(ext)[1]
+        """Run for the mount's life (PREFETCH_WORKERS of them): fetch the queued windows' records that
+        are not here yet, a slab each, while read-ahead has room."""
+        async for start in self._queue_recv:
+            self._queued.discard(start)
+            if self._here(start) or not self._room(self.slab_size):
+                continue
+            try:
+                await self._fetch(self._run(start), None)
+            except DlfsError as exc:
+                log.debug("prefetch of extent %d's window stopped: %s", start, exc)
 
     def stats(self) -> dict[str, int]:
         if self._retired:
             self._reclaim_retired()  # so retired_slabs counts only those still pinned
         out = {"hits": self.hits, "misses": self.misses, "fetches": self.fetches,
                "fetched_bytes": self.fetched_bytes, "prefetched_bytes": self.prefetched_bytes,
-               "block_reads": self.block_reads,
+               "block_reads": self.block_reads, "stream_waits": self.stream_waits,
+               "generations": self.generations,
                "consumed": self.consumed, "evictions": self.evictions,
                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
                "retired_slabs": len(self._retired), "retired_pinned": self.retired_pinned,

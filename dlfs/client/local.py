@@ -30,6 +30,21 @@ THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker th
 DIRECT_MIN = 256 << 10  # windows this big go from the disk straight to their slab (O_DIRECT)
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of offset, length and memory (a page covers every device's)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# Linux 6.14+: a buffered read that leaves no page cache behind (the kernel keeps what it is sent for
+# the FUSE file: one copy of each byte in memory is enough). Cleared where the kernel has no such flag.
+RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
+_dontcache = [RWF_DONTCACHE]
+
+
+def _pread_uncached(fd: int, buf: memoryview, offset: int) -> int:
+    """preadv of `buf` at `offset`, leaving the page cache as it was where the kernel can."""
+    while True:
+        try:
+            return os.preadv(fd, [buf], offset, _dontcache[0])
+        except OSError as exc:
+            if not _dontcache[0] or exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            _dontcache[0] = 0
 
 
 def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
@@ -46,7 +61,7 @@ def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
 
 def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
     """preadv each (buffer, offset) in turn; bytes read into each."""
-    return [os.preadv(fd, [buf], off) for buf, off in pieces]
+    return [_pread_uncached(fd, buf, off) for buf, off in pieces]
 
 
 class _CachestatRange(ctypes.Structure):

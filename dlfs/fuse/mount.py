@@ -260,6 +260,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         else:
             log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)
         nursery.start_soon(cache.drain_consumed, name="dlfs-drain-consumed")
+        nursery.start_soon(cache.unpark_stale, name="dlfs-unpark-stale")
         record = mount_record(opts.home, opts.mountpoint)
 
         async def announce() -> None:

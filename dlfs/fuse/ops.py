@@ -191,9 +191,20 @@ class DlfsOperations(pyfuse3.Operations):
         file_end = node.ref + node.count
         # The kernel keeps what it is sent (keep_cache, or no_open): the cache may then drop it.
         if node.count == 1:
-            data = await self.cache.read(node.ref, off, end, node.ref, file_end)
+            data = await self.cache.read(node.ref, off, end, node.ref, file_end, size)
             self.cache.consume(node.ref, len(data))
             return data
+        # A READ (at most 1 MiB) that lies in one record is answered with a view of it, no copy.
+        pos = 0
+        for ext in range(node.ref, file_end):
+            n = self.index.extent(ext).record.raw_len
+            if pos + n > off:
+                if end <= pos + n:
+                    data = await self.cache.read(ext, off - pos, end - pos, node.ref, file_end, size)
+                    self.cache.consume(ext, len(data))
+                    return data
+                break
+            pos += n
         # Each piece is copied out before the next await: a view could outlive its cache slab.
         out = bytearray(end - off)
         pos = 0
@@ -201,7 +212,7 @@ class DlfsOperations(pyfuse3.Operations):
             n = self.index.extent(ext).record.raw_len
             if pos + n > off and pos < end:
                 lo = max(off - pos, 0)
-                piece = await self.cache.read(ext, lo, min(end - pos, n), node.ref, file_end)
+                piece = await self.cache.read(ext, lo, min(end - pos, n), node.ref, file_end, size)
                 out[pos + lo - off : pos + lo - off + len(piece)] = piece
                 self.cache.consume(ext, len(piece))
             pos += n

@@ -1,0 +1,178 @@
+"""`dlfs bench --only cold`: the cold path, where a dataset bigger than memory puts every epoch.
+
+Its own node and dataset (big files of 16 MiB and 40 MB, and ~110 KB files), read by local disk,
+squashfuse_ll and dlfs, each figure beside local disk's in the same state, measured in the same run:
+
+  - big files read whole (open(p, "rb").read()), cold: page cache dropped, a fresh mount; 1 and 2 readers;
+  - two cold epochs of the small files on ONE mount, the page cache dropped between them (what a job
+    whose dataset does not fit in memory gets from its second epoch on): files/s of each, the second
+    over the first, and the READs each epoch sent to Python (the mount's published misses);
+  - the mount's CPU per cold file beside squashfuse_ll's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dlfs.bench.baselines import (
+    DlfsMount,
+    DlfsNode,
+    LocalDisk,
+    SquashfuseLL,
+    System,
+    build_squashfs,
+    drop_caches,
+    fresh_start,
+    unmount_all_under,
+)
+from dlfs.bench.epoch import list_files, timed_epoch
+from dlfs.bench.sample import make_sample
+
+Say = Callable[[str], None]
+DATASET = "bench-cold"
+BIG_SIZES = (16 << 20, 40_000_000)  # a 3D-U-Net-like sample (MLPerf Storage's unet3d) and a bigger shard
+SMALL_MEAN = 110_000
+COUNTS = {"quick": (8, 3000), "full": (16, 8000)}  # big files of each size, small files
+
+
+def make_dataset(root: Path, quick: bool) -> tuple[list[str], list[str], int]:
+    """root/big/* and root/small/...: (big relpaths, small relpaths, bytes), reused when already there."""
+    n_big, n_small = COUNTS["quick" if quick else "full"]
+    big = root / "big"
+    big.mkdir(parents=True, exist_ok=True)
+    for size in BIG_SIZES:
+        for i in range(n_big):
+            p = big / f"{size}-{i:03d}.bin"
+            if not p.exists() or p.stat().st_size != size:
+                tmp = p.with_suffix(".tmp")
+                with open(tmp, "wb", buffering=0) as f:
+                    f.write(random.Random(size * 1000 + i).randbytes(size))
+                os.replace(tmp, p)
+    make_sample(root / "small", n_files=n_small, mean_size=SMALL_MEAN)
+    bigs = sorted(f"big/{p}" for p in os.listdir(big) if p.endswith(".bin"))
+    smalls = [f"small/{r}" for r in list_files(str(root / "small"))]
+    total = sum(os.path.getsize(root / r) for r in (*bigs, *smalls))
+    return bigs, smalls, total
+
+
+def mount_sample(s: System) -> dict[str, Any]:
+    """The dlfs mount's published cache and engine counters once it is idle ({} for other systems)."""
+    if not isinstance(s, DlfsMount):
+        return {}
+    from dlfs.stats import read_sample
+
+    s.mount_counters(time.time())  # waits until nothing is fetched any more
+    doc = read_sample(s.node.home, s.root.absolute())
+    engine = doc.get("engine") or {}
+    return {"python_reads": doc["python_reads"], "misses": doc["cache_misses"], "fetches": doc["fetches"],
+            "read_misses": engine.get("read_misses", 0), "parked": engine.get("parked", 0)}
+
+
+def _spent(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def two_cold_epochs(s: System, relpaths: list[str], readers: int) -> dict[str, Any]:
+    """Two cold epochs on one mount of `s`, the page cache dropped before each (a fresh mount first)."""
+    fresh_start(s)
+    out: dict[str, Any] = {}
+    for k, seed in (("first", 1), ("second", 2)):
+        if k == "second":
+            drop_caches()
+        before = mount_sample(s)
+        out[k] = timed_epoch(s, relpaths, readers, seed=seed, read="open")
+        out[k]["python"] = _spent(before, mount_sample(s))
+    out["second_over_first"] = out["second"]["files_per_s"] / out["first"]["files_per_s"]
+    return out
+
+
+def run_cold(work: Path, say: Say, quick: bool, transport: str | None = None,
+             io_uring: str | None = None) -> dict[str, Any]:
+    """The section's figures (see the module's docstring); cleans up its node and mounts on any exit."""
+    src, mnt = work / "cold-sample", work / "cold-mnt"
+    node = DlfsNode(work / "cold-home", transport, io_uring)
+    unmount_all_under(mnt)
+    node.stop_leftover()
+    node.check_unused()
+    say("cold path: making the dataset (big files of 16 MiB and 40 MB, ~110 KB files)")
+    bigs, smalls, total = make_dataset(src, quick)
+    image = work / "cold.img"
+    out: dict[str, Any] = {"dataset": {"src": str(src), "big_files": len(bigs), "small_files": len(smalls),
+                                       "bytes": total}, "big": {}, "small": {}}
+    node.start()
+    try:
+        say(f"cold path: dlfs ingest and mksquashfs of {len(bigs) + len(smalls)} files ({total / 1e9:.2f} GB), untimed")
+        node.cli("ingest", str(src), "--name", DATASET)
+        build_squashfs(src, image)
+        systems: list[System] = [LocalDisk(src), SquashfuseLL(image, mnt / "squashfuse_ll", work / "cold-squash.log"),
+                                 DlfsMount(node, DATASET, mnt / "dlfs")]
+        for s in systems[1:]:
+            s.root.mkdir(parents=True, exist_ok=True)
+        try:
+            for readers in (1, 2):
+                out["big"][str(readers)] = {}
+                for s in systems:
+                    say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}")
+                    fresh_start(s)
+                    before = mount_sample(s)
+                    r = timed_epoch(s, bigs, readers, seed=readers, read="open")
+                    r["python"] = _spent(before, mount_sample(s))
+                    out["big"][str(readers)][s.name] = r
+            for s in systems:
+                say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
+                out["small"][s.name] = two_cold_epochs(s, smalls, 2)
+        finally:
+            for s in systems:
+                s.unmount()
+    finally:
+        node.stop()
+        image.unlink(missing_ok=True)
+    return out
+
+
+def cold_targets(c: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 21's targets that this section measures."""
+    from dlfs.bench.report import target
+
+    rows = [target(f"big files (16 MiB, 40 MB) read whole, cold, {n} reader(s): dlfs / local disk",
+                   by["dlfs"]["mb_per_s"] / by["local"]["mb_per_s"], 1.0, "x") for n, by in c["big"].items()]
+    sm = c["small"]
+    rows.append(target("second cold epoch on one mount (page cache dropped) / the first, dlfs",
+                       sm["dlfs"]["second_over_first"], 0.95, "x"))
+    for k in ("first", "second"):
+        rows.append(target(f"cold epoch ({k} on its mount), ~110 KB files, 2 readers: dlfs / local disk",
+                           sm["dlfs"][k]["files_per_s"] / sm["local"][k]["files_per_s"], 1.0, "x"))
+    mine, theirs = sm["dlfs"]["first"]["cpu_us_per_file"], sm["squashfuse_ll"]["first"]["cpu_us_per_file"]
+    rows.append(target("mount CPU per cold file, 2 readers (cold path section): dlfs / squashfuse_ll",
+                       mine / theirs if mine is not None and theirs else None, 0.8, "x", op="<="))
+    return rows
+
+
+def format_cold(c: dict[str, Any]) -> list[str]:
+    d = c["dataset"]
+    lines = ["", f"cold path ({d['big_files']} big files of 16 MiB and 40 MB, {d['small_files']} files of ~110 KB, "
+                 f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped)",
+             f"  {'workload':<44}{'system':<15}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
+             f"{'to Python':>10}"]
+
+    def row(what: str, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> str:
+        cpu = r.get("cpu_us_per_file")
+        py = r.get("python", {}).get("python_reads")
+        return (f"  {what:<44}{name:<15}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
+                f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}")
+
+    for readers, by in c["big"].items():
+        for name, r in by.items():
+            lines.append(row(f"big files whole, {readers} reader(s)", name, r, by["local"], "mb_per_s"))
+    for k in ("first", "second"):
+        for name, by in c["small"].items():
+            lines.append(row(f"small files, 2 readers, {k} cold epoch", name, by[k], c["small"]["local"][k],
+                             "files_per_s"))
+    lines.append(f"  second cold epoch / first on one mount: dlfs {c['small']['dlfs']['second_over_first']:.2f}x, "
+                 f"local disk {c['small']['local']['second_over_first']:.2f}x")
+    return lines
