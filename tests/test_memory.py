@@ -22,6 +22,7 @@ from conftest import CLI_TIMEOUT, DLFS, REPO, dlfs_env, force_unmount, mount_pid
 from dlfs.bench.memory import PeakMemory
 from dlfs.cgroup import MemoryGroup, memory_limit
 from dlfs.client.cache import MIN_AUTO_CACHE, auto_cache_size
+from dlfs.client.local import cached_pages
 from dlfs.units import human_bytes
 
 LIMIT = 256 << 20
@@ -162,3 +163,41 @@ def test_epochs_bigger_than_the_limit_stay_within_it(confined: tuple[MemoryGroup
         f"mount held {peak.peak_anon_shmem >> 20} MiB (anon {peak.peak_anon >> 20}, shmem {peak.peak_shmem >> 20}) over a "
         f"{cache >> 20} MiB cache + {OVERHEAD >> 20} MiB + index {index >> 20} MiB")
     assert peak.peak_shmem <= cache + (16 << 20), "the shared cache is bounded by --cache-size (and control pages)"
+
+
+def _chunk_pages_cached(home: Path) -> int:
+    """Pages of the node's chunk files in the page cache now."""
+    total = 0
+    for path in (home / "data" / "chunks").rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = cached_pages(fd)
+            finally:
+                os.close(fd)
+            if got is None:
+                pytest.skip("this kernel cannot say what the page cache holds (cachestat, Linux 6.5+)")
+            total += got
+    return total
+
+
+@needs_fuse
+@pytest.mark.timeout(600)
+def test_three_cold_epochs_cache_each_byte_once(confined: tuple[MemoryGroup, Path, Path],
+                                               dataset: tuple[Path, Path]) -> None:
+    """The kernel's copy of what it was sent for the FUSE files is the one it keeps: the mount reads the
+    chunk files with O_DIRECT or RWF_DONTCACHE, so after each cold epoch they hold next to nothing in
+    the page cache, and the mount's slabs stay within the cache through all three."""
+    group, home, mnt = confined
+    (pid,) = mount_pids(home)
+    cache = LIMIT // 4
+    dataset_pages = N_FILES * FILE_SIZE // 4096
+    with PeakMemory(pid, group, period=0.02) as peak:
+        for _ in range(3):
+            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False, timeout=60)
+            for r in _epoch(group, mnt, dataset[1], "fuse", readers=2):
+                assert r["n_bad"] == 0 and r["files"] == N_FILES, r
+            cached = _chunk_pages_cached(home)
+            assert cached <= dataset_pages // 100, f"{cached} of {dataset_pages} chunk file pages left in the page cache"
+    assert group.oom_kills() == 0
+    assert peak.peak_shmem <= cache + (16 << 20), "the mount's slabs are bounded by its cache"

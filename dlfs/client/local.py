@@ -77,15 +77,21 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(os.uname().machine)  # Linux 6.5+
 
 
-def _all_cached(fd: int, off: int, n: int) -> bool:
-    """Whether the page cache holds every page of [off, off+n) of `fd`, asked without reading (a read
-    with RWF_NOWAIT would start the read-ahead it declines to wait for); False where the kernel cannot say."""
+def cached_pages(fd: int, off: int = 0, n: int = 0) -> int | None:
+    """Pages of [off, off+n) of `fd` (n=0: to its end) in the page cache, asked without reading (a read
+    with RWF_NOWAIT would start the read-ahead it declines to wait for); None where the kernel cannot say."""
     if _CACHESTAT is None:
-        return False
+        return None
     rng, st = _CachestatRange(off, n), _Cachestat()
     if _libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-        return False
-    return st.nr_cache >= (off + n - 1) // PAGE - off // PAGE + 1
+        return None
+    return int(st.nr_cache)
+
+
+def _all_cached(fd: int, off: int, n: int) -> bool:
+    """Whether the page cache holds every page of [off, off+n) of `fd`; False where the kernel cannot say."""
+    got = cached_pages(fd, off, n)
+    return got is not None and got >= (off + n - 1) // PAGE - off // PAGE + 1
 
 
 def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int, cached: bool,
