@@ -1,4 +1,5 @@
-"""The C helper under native/ is built as dlfs._native; everything else is in pyproject.toml."""
+"""The C helper under native/ is built as dlfs._native, and `dlfs run`'s preload library as dlfs._preload (a plain
+shared object for LD_PRELOAD, never imported); everything else is in pyproject.toml."""
 
 import subprocess
 
@@ -23,6 +24,12 @@ setup(
                      "native/module.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],
             libraries=["dl", "fuse3", "pthread", "xxhash"],
-        )
+        ),
+        Extension(
+            "dlfs._preload",
+            sources=["native/preload.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-Werror=implicit-function-declaration"],
+            libraries=["dl"],
+        ),
     ]
 )

@@ -99,6 +99,15 @@ class MountError(DlfsError):
     exit_code = 11
 
 
+class CommandFailed(DlfsError):
+    """`dlfs run` could not start its command: 127 where it is not found, 126 where it cannot be run
+    (as a shell says)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class TransportUnavailable(UsageError):
     """The configured transport cannot work here (`transport = "rdma"` with no usable RDMA port)."""
 

@@ -37,6 +37,7 @@ SUBCOMMANDS = {
     "umount": ["MOUNTPOINT"],
     "status": [],
     "keygen": ["FILE"],
+    "run": ["CMD [ARGS...]", "--print-preload", "inherit", "127"],
 }
 
 

@@ -8,12 +8,16 @@ an ioctl that a FUSE mount receives as a request of its own; the raw read skips 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import os
 import queue
 import random
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -229,18 +233,41 @@ def read_epoch(
     return res
 
 
-def timed_epoch(s: System, relpaths: Sequence[str], readers: int, seed: int, read: str = "open") -> dict[str, Any]:
-    """One epoch on `s` without checking content, the `read` way; with the CPU time of the process
-    serving it where there is one (FUSE daemons), in seconds per GB and microseconds per file."""
+def read_epoch_preloaded(root: str, relpaths: Sequence[str], readers: int = 2, seed: int = 0,
+                        read: str = "open") -> EpochResult:
+    """read_epoch in a child process under `dlfs run`'s preload library (dlfs.preload), which its forked
+    readers inherit: isatty() of a regular file then asks the file system nothing."""
+    from dlfs.preload import environ_with_preload
+
+    job = json.dumps({"root": root, "relpaths": list(relpaths), "readers": readers, "seed": seed, "read": read})
+    proc = subprocess.run([sys.executable, "-c", "from dlfs.bench.epoch import _epoch_child; _epoch_child()"],
+                          input=job, env=environ_with_preload(), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise DlfsError(f"an epoch under the preload library failed (exit {proc.returncode}): {why}")
+    return EpochResult(**json.loads(proc.stdout))
+
+
+def _epoch_child() -> None:
+    """read_epoch_preloaded's child: the job from stdin, the result to stdout, both JSON."""
+    json.dump(dataclasses.asdict(read_epoch(**json.load(sys.stdin))), sys.stdout)
+
+
+def timed_epoch(s: System, relpaths: Sequence[str], readers: int, seed: int, read: str = "open",
+                preload: bool = False) -> dict[str, Any]:
+    """One epoch on `s` without checking content, the `read` way (with preload: the readers under
+    `dlfs run`'s preload library); with the CPU time of the process serving it where there is one
+    (FUSE daemons), in seconds per GB and microseconds per file."""
     pid = s.pid
     cpu0 = cpu_seconds(pid) if pid else 0.0
-    r = read_epoch(str(s.root), relpaths, readers=readers, seed=seed, read=read)
+    epoch = read_epoch_preloaded if preload else read_epoch
+    r = epoch(str(s.root), relpaths, readers=readers, seed=seed, read=read)
     if r.n_errors or r.files != len(relpaths):
         raise DlfsError(f"{s.label}: an epoch read {r.files} of {len(relpaths)} files, {r.n_errors} failed: "
                         f"{'; '.join(r.errors[:3])}")
     cpu = cpu_seconds(pid) - cpu0 if pid else None
-    return {"read": read, "files": r.files, "bytes": r.bytes, "seconds": r.seconds, "files_per_s": r.files_per_s,
-            "mb_per_s": r.mb_per_s, "cpu_s": cpu, **cpu_cost(cpu, r.files, r.bytes)}
+    return {"read": read, "preload": preload, "files": r.files, "bytes": r.bytes, "seconds": r.seconds,
+            "files_per_s": r.files_per_s, "mb_per_s": r.mb_per_s, "cpu_s": cpu, **cpu_cost(cpu, r.files, r.bytes)}
 
 
 def verify_system(s: System, src: str, relpaths: Sequence[str]) -> dict[str, Any]:
