@@ -44,7 +44,7 @@ import xxhash
 
 from dlfs.config import load_cluster
 from dlfs.errors import DlfsError
-from dlfs.format.chunk import ChunkWriter, decode_record
+from dlfs.format.chunk import BLOCK_SUMS_MIN, ChunkWriter, decode_record
 from dlfs.format.index import HEADER as INDEX_HEADER
 from dlfs.format.index import Index
 from dlfs.wire.auth import client_handshake
@@ -322,11 +322,14 @@ class CaseMaker:
         return r.randbytes(r.choice((0, 0, 0, 1, r.randint(0, 4096), r.randint(0, 64 << 10), big)))
 
     def real_chunk(self) -> tuple[bytes, bytes]:
-        """A well-formed chunk of random records and its id (stored if sent: an orphan, harmless)."""
+        """A well-formed chunk of random records and its id (stored if sent: an orphan, harmless);
+        now and then with a record big enough for block sums (a version-3 chunk: zero padding before it)."""
         r = self.rng
-        w = ChunkWriter(1 << 18)
+        w = ChunkWriter(1 << 19)
         for _ in range(r.randint(1, 4)):
             w.add(r.randbytes(r.randint(0, 20_000)), compress=r.random() < 0.5)
+        if r.random() < 0.2:
+            w.add(r.randbytes(r.randint(BLOCK_SUMS_MIN, BLOCK_SUMS_MIN + 20_000)), compress=False)
         cid, view = w.finish()
         return cid, bytes(view)
 

@@ -134,24 +134,28 @@ def test_epoch_targets_of_reader_counts_not_run_are_not_measured() -> None:
     rows = epoch_targets(_epochs(["1"], dlfs_warm=20_000, dlfs_cold=2000, dlfs_cpu=50.0))
     assert [(t["value"], t["met"]) for t in rows] == [(None, None), (None, None), (None, None), (0.5, True)]
     lines = format_targets(rows + [target("something else", 3.0, 1.0, "x", op="<=")])
-    assert lines[1].startswith("TARGETS (issues 4, 5, 12, 13)")
+    assert lines[1].startswith("TARGETS (issues 4, 5, 12, 13, 21)")
     assert sum("n/a (not measured)" in line for line in lines) == 3
     assert lines[-2].endswith("FAIL") and lines[-3].endswith("pass")
     assert lines[-1] == "  1 of 2 targets met; 3 not measured in this run (see --readers)"
 
 
-def test_bigfile_targets_are_issue_12s() -> None:
-    def big(amplification: float, dlfs_preads: float, dlfs_mb: float) -> dict:
-        return {"pread": {"dlfs": {"mount_read_ratio": amplification, "preads_per_s": dlfs_preads},
+def test_bigfile_targets_are_issue_12s_and_21s() -> None:
+    def big(amplification: float, dlfs_preads: float, dlfs_mb: float, blockdev: float | None) -> dict:
+        return {"pread": {"dlfs": {"mount_read_ratio": amplification, "preads_per_s": dlfs_preads,
+                                   "blockdev_read_ratio": blockdev},
                           "squashfuse_ll": {"mount_read_ratio": None, "preads_per_s": 2000.0}},
                 "sequential": {"dlfs": {"mb_per_s": dlfs_mb}, "local": {"mb_per_s": 1000.0}}}
 
-    rows = bigfile_targets(big(2.0, 2000.0, 900.0))
+    rows = bigfile_targets(big(2.0, 2000.0, 900.0, 1.2))
     assert [(t["target"], t["value"], t["op"], t["goal"], t["met"]) for t in rows] == [
         ("random 4 KiB preads in big files: bytes read by the mount / bytes served", 2.0, "<=", 2.0, True),
         ("random 4 KiB preads in big files: preads/s dlfs / squashfuse_ll", 1.0, ">=", 1.0, True),
+        ("random 4 KiB preads in big files: block-device bytes / bytes served, dlfs", 1.2, "<=", 1.2, True),
         ("sequential read of big files, cold, open().read(): dlfs / local disk", 0.9, ">=", 0.9, True)]
-    assert [t["met"] for t in bigfile_targets(big(2.01, 1999.0, 899.0))] == [False, False, False]
+    assert [t["met"] for t in bigfile_targets(big(2.01, 1999.0, 899.0, 1.21))] == [False, False, False, False]
+    # No block device under the work dir (tmpfs, overlayfs): not measured.
+    assert [t["met"] for t in bigfile_targets(big(2.0, 2000.0, 900.0, None))] == [True, True, None, True]
 
 
 @needs_bench
@@ -165,17 +169,17 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
     try:
         assert proc.returncode == 0, proc.stderr
         out = json.loads(report.read_text())
-        assert out["format"] == FORMAT == 3 and out["passes"] == PASSES
+        assert out["format"] == FORMAT == 4 and out["passes"] == PASSES
         assert "memory" not in out  # --no-memory
         assert set(out["reads"]) == {"open", "raw"}
         assert out["dataset"]["files"] == 300 and out["dataset"]["generated"]
         assert out["verify"] == {"files": 300, "bytes": out["dataset"]["bytes"], "errors": 0}
         assert set(out["systems"]) == set(SYSTEMS)
-        for kind, read in (("cold", "open"), ("warm", "open"), ("warm_raw", "raw")):
+        for kind, read in (("cold", "open"), ("warm", "open"), ("warm_raw", "raw"), ("warm_run", "open")):
             assert kind in PASSES
             for name in SYSTEMS:
                 r = out["epoch"][kind]["1"][name]
-                assert r["read"] == read, (kind, name)
+                assert (r["read"], r["preload"]) == (read, kind == "warm_run"), (kind, name)
                 assert r["files"] == 300 and r["bytes"] == out["dataset"]["bytes"], (kind, name)
                 assert r["files_per_s"] > 0 and r["mb_per_s"] > 0 and r["seconds"] > 0, (kind, name)
                 # CPU is charged to the FUSE daemons only (a tiny warm pass may take under one clock tick).
@@ -208,6 +212,20 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
             # The whole directory, the sample's marker file included.
             assert by["dlfs"]["files"] == by["local"]["files"] == 301
             assert by["dlfs"]["bytes"] == by["local"]["bytes"] > total
+        cold = out["cold"]  # 2 big files of each size, the 300 small ones
+        assert cold["dataset"]["big_files"] == 4 and cold["dataset"]["small_files"] == 300
+        for readers in ("1", "2"):
+            for name in ("local", "squashfuse_ll", "dlfs"):
+                r = cold["big"][readers][name]
+                assert r["files"] == 4 and r["mb_per_s"] > 0, (readers, name)
+        for name in ("local", "squashfuse_ll", "dlfs"):
+            two = cold["small"][name]
+            assert two["first"]["files"] == two["second"]["files"] == 300, name
+            assert two["second_over_first"] == two["second"]["files_per_s"] / two["first"]["files_per_s"]
+        for k in ("first", "second"):  # what each epoch sent to Python, from the mount's own counters
+            assert set(cold["small"]["dlfs"][k]["python"]) == {"python_reads", "misses", "fetches", "read_misses",
+                                                               "parked"}
+            assert min(cold["small"]["dlfs"][k]["python"].values()) >= 0
         jobs = out["two_jobs"]
         assert [j["files"] for j in jobs["jobs"]] == [300, 300] and jobs["dataset_bytes"] == total
         assert 1.0 <= jobs["fetched_ratio"] <= 1.1, jobs  # each chunk fetched once for both jobs
@@ -220,8 +238,8 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         assert isinstance(by_name["mount CPU per cold file, 1 reader: dlfs / squashfuse_ll"]["met"], bool)
         # The printed report is the JSON's, every figure of it.
         assert proc.stdout.rstrip("\n") == format_report(out)
-        for title in ("TARGETS (issues 4, 5, 12, 13)", "EPOCH", "CPU µs/file", "BIG FILES", "DIRECT",
-                      "warm, raw, 1 reader"):
+        for title in ("TARGETS (issues 4, 5, 12, 13, 21)", "EPOCH", "CPU µs/file", "BIG FILES", "DIRECT",
+                      "warm, raw, 1 reader", "warm, run, 1 reader"):
             assert title in proc.stdout, title
     finally:
         # Whatever happened: nothing of the run may stay mounted, looped or running.
@@ -249,6 +267,15 @@ def check_bigfiles(big: dict) -> None:
         assert r["disk_read_bytes"] > 0 and r["disk_read_ratio"] == r["disk_read_bytes"] / r["bytes_served"], name
         assert (r["cpu_us_per_pread"] is not None) == (name in ("squashfuse_ll", "dlfs")), name
         assert (r["mount_read_ratio"] is not None) == (name == "dlfs"), name
+        # The block device holding the work dir, read before and after, less an idle run as long.
+        if r["blockdev_read_bytes"] is None:
+            assert r["blockdev"].startswith("no block device found for "), name
+            assert r["blockdev_null_bytes"] is None and r["blockdev_read_ratio"] is None, name
+        else:
+            assert r["blockdev"].startswith("/dev/") and r["blockdev_s"] > 0, name
+            assert r["blockdev_raw_ratio"] == r["blockdev_read_bytes"] / r["bytes_served"], name
+            net = max(0, r["blockdev_read_bytes"] - r["blockdev_null_bytes"])
+            assert r["blockdev_read_ratio"] == net / r["bytes_served"], name
         for kind, read in (("sequential", "open"), ("sequential_raw", "raw")):
             s = big[kind][name]
             assert (s["read"], s["files"], s["bytes"]) == (read, 8, d["bytes"]) and s["mb_per_s"] > 0, (kind, name)

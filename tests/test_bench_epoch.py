@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 
 from dlfs.bench.baselines import LocalDisk, cpu_seconds, io_read_bytes, process_tree
-from dlfs.bench.bigfiles import PREAD_SIZE, pick_preads, pread_pass, sequential_pass
+from dlfs.bench.bigfiles import PREAD_SIZE, block_device, pick_preads, pread_pass, sequential_pass
 from dlfs.bench.epoch import READS, EpochResult, cpu_cost, format_row, list_files, read_epoch, timed_epoch
 from dlfs.bench.sample import SampleInfo, make_sample, make_shards, shard_name
 from dlfs.errors import CorruptData
@@ -303,6 +303,13 @@ def test_pread_pass_on_local_disk_reads_checks_and_counts_storage(tmp_path: Path
     if not _on_tmpfs(tmp_path):  # the page cache was dropped: every page read came from storage once
         assert r["disk_read_bytes"] >= len(set(picks)) * PREAD_SIZE
         assert r["disk_read_ratio"] == r["disk_read_bytes"] / r["bytes_served"]
+    if block_device(tmp_path)[0] is not None:  # and reached the disk, whatever else the machine read meanwhile
+        assert r["blockdev"] == block_device(info.root)[1]
+        assert r["blockdev_read_bytes"] >= len(set(picks)) * PREAD_SIZE and r["blockdev_null_bytes"] >= 0
+        assert r["blockdev_raw_ratio"] == r["blockdev_read_bytes"] / r["bytes_served"]
+        assert r["blockdev_read_ratio"] == max(0, r["blockdev_read_bytes"] - r["blockdev_null_bytes"]) / (300 * 4096)
+    else:
+        assert r["blockdev"].startswith("no block device found for ") and r["blockdev_read_ratio"] is None
 
     copy = tmp_path / "copy"
     shutil.copytree(info.root, copy)
@@ -314,6 +321,20 @@ def test_pread_pass_on_local_disk_reads_checks_and_counts_storage(tmp_path: Path
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CorruptData, match=f"preads differ from the source: {rels[i]} at offset {off}"):
         pread_pass(LocalDisk(copy), rels, picks, info.root)
+
+
+@pytest.mark.timeout(10)
+def test_block_device_is_the_disk_under_a_directory_or_said_missing(tmp_path: Path) -> None:
+    dev = os.stat(tmp_path).st_dev
+    device, line = block_device(tmp_path)
+    if os.path.exists(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"):
+        assert device is not None and line == f"/dev/{device.name} (holds {tmp_path}; /sys/block/{device.name}/stat)"
+        assert not os.path.exists(f"/sys/block/{device.name}/partition")  # the whole disk, not a partition
+        first = device.read_bytes()
+        assert first >= 0 and first % 512 == 0 and device.read_bytes() >= first
+    # /proc is on no block device at all.
+    assert block_device("/proc") == (None, f"no block device found for /proc (its file system is on device "
+                                           f"0:{os.minor(os.stat('/proc').st_dev)}, not a block device)")
 
 
 @needs_root

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Node, mount_stats, needs_fuse, running_node
+from conftest import Node, mount_stats, needs_fuse, running_cluster, running_node
 from damage import inode_of
 
 from dlfs.bench.baselines import drop_caches
@@ -189,3 +189,47 @@ def test_a_corrupt_record_fails_exactly_its_bytes(tmp_path: Path) -> None:
                 os.close(fd)
         finally:
             node.umount(mnt)
+
+
+@pytest.mark.timeout(180)
+def test_a_stream_whose_local_copy_goes_bad_midway_goes_on_from_the_other_replica(tmp_path: Path) -> None:
+    """Two replicas; on the mount's own node every other chunk of a 40 MB file is damaged (a flipped
+    byte, or cut short) part way through the file: the stream reads the rest from the other node,
+    every byte right; with that node down too, exactly the damaged records are EIO."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(8).randbytes(40_000_000)
+    (src / "f").write_bytes(data)
+    with running_cluster(tmp_path / "cluster", 2) as (n1, n2):
+        n1.ingest(src, "twice")
+        chunks = sorted(p for p in (n1.home / "data/chunks").rglob("*") if p.is_file())
+        assert len(chunks) >= 4
+        for k, path in enumerate(chunks):
+            if k % 2 == 0:
+                continue
+            if k % 4 == 1:
+                os.truncate(path, path.stat().st_size // 2)
+            else:
+                with open(path, "r+b") as f:
+                    f.seek(path.stat().st_size // 2)
+                    b = f.read(1)
+                    f.seek(path.stat().st_size // 2)
+                    f.write(bytes([b[0] ^ 0x55]))
+        mnt = n1.mount("twice", tmp_path / "mnt")
+        try:
+            drop_caches()
+            assert _read(mnt / "f") == data
+            log = n1.mount_log("twice").read_text()
+            assert "(local copy of n1)" in log or "(from n1)" in log, log[-2000:]
+        finally:
+            n1.umount(mnt)
+        n2.stop()
+        mnt = n1.mount("twice", tmp_path / "mnt")
+        try:
+            drop_caches()
+            with pytest.raises(OSError) as exc:
+                _read(mnt / "f")
+            assert exc.value.errno == errno.EIO
+        finally:
+            n1.umount(mnt)
+        n2.start()

@@ -28,6 +28,7 @@ from dlfs.format.chunk import (
     chunk_id,
     decode_record,
     iter_records,
+    padding_before,
     record_checksum,
     verify_blocks,
     verify_chunk,
@@ -69,7 +70,12 @@ def test_round_trip_plain_records() -> None:
         assert bytes(decode_record(_stored(data, rec), rec, "test")) == payload
     # The framing walk finds the same records the writer reported.
     assert list(iter_records(data)) == recs
-    assert len(data) == HEADER.size + sum(RECORD.size + len(p) for p in payloads) + 8 * (1 << 20) // 4096
+    # The 1 MiB record starts on a 4 KiB boundary, after zero padding; the small ones are back to back.
+    end = recs[1].offset + recs[1].stored_len
+    pad = recs[2].offset - RECORD.size - end
+    assert recs[1].offset == recs[0].offset + RECORD.size and recs[2].offset % 4096 == 0 and 0 < pad < 4096
+    assert data[end : end + pad] == bytes(pad)
+    assert len(data) == HEADER.size + sum(RECORD.size + len(p) for p in payloads) + pad + 8 * (1 << 20) // 4096
 
 
 @pytest.mark.timeout(10)
@@ -287,7 +293,8 @@ def test_round_trip_records_with_and_without_block_sums() -> None:
     assert [r.flags for r in recs] == [0, 0, FLAG_BLOCK_SUMS, FLAG_BLOCK_SUMS, FLAG_LZ4, FLAG_BLOCK_SUMS]
     assert [r.has_block_sums for r in recs] == [False, False, True, True, False, True]
     assert [r.sums_len for r in recs] == [0, 0, 8 * 64, 8 * 74, 0, 8 * 1024]  # 300_000 B: 73 blocks + 992 B
-    assert struct.unpack_from("<H", data, 8)[0] == 2  # a chunk with block sums is version 2
+    assert struct.unpack_from("<H", data, 8)[0] == 3  # a chunk with block sums is version 3
+    assert [r.offset % 4096 == 0 for r in recs if r.has_block_sums] == [True] * 3
     assert verify_chunk(data, cid) == len(payloads)
     for payload, rec in zip(payloads, recs):
         assert bytes(decode_record(_stored(data, rec), rec, "t")) == payload
@@ -301,7 +308,11 @@ def test_framing_with_block_sums() -> None:
     _, data, recs, _ = _sums_chunk()
     pos = HEADER.size
     for rec in recs:
-        # Each header starts right after the previous record's stored bytes and sums.
+        # Each header starts right after the previous record's stored bytes and sums, or, for a record
+        # with block sums, after the zero bytes that put its stored bytes on a 4 KiB boundary.
+        pad = -(pos + 24) % 4096 if rec.has_block_sums else 0
+        assert data[pos : pos + pad] == bytes(pad)
+        pos += pad
         magic, flags, stored, raw, checksum = RECORD.unpack_from(data, pos)
         assert (magic, flags, stored, raw, checksum) == (RECORD_MAGIC, rec.flags, rec.stored_len, rec.raw_len,
                                                          rec.checksum)
@@ -331,12 +342,7 @@ def test_chunk_without_block_sums_is_version_1_byte_for_byte() -> None:
 
 @pytest.mark.timeout(10)
 def test_block_sums_in_a_version_1_chunk_are_corrupt() -> None:
-    w = ChunkWriter(CAP)
-    w.add(random.Random(23).randbytes(BLOCK_SUMS_MIN), compress=False)
-    _, view = w.finish()
-    bad = bytearray(view)
-    bad[8:10] = struct.pack("<H", 1)
-    _reseal_header(bad)
+    bad = _layout([random.Random(23).randbytes(BLOCK_SUMS_MIN)], version=1, aligned=False)
     with pytest.raises(CorruptData, match="record 0 has flags 0x2, not valid in a version 1 chunk"):
         verify_chunk(bad)
 
@@ -345,7 +351,7 @@ def test_block_sums_in_a_version_1_chunk_are_corrupt() -> None:
 def test_lz4_with_block_sums_is_corrupt() -> None:
     w = ChunkWriter(CAP)
     w.add(b"compresses well " * 20_000, compress=True)
-    w.add(random.Random(24).randbytes(BLOCK_SUMS_MIN), compress=False)  # makes it version 2
+    w.add(random.Random(24).randbytes(BLOCK_SUMS_MIN), compress=False)  # makes it version 3
     _, view = w.finish()
     bad = bytearray(view)
     struct.pack_into("<I", bad, HEADER.size + 4, FLAG_LZ4 | FLAG_BLOCK_SUMS)
@@ -355,17 +361,22 @@ def test_lz4_with_block_sums_is_corrupt() -> None:
         list(iter_records(bad))
 
 
-def _expected_footprint(n: int) -> int:
-    """What a record of n incompressible bytes takes in a chunk, from the format's definition."""
-    return 24 + n + (8 * -(-n // 4096) if n >= 256 << 10 else 0)
+def _expected_footprint(n: int, at: int = 32) -> int:
+    """What a record of n incompressible bytes takes in a chunk when it starts at offset `at`, from the
+    format's definition: with block sums, zero padding first, so that its bytes start on a 4 KiB boundary."""
+    if n < 256 << 10:
+        return 24 + n
+    return -(at + 24) % 4096 + 24 + n + 8 * -(-n // 4096)
 
 
 @pytest.mark.timeout(30)
 def test_room_keeps_space_for_block_sums() -> None:
     zeros = bytes(MAX_RECORD_BYTES + 1)
-    base = HEADER.size + RECORD.size + BLOCK_SUMS_MIN
-    for cap in [1024, base - 1, base, base + 7, base + 8, base + 9, base + 512, base + 520, base + 4103,
-                base + 4104, base + 4105, base + 12_345, HEADER.size + RECORD.size + (3 << 20) + 17]:
+    plain = HEADER.size + RECORD.size + BLOCK_SUMS_MIN  # the smallest record with sums, were it not padded
+    base = 4096 + BLOCK_SUMS_MIN  # ...and padded (its header ends at 4096)
+    for cap in [1024, plain - 1, plain, plain + 7, plain + 4039, base - 1, base, base + 7, base + 8, base + 9,
+                base + 512, base + 520, base + 4103, base + 4104, base + 4105, base + 12_345,
+                HEADER.size + RECORD.size + (3 << 20) + 17]:
         w = ChunkWriter(cap)
         room = w.room()
         assert _expected_footprint(room) <= cap - HEADER.size  # what room() promises fits...
@@ -374,6 +385,19 @@ def test_room_keeps_space_for_block_sums() -> None:
         assert len(w) == HEADER.size + _expected_footprint(room) <= cap
         cid, view = w.finish()
         assert verify_chunk(view, cid) == 1
+    # Behind a first record of any length, so at every padding: the same promise.
+    rng = random.Random(27)
+    for first in [0, 1, 4040, 4041, 4095, 4096, 5000, *(rng.randrange(8192) for _ in range(20))]:
+        for cap in [base + 4096 + first, base + 8192 + first + rng.randrange(8192), 3 << 20]:
+            w = ChunkWriter(cap)
+            w.add(zeros[:first], compress=False)
+            room, at = w.room(), len(w)
+            assert _expected_footprint(room, at) <= cap - at < _expected_footprint(room + 1, at), (first, cap)
+            rec = w.add(zeros[:room], compress=False)
+            assert len(w) == at + _expected_footprint(room, at) <= cap
+            assert rec.offset % 4096 == 0 if rec.has_block_sums else rec.offset == at + 24
+            cid, view = w.finish()
+            assert verify_chunk(view, cid) == 2
     # No record is longer than MAX_RECORD_BYTES, however big the chunk.
     w = ChunkWriter(32 << 20)
     assert w.room() == MAX_RECORD_BYTES
@@ -383,8 +407,9 @@ def test_room_keeps_space_for_block_sums() -> None:
 
 @pytest.mark.timeout(10)
 def test_fits_counts_every_record_and_its_sums() -> None:
-    # 10 MiB as records of 4, 4 and 2 MiB: three headers and 8 bytes of sums per 4 KiB.
-    need = 3 * RECORD.size + (10 << 20) + 8 * (10 << 20) // 4096
+    # 10 MiB as records of 4, 4 and 2 MiB: three headers, the most padding each may need (4095 bytes:
+    # where a record starts depends on how its predecessors compress), and 8 bytes of sums per 4 KiB.
+    need = 3 * (RECORD.size + 4095) + (10 << 20) + 8 * (10 << 20) // 4096
     for spare, fits in [(0, True), (-1, False)]:
         w = ChunkWriter(HEADER.size + RECORD.size + 1000 + need + spare)
         w.add(b"x" * 1000, compress=False)
@@ -392,16 +417,64 @@ def test_fits_counts_every_record_and_its_sums() -> None:
         assert w.fits(0) and w.fits(MAX_RECORD_BYTES)
 
 
-def _one_big_record(n: int = 300_000) -> tuple[bytes, Record, bytes]:
-    """A chunk whose second record (n random bytes, block sums) starts at an offset that is not
-    4 KiB-aligned: (chunk bytes, the record, its payload)."""
+@pytest.mark.timeout(60)
+def test_fits_is_a_promise_whatever_compresses() -> None:
+    """Whatever fits() accepts, the packer's way of adding it (records of MAX_RECORD_BYTES, the
+    last shorter, each as big as room() allows) fits: compressed pieces move the padding of the
+    pieces after them, and the chunk still never grows past its capacity."""
+    rng = random.Random(28)
+    noise = rng.randbytes(3 * MAX_RECORD_BYTES)
+    text = b"compressible text, over and over " * (MAX_RECORD_BYTES // 10)
+    for trial in range(40):
+        cap = rng.choice([1 << 20, 5 << 20, 9 << 20, 13 << 20]) + rng.randrange(1 << 16)
+        w = ChunkWriter(cap)
+        w.add(noise[: rng.randrange(300_000)], compress=False)
+        length = rng.randrange(1, 3 * MAX_RECORD_BYTES)
+        if not w.fits(length):
+            continue
+        left = length
+        while left:
+            piece = min(left, w.room())
+            assert piece == min(left, MAX_RECORD_BYTES), (trial, cap, length, left)
+            src = text if rng.random() < 0.5 and piece < len(text) else noise
+            w.add(src[:piece], compress=rng.random() < 0.7)
+            left -= piece
+        assert len(w) <= cap
+        cid, view = w.finish()
+        verify_chunk(view, cid)
+
+
+def _layout(payloads: list[bytes], version: int, aligned: bool) -> bytes:
+    """A chunk of uncompressed records built here from the format's definition, not by the writer:
+    records of 256 KiB or more carry block sums and, when `aligned` (version 3), zero padding before
+    their header that puts their bytes on a 4 KiB boundary; unaligned, this is what the version-2
+    writer wrote."""
+    body = bytearray()
+    for p in payloads:
+        sums = len(p) >= 256 << 10
+        if aligned and sums:
+            body += bytes(-(32 + len(body) + 24) % 4096)
+        body += RECORD.pack(RECORD_MAGIC, 2 if sums else 0, len(p), len(p), xxhash.xxh3_64_intdigest(p)) + p
+        body += _sums_of(p) if sums else b""
+    head = HEADER.pack(b"DLFSCHNK", version, 0, len(payloads), len(body), 0)[:-8]
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(body)
+
+
+def _one_big_record(aligned: bool, n: int = 300_000) -> tuple[bytes, Record, bytes]:
+    """A chunk whose second record (n random bytes, block sums) follows a small one: written by the
+    writer (version 3: its bytes 4 KiB-aligned) or, unaligned, as the version-2 writer wrote it:
+    (chunk bytes, the record, its payload)."""
     payload = random.Random(25).randbytes(n)
-    w = ChunkWriter(CAP)
-    w.add(b"first", compress=False)
-    rec = w.add(payload, compress=False)
-    _, view = w.finish()
-    assert rec.has_block_sums and rec.offset % 4096 != 0
-    return bytes(view), rec, payload
+    if aligned:
+        w = ChunkWriter(CAP)
+        w.add(b"first", compress=False)
+        w.add(payload, compress=False)
+        view = bytes(w.finish()[1])
+    else:
+        view = _layout([b"first", payload], version=2, aligned=False)
+    rec = list(iter_records(view))[1]
+    assert rec.has_block_sums and (rec.offset % 4096 == 0) == aligned
+    return view, rec, payload
 
 
 def _slices(data: bytes | bytearray, rng: BlockRange) -> tuple[bytes, bytes]:
@@ -410,8 +483,9 @@ def _slices(data: bytes | bytearray, rng: BlockRange) -> tuple[bytes, bytes]:
 
 
 @pytest.mark.timeout(10)
-def test_block_range_edges() -> None:
-    data, rec, payload = _one_big_record()  # 300_000 bytes: blocks 0..72 whole, block 73 of 992 bytes
+@pytest.mark.parametrize("aligned", [True, False], ids=["version-3", "version-2"])
+def test_block_range_edges(aligned: bool) -> None:
+    data, rec, payload = _one_big_record(aligned)  # 300_000 bytes: blocks 0..72 whole, block 73 of 992 bytes
     o, s = rec.offset, rec.offset + rec.stored_len
     cases = {
         (0, 1): BlockRange(0, 1, o, 4096, s, 8),  # the start
@@ -452,7 +526,7 @@ def test_block_range_of_whole_blocks_only() -> None:
 
 @pytest.mark.timeout(10)
 def test_verify_blocks_catches_a_flipped_data_or_sum_byte() -> None:
-    data, rec, _ = _one_big_record()
+    data, rec, _ = _one_big_record(aligned=True)
     rng = block_range(rec, 5 * 4096 + 100, 3 * 4096)  # blocks 5..8
     block, sums = _slices(data, rng)
     verify_blocks(block, sums, rng, "t")
@@ -473,8 +547,9 @@ def test_verify_blocks_catches_a_flipped_data_or_sum_byte() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_verify_chunk_checks_every_block_sum() -> None:
-    data, rec, _ = _one_big_record()
+@pytest.mark.parametrize("aligned", [True, False], ids=["version-3", "version-2"])
+def test_verify_chunk_checks_every_block_sum(aligned: bool) -> None:
+    data, rec, _ = _one_big_record(aligned)
     cid = chunk_id(data)
     assert verify_chunk(data, cid) == 2
     sums_at = rec.offset + rec.stored_len
@@ -488,3 +563,124 @@ def test_verify_chunk_checks_every_block_sum() -> None:
         bad[rec.offset + block * 4096 + 7] ^= 0x10  # the data the sum checks
         with pytest.raises(CorruptData, match=f"^chunk: record 1 block {block}: checksum mismatch$"):
             verify_chunk(bad)
+
+
+# --- alignment (version 3) ----------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_block_sum_records_start_on_a_block_boundary() -> None:
+    """Every record with block sums has its stored bytes at a multiple of 4096 of the chunk, after
+    zero padding; every other record follows its predecessor directly."""
+    rng = random.Random(29)
+    text = b"compressible text, over and over " * 40_000
+    for _ in range(15):
+        w = ChunkWriter(24 << 20)
+        end = HEADER.size
+        while True:
+            n = rng.choice([0, 1, 4095, 4096, BLOCK_SUMS_MIN - 1, BLOCK_SUMS_MIN, rng.randrange(MAX_RECORD_BYTES)])
+            if n > w.room():
+                break
+            payload = text[:n] if rng.random() < 0.3 else rng.randbytes(n)
+            rec = w.add(payload, compress=rng.random() < 0.5)
+            if rec.has_block_sums:
+                assert rec.offset % 4096 == 0 and rec.offset - 24 - end == padding_before(end) < 4096
+            else:
+                assert rec.offset == end + 24
+            end = rec.offset + rec.stored_len + rec.sums_len
+        cid, view = w.finish()
+        data = bytes(view)
+        assert verify_chunk(data, cid) == len(w.records) and list(iter_records(data)) == w.records
+        assert struct.unpack_from("<H", data, 8)[0] == (3 if any(r.has_block_sums for r in w.records) else 1)
+
+
+@pytest.mark.timeout(10)
+def test_writer_writes_the_version_3_layout_byte_for_byte() -> None:
+    rng = random.Random(30)
+    payloads = [b"a", rng.randbytes(BLOCK_SUMS_MIN), rng.randbytes(5000), rng.randbytes(300_000), b"",
+                rng.randbytes(4096 * 70)]
+    cid, data, _ = _chunk(payloads)
+    assert data == _layout(payloads, version=3, aligned=True) and cid == chunk_id(data)
+    # A reused buffer full of old bytes writes the same: the padding is zeroed, not left as found.
+    w = ChunkWriter(CAP, bytearray(b"\xff" * CAP))
+    for p in payloads:
+        w.add(p, compress=False)
+    assert w.finish()[0] == cid
+
+
+@pytest.mark.timeout(10)
+def test_version_2_chunk_still_reads_and_verifies() -> None:
+    rng = random.Random(31)
+    payloads = [b"small", rng.randbytes(BLOCK_SUMS_MIN + 1234), rng.randbytes(7), rng.randbytes(MAX_RECORD_BYTES)]
+    v2 = _layout(payloads, version=2, aligned=False)
+    assert verify_chunk(v2, chunk_id(v2)) == 4
+    recs = list(iter_records(v2))
+    assert [r.has_block_sums for r in recs] == [False, True, False, True]
+    assert all(r.offset % 4096 for r in recs)  # back to back, as the version-2 writer put them
+    for payload, rec in zip(payloads, recs):
+        assert bytes(decode_record(_stored(v2, rec), rec, "t")) == payload
+        if rec.has_block_sums:
+            rng_ = block_range(rec, 5000, 9000)
+            block, sums = _slices(v2, rng_)
+            verify_blocks(block, sums, rng_, "t")
+            assert block[5000 - rng_.first * 4096 :][:9000] == payload[5000:14000]
+    # A flipped byte in a block of it is still found, and named.
+    bad = bytearray(v2)
+    bad[recs[3].offset + 3 * 4096 + 1] ^= 1
+    with pytest.raises(CorruptData, match="^chunk: record 3 block 3: checksum mismatch$"):
+        verify_chunk(bad)
+
+
+def _padded() -> tuple[bytes, Record, int]:
+    """A version-3 chunk whose second record has block sums: (bytes, that record, where its padding starts)."""
+    data, rec, _ = _one_big_record(aligned=True)
+    start = HEADER.size + RECORD.size + len(b"first")
+    assert rec.offset - RECORD.size - start == 4096 - start - 24
+    return data, rec, start
+
+
+@pytest.mark.timeout(10)
+def test_a_non_zero_byte_in_the_padding_is_corrupt() -> None:
+    data, rec, start = _padded()
+    cid = chunk_id(data)
+    assert verify_chunk(data, cid) == 2
+    for at in (start, start + 1, start + 2000, rec.offset - RECORD.size - 1):  # first byte, ..., last byte
+        for value in (0x01, 0xDE, 0xFF):
+            bad = bytearray(data)
+            bad[at] = value
+            with pytest.raises(CorruptData, match=f"^chunk {cid.hex()}: record 1: a non-zero byte in the padding "
+                                                  f"before it, at offset {at}$"):
+                verify_chunk(bad, cid)
+            with pytest.raises(CorruptData, match="non-zero byte in the padding"):
+                list(iter_records(bad))
+
+
+@pytest.mark.timeout(10)
+def test_malformed_padding_is_corrupt() -> None:
+    rng = random.Random(32)
+    big, small = rng.randbytes(300_000), rng.randbytes(1000)
+    # A record with block sums that is not aligned, in a version-3 chunk.
+    bad = bytearray(_layout([b"first", big], version=2, aligned=False))
+    bad[8:10] = struct.pack("<H", 3)
+    _reseal_header(bad)
+    with pytest.raises(CorruptData, match=r"^chunk: record 1 has block sums but its bytes start at offset 85, "
+                                          r"not on a 4096-byte boundary$"):
+        verify_chunk(bad)
+    # Padding before a record without block sums.
+    body = bytes(4096 - 32 - 24) + RECORD.pack(RECORD_MAGIC, 0, 1000, 1000, xxhash.xxh3_64_intdigest(small)) + small
+    head = HEADER.pack(b"DLFSCHNK", 3, 0, 1, len(body), 0)[:-8]
+    with pytest.raises(CorruptData, match=r"^chunk: record 0 is padded but has no block sums \(flags 0x0\)$"):
+        verify_chunk(head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + body)
+    # Padding in a version-2 chunk (which has none): the header is not where it must be.
+    bad = bytearray(_layout([b"first", big], version=3, aligned=True))
+    bad[8:10] = struct.pack("<H", 2)
+    _reseal_header(bad)
+    with pytest.raises(CorruptData, match="^chunk: record 1 has a bad magic at offset 61$"):
+        verify_chunk(bad)
+    # Zero bytes where no padding can be (the header already ends on a boundary), and after the last record.
+    good = _layout([big], version=3, aligned=True)
+    assert good[HEADER.size : HEADER.size + 4] == bytes(4)
+    shifted = bytearray(good)
+    shifted[HEADER.size + 4040 : HEADER.size + 4040 + 4] = bytes(4)  # the magic, wiped
+    with pytest.raises(CorruptData, match="^chunk: record 0 has a bad magic at offset 4072$"):
+        verify_chunk(shifted)
+    with pytest.raises(CorruptData, match="^chunk: .*stray bytes"):
+        verify_chunk(good + bytes(4096))

@@ -479,6 +479,8 @@ def test_packer_cuts_big_files_into_records(tmp_path: Path, chunk_mib: int) -> N
             assert all(r.raw_len <= MAX_RECORD_BYTES for r in recs), name
             assert sum(r.raw_len for r in recs) == len(data)
             assert all(r.has_block_sums == (r.raw_len >= BLOCK_SUMS_MIN) for r in recs), name
+            # Their bytes start on a 4 KiB boundary of the chunk: one block read is one page of the chunk file.
+            assert all(r.offset % BLOCK_SIZE == 0 for r in recs if r.has_block_sums), name
             # Every record but a file's last holds whole 4 KiB blocks: a 4 KiB-aligned read of the file is one block.
             assert all(r.raw_len % BLOCK_SIZE == 0 for r in recs[:-1]), (name, [r.raw_len for r in recs])
         big = [r.raw_len for r in _records_of(idx, "b-big")]
@@ -498,6 +500,40 @@ def test_packer_cuts_big_files_into_records(tmp_path: Path, chunk_mib: int) -> N
             got += bytes(decode_record(chunks[ext.chunk][ext.record.offset : ext.record.offset + ext.record.stored_len],
                                        ext.record, "t"))
         assert got == content["b-big"]
+    finally:
+        idx.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk_size", [(1 << 20) + 12_345, (3 << 20) + 4095, (5 << 20) + 1, 9 << 20])
+def test_packed_chunks_never_pass_their_size(tmp_path: Path, chunk_size: int) -> None:
+    """Files of every size, compressible or not, packed with lz4 on: a compressed piece moves the
+    padding of the records after it, and still no chunk grows past its size."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(chunk_size)
+    text = b"".join(b"row %d of text that compresses\n" % i for i in range(400_000))
+    content = {}
+    for i in range(30):
+        n = rng.choice([rng.randrange(5000), rng.randrange(BLOCK_SUMS_MIN - 10, BLOCK_SUMS_MIN + 10),
+                        rng.randrange(6 * MiB)])
+        content[f"f{i:02d}"] = text[:n] if rng.random() < 0.4 else rng.randbytes(n)
+        (src / f"f{i:02d}").write_bytes(content[f"f{i:02d}"])
+    idx, chunks = _pack(src, chunk_size, compress=True)
+    try:
+        assert all(len(c) <= chunk_size for c in chunks)
+        for i, data in enumerate(chunks):
+            assert verify_chunk(data, idx.chunk(i).id) == idx.chunk(i).n_extents
+        for name, data in content.items():
+            recs = _records_of(idx, name)
+            assert all(r.offset % BLOCK_SIZE == 0 for r in recs if r.has_block_sums), name
+            node = idx.inode(inode_of(idx, name))
+            got = b""
+            for e in range(node.ref, node.ref + node.count):
+                ext = idx.extent(e)
+                stored = chunks[ext.chunk][ext.record.offset : ext.record.offset + ext.record.stored_len]
+                got += bytes(decode_record(stored, ext.record, name))
+            assert got == data, name
     finally:
         idx.close()
 
@@ -546,8 +582,9 @@ def test_big_files_are_records_of_4_mib_with_block_sums(node: Node, tmp_path: Pa
             for e in range(inode.ref, inode.ref + inode.count):
                 ext = idx.extent(e)
                 data = _chunk_bytes(node, idx.chunk(ext.chunk).id)
-                assert struct.unpack_from("<H", data, 8)[0] == 2  # chunks with block sums are version 2
+                assert struct.unpack_from("<H", data, 8)[0] == 3  # chunks with block sums are version 3
                 rec = ext.record
+                assert rec.offset % BLOCK_SIZE == 0  # its bytes start on a 4 KiB boundary of the chunk file
                 piece = files["big.bin"][pos : pos + rec.raw_len]
                 want = b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(piece[i : i + 4096]))
                                 for i in range(0, len(piece), 4096))

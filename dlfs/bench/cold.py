@@ -37,12 +37,16 @@ Say = Callable[[str], None]
 DATASET = "bench-cold"
 BIG_SIZES = (16 << 20, 40_000_000)  # a 3D-U-Net-like sample (MLPerf Storage's unet3d) and a bigger shard
 SMALL_MEAN = 110_000
-COUNTS = {"quick": (8, 3000), "full": (16, 8000)}  # big files of each size, small files
+SMALL_MAX = 8000  # small files at most: enough for a steady epoch, a dataset of ~0.9 GB
 
 
-def make_dataset(root: Path, quick: bool) -> tuple[list[str], list[str], int]:
+def section_size(files: int, big_files: int) -> tuple[int, int]:
+    """(big files of each size, small files) for a run of `files` files and `big_files` big ones."""
+    return max(2, min(big_files, files // 500)), min(files, SMALL_MAX)
+
+
+def make_dataset(root: Path, n_big: int, n_small: int) -> tuple[list[str], list[str], int]:
     """root/big/* and root/small/...: (big relpaths, small relpaths, bytes), reused when already there."""
-    n_big, n_small = COUNTS["quick" if quick else "full"]
     big = root / "big"
     big.mkdir(parents=True, exist_ok=True)
     for size in BIG_SIZES:
@@ -54,6 +58,10 @@ def make_dataset(root: Path, quick: bool) -> tuple[list[str], list[str], int]:
                     f.write(random.Random(size * 1000 + i).randbytes(size))
                 os.replace(tmp, p)
     make_sample(root / "small", n_files=n_small, mean_size=SMALL_MEAN)
+    for stale in big.glob("*.bin"):  # of an earlier run with more big files
+        size, i = stale.stem.split("-")
+        if int(i) >= n_big:
+            stale.unlink()
     bigs = sorted(f"big/{p}" for p in os.listdir(big) if p.endswith(".bin"))
     smalls = [f"small/{r}" for r in list_files(str(root / "small"))]
     total = sum(os.path.getsize(root / r) for r in (*bigs, *smalls))
@@ -91,7 +99,7 @@ def two_cold_epochs(s: System, relpaths: list[str], readers: int) -> dict[str, A
     return out
 
 
-def run_cold(work: Path, say: Say, quick: bool, transport: str | None = None,
+def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | None = None,
              io_uring: str | None = None) -> dict[str, Any]:
     """The section's figures (see the module's docstring); cleans up its node and mounts on any exit."""
     src, mnt = work / "cold-sample", work / "cold-mnt"
@@ -100,7 +108,7 @@ def run_cold(work: Path, say: Say, quick: bool, transport: str | None = None,
     node.stop_leftover()
     node.check_unused()
     say("cold path: making the dataset (big files of 16 MiB and 40 MB, ~110 KB files)")
-    bigs, smalls, total = make_dataset(src, quick)
+    bigs, smalls, total = make_dataset(src, n_big, n_small)
     image = work / "cold.img"
     out: dict[str, Any] = {"dataset": {"src": str(src), "big_files": len(bigs), "small_files": len(smalls),
                                        "bytes": total}, "big": {}, "small": {}}

@@ -10,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlfs.bench.cold import cold_targets, format_cold
 from dlfs.bench.memory import DLFS_ROWS, size_text
 from dlfs.errors import UsageError
 
 BASELINES = ("local", "squashfuse_ll", "kernel_squashfs")
 SHORT = {"local": "local", "squashfuse_ll": "sqfs-ll", "kernel_squashfs": "kernel"}
-EPOCH_PASSES = {"cold": "cold", "warm": "warm", "warm_raw": "warm, raw"}
+EPOCH_PASSES = {"cold": "cold", "warm": "warm", "warm_raw": "warm, raw", "warm_run": "warm, run"}
 TESTS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<": operator.lt, "<=": operator.le,
                                                    "==": operator.eq}
 
@@ -62,13 +63,15 @@ def epoch_targets(epoch: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def bigfile_targets(big: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 12's big-file targets: random 4 KiB preads and the cold sequential read."""
+    """Issues 12 and 21's big-file targets: random 4 KiB preads and the cold sequential read."""
     pread, seq = big["pread"], big["sequential"]
     return [
         target("random 4 KiB preads in big files: bytes read by the mount / bytes served",
                pread["dlfs"]["mount_read_ratio"], 2.0, "x", op="<="),
         target("random 4 KiB preads in big files: preads/s dlfs / squashfuse_ll",
                _ratio(pread["dlfs"]["preads_per_s"], pread["squashfuse_ll"]["preads_per_s"]), 1.0, "x"),
+        target("random 4 KiB preads in big files: block-device bytes / bytes served, dlfs",
+               pread["dlfs"].get("blockdev_read_ratio"), 1.2, "x", op="<="),
         target("sequential read of big files, cold, open().read(): dlfs / local disk",
                _ratio(seq["dlfs"]["mb_per_s"], seq["local"]["mb_per_s"]), 0.9, "x"),
     ]
@@ -140,6 +143,8 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if "epoch" in out:
         rows += [*epoch_targets(out["epoch"]), *bigfile_targets(out["bigfiles"]), *other_targets(out)]
+    if "cold" in out:
+        rows += cold_targets(out["cold"])
     if "memory" in out:
         rows += memory_targets(out["memory"])
     return rows
@@ -179,6 +184,8 @@ def format_report(out: dict[str, Any]) -> str:
         lines += format_main(out)
     else:
         lines += ["passes:", *(f"  {k:<15} {v}" for k, v in out["passes"].items())]
+    if "cold" in out:
+        lines += format_cold(out["cold"])
     if "memory" in out:
         lines += format_memory(out["memory"])
     lines += format_targets(out["targets"])
@@ -233,7 +240,9 @@ def format_epoch(out: dict[str, Any]) -> list[str]:
                 lines.append(_read_row(f"{title}, {_readers(readers)}" if i == 0 else "", labels[name], r, by,
                                        "files_per_s"))
     lines.append("  cold and warm read as frameworks do (reads: open); warm, raw: the same files unbuffered "
-                 "(reads: raw). CPU: the FUSE daemon's")
+                 "(reads: raw);")
+    lines.append("  warm, run: as frameworks do, the readers under `dlfs run` (isatty() answered in the process). "
+                 "CPU: the FUSE daemon's")
     lines.append("  utime+stime (/proc/PID/stat: all its threads, and processes it started) per file read; '-' where "
                  "the kernel serves (its CPU is not charged).")
     return lines
@@ -254,13 +263,21 @@ def format_bigfiles(out: dict[str, Any]) -> list[str]:
     lines = ["", f"BIG FILES: {d['files']} files of {d['file_bytes'] / 1e6:.1f} MB ({d['bytes'] / 1e9:.2f} GB of "
              f"{d['content']}), one reader; each pass on a fresh mount, page cache dropped",
              f"{f'  random 4 KiB preads ({n:,})':<41}{'preads/s':>9}{'MB/s':>9}{_vs_header()}{'CPU µs/pread':>13}"
-             f"{'disk/served':>12}{'mount/served':>13}"]
+             f"{'disk/served':>12}{'blkdev/served':>14}{'mount/served':>13}"]
     for name, r in pread.items():
         lines.append(f"  {'':<22}{labels[name]:<17}{_num(r['preads_per_s']):>9}{_num(r['mb_per_s'], 1):>9}"
                      f"{_vs(pread, r, 'preads_per_s')}{_num(r['cpu_us_per_pread']):>13}{_x(r['disk_read_ratio']):>12}"
-                     f"{_x(r['mount_read_ratio']):>13}")
+                     f"{_x(r.get('blockdev_read_ratio')):>14}{_x(r['mount_read_ratio']):>13}")
     lines.append("  disk/served: bytes the reader and the serving processes read from storage (/proc/PID/io); "
                  "mount/served: the dlfs mount's fetched bytes (its stats)")
+    first = next(iter(pread.values()))
+    if first.get("blockdev_read_bytes") is not None:
+        nulls = ", ".join(f"{labels[name]} {r['blockdev_null_bytes'] / 1e3:,.0f} kB in {r['blockdev_s']:.1f} s"
+                          for name, r in pread.items())
+        lines.append(f"  blkdev/served: bytes read from {first['blockdev']} during the pass, less those an idle run "
+                     f"as long read right after ({nulls})")
+    elif "blockdev" in first:
+        lines.append(f"  blkdev/served: not measured: {first['blockdev']}")
     lines.append(f"{'  sequential: every file whole, cold':<41}{'files/s':>9}{'MB/s':>9}{_vs_header()}"
                  f"{'CPU µs/file':>12}{'CPU s/GB':>10}")
     for kind, title in (("sequential", "open().read()"), ("sequential_raw", "raw, 1 MiB readinto")):
@@ -365,7 +382,7 @@ def format_memory(mem: dict[str, Any]) -> list[str]:
 
 def format_targets(rows: list[dict[str, Any]]) -> list[str]:
     """The targets block: each target's value, goal and result (pass, FAIL, or n/a where not measured)."""
-    lines = ["", f"{'TARGETS (issues 4, 5, 12, 13)':<76}{'measured':>10}{'goal':>9}  result"]
+    lines = ["", f"{'TARGETS (issues 4, 5, 12, 13, 21)':<76}{'measured':>10}{'goal':>9}  result"]
     for t in rows:
         if isinstance(t["goal"], bool):  # a yes-or-no target (check())
             value = "-" if t["value"] is None else ("yes" if t["value"] else "no")

@@ -41,6 +41,7 @@ from dlfs.bench.baselines import (
     unmount_all_under,
 )
 from dlfs.bench.bigfiles import PREAD_SIZE, run_bigfiles
+from dlfs.bench.cold import run_cold, section_size
 from dlfs.bench.direct import TORCH_KINDS, run_direct
 from dlfs.bench.epoch import MARKER, READS, list_files, timed_epoch, verify_system
 from dlfs.bench.memory import DEFAULT_LIMIT, MIN_LIMIT, QUICK_LIMIT, run_bigger_than_memory, size_text
@@ -53,8 +54,9 @@ __all__ = ["BenchOptions", "bench_options", "check_plotting", "format_report", "
 
 log = logging.getLogger(__name__)
 # Of the JSON report: 2 added epoch["warm_raw"], each epoch row's read and CPU per file, bigfiles, engine;
-# 3 added memory (and only, for a run of some sections).
-FORMAT = 3
+# 3 added memory (and only, for a run of some sections); 4 added epoch["warm_run"], the big files'
+# block-device figures and cold (the cold-path section).
+FORMAT = 4
 DATASET = "bench"
 BIG_DATASET = "bench-shards"
 MEAN_SIZE = 110_000
@@ -73,13 +75,16 @@ PASSES = {
             "daemon caches warm)",
     "warm_raw": "right after warm, on the same mount: the same files read raw (reads: raw), so the cost of the "
                 "framework way shows",
+    "warm_run": "right after warm raw, on the same mount: the framework way (reads: open) again, the readers under "
+                "`dlfs run`'s preload library (isatty() of a regular file answered in the process, no ioctl)",
     "metadata": "page cache dropped, then a fresh mount; one os.scandir walk with an lstat of every entry",
     "ingest": "page cache dropped first; wall time until the data is on disk (the command, then sync)",
     "pread": f"big files: page cache dropped, then a fresh mount; every file opened (os.open), then random "
              f"{PREAD_SIZE}-byte-aligned os.pread(fd, {PREAD_SIZE}, offset) from one reader, each checked against "
              "the source afterwards; bytes read from storage by the reader and the serving processes "
-             "(/proc/PID/io read_bytes), and by dlfs's mount (its published fetched_bytes: chunk files read in "
-             "place and network fetches, prefetches included, counted until it is idle)",
+             "(/proc/PID/io read_bytes), from the block device holding the work dir (/sys/block/DEV/stat sectors "
+             "read x 512, less an idle run as long right after), and by dlfs's mount (its published fetched_bytes: "
+             "chunk files read in place and network fetches, prefetches included, counted until it is idle)",
     "sequential": "big files: page cache dropped, then a fresh mount; every file read whole once by one reader, "
                   "in random order, the framework way (reads: open)",
     "sequential_raw": "as sequential, on another fresh mount with the page cache dropped, read raw (reads: raw)",
@@ -89,11 +94,14 @@ PASSES = {
              "views: " + TORCH_KINDS["views"] + "; tensor: " + TORCH_KINDS["tensor"],
     "two_jobs": "two processes, each a whole epoch in its own random order, at once on a fresh mount, "
                 "page cache dropped",
+    "cold_path": "its own dataset of big files (16 MiB, 40 MB) and ~110 KB files: big files read whole, cold (page "
+                 "cache dropped, a fresh mount), 1 and 2 readers; two cold epochs of the small files on one mount with "
+                 "the page cache dropped between them, 2 readers; READs sent to Python counted from the mount's stats",
     "memory": "bigger than memory: a memory cgroup the bench makes (--memory-limit) and a dataset 2-3x its limit; "
               "the dlfs node, the mounts, squashfuse_ll and the readers all in it; each epoch after the page cache "
               "was dropped, on a fresh mount; bytes checked against xxh3 of the source",
 }
-SECTIONS = ("memory",)  # what --only can pick
+SECTIONS = {"memory": "memory", "cold": "cold_path"}  # what --only can pick, and the pass each runs
 Say = Callable[[str], None]
 
 
@@ -231,6 +239,8 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
         out["scale"] = {"per_dir": scale.PER_DIR, "points": [p.to_json() for p in points],
                         "rss_bytes_per_file": scale.bytes_per_file(points),
                         "rss_bytes_per_file_remount": scale.bytes_per_file(points, remount=True)}
+    with _sigterm_as_interrupt():  # its own node, after the main one is gone
+        out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport, opts.io_uring)
     if opts.memory:  # after the main node is gone: nothing else runs beside the group
         with _sigterm_as_interrupt():
             out["memory"] = memory_section(opts, work, say, src, total)
@@ -244,7 +254,7 @@ def run_sections(opts: BenchOptions, work: Path, say: Say, t_start: float) -> di
     assert opts.only is not None
     out: dict[str, Any] = {
         "format": FORMAT, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(), "passes": {k: PASSES[k] for k in opts.only}, "quick": opts.quick, "only": opts.only,
+        "machine": machine(), "passes": {SECTIONS[k]: PASSES[SECTIONS[k]] for k in opts.only}, "quick": opts.quick, "only": opts.only,
     }
     total: int | None
     if opts.src is not None:
@@ -255,6 +265,10 @@ def run_sections(opts: BenchOptions, work: Path, say: Say, t_start: float) -> di
     else:
         src = work / "sample"
         total = _kept_sample_bytes(src) or None  # a complete sample of an earlier run, if any
+    if "cold" in opts.only:
+        with _sigterm_as_interrupt():
+            out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport,
+                                   opts.io_uring)
     if "memory" in opts.only:
         with _sigterm_as_interrupt():
             out["memory"] = memory_section(opts, work, say, src, total)
@@ -285,16 +299,18 @@ def make_systems(node: DlfsNode, dataset: str, src: Path, image: Path, mnt_base:
 
 
 def run_epochs(systems: list[System], relpaths: list[str], readers: list[int], say: Say) -> dict[str, Any]:
-    """For each reader count and system, on a fresh mount: cold then warm the framework way, then warm raw."""
-    out: dict[str, Any] = {"cold": {}, "warm": {}, "warm_raw": {}}
+    """For each reader count and system, on a fresh mount: cold then warm the framework way, then warm raw,
+    then warm the framework way under `dlfs run`'s preload library."""
+    out: dict[str, Any] = {"cold": {}, "warm": {}, "warm_raw": {}, "warm_run": {}}
     for n in readers:
         for kind in out:
             out[kind][str(n)] = {}
         for s in systems:
-            say(f"epoch, {n} reader{'s' if n > 1 else ''}: {s.label}, cold then warm (open().read()), then warm raw")
+            say(f"epoch, {n} reader{'s' if n > 1 else ''}: {s.label}, cold then warm (open().read()), then warm raw, "
+                "then warm under dlfs run")
             fresh_start(s)
-            for kind, read in (("cold", "open"), ("warm", "open"), ("warm_raw", "raw")):
-                out[kind][str(n)][s.name] = timed_epoch(s, relpaths, n, seed=n, read=read)
+            for kind, read in (("cold", "open"), ("warm", "open"), ("warm_raw", "raw"), ("warm_run", "open")):
+                out[kind][str(n)][s.name] = timed_epoch(s, relpaths, n, seed=n, read=read, preload=kind == "warm_run")
     return out
 
 

@@ -360,8 +360,9 @@ class ChunkCache:
         fetched as its access pattern asks, as the kernel's own read-ahead does: a READ of more than
         RANDOM_READ_MAX (`size`: the kernel's read-ahead), reading the file from its start, or a third
         read in a row continuing the one before (across records too), is sequential: the record's window is fetched and the file's next windows kept in flight ahead of
-        it; any other read inside a record with block sums fetches just the 4 KiB blocks it covers, and
-        of a small record its window alone (nothing predicts the next file of a random order)."""
+        it; any other read inside a record with block sums fetches just the 4 KiB blocks it covers; of a
+        small file, its window alone (nothing predicts the next file of a random order); of a small
+        record of a big file (its tail), the record alone."""
         sequential = self._stream(ext, lo, hi, first) or size > RANDOM_READ_MAX
         if sequential:
             return (await self.record(ext, (first, end)))[lo:hi]
@@ -369,7 +370,9 @@ class ChunkCache:
             return (await self.record(ext))[lo:hi]
         if self.index.extent(ext).record.flags & FLAG_BLOCK_SUMS:
             return await self._fetch_blocks(ext, lo, hi)
-        return (await self.record(ext))[lo:hi]
+        # A small file read at random brings its window (its neighbours are files an epoch reads too); a
+        # small piece of a big file read at random, the record alone.
+        return (await self.record(ext, ahead=end - first == 1))[lo:hi]
 
     def _stream(self, ext: int, lo: int, hi: int, first: int) -> bool:
         """Note a read of [lo, hi) of extent `ext` (of a file starting at extent `first`); True if it

@@ -4,11 +4,14 @@ A chunk is immutable and named by the xxh3-128 of its whole content. Layout (lit
 
     header  32 B   magic "DLFSCHNK", version u16, flags u16, records u32, payload bytes u64,
                    xxh3-64 of the 24 bytes before it
+    padding        version 3, before a record with FLAG_BLOCK_SUMS only: 0 to BLOCK_SIZE - 1 zero
+                   bytes, as many as put that record's stored bytes on a BLOCK_SIZE boundary
     record  24 B   magic u32, flags u32, stored length u32, raw length u32, xxh3-64 of the stored bytes
             ...    the stored bytes
             ...    with FLAG_BLOCK_SUMS only: the block sums, one xxh3-64 u64 per BLOCK_SIZE bytes of
                    the stored bytes (the last block may be short), 8 * ceil(stored / BLOCK_SIZE) bytes
-    (records repeat; the next header starts right after the record's stored bytes and sums)
+    (records repeat; the next header, or its padding, starts right after the record's stored bytes
+    and sums; the payload length counts the padding, the record count does not)
 
 Record flags (the index's extents carry the same value):
     FLAG_LZ4 = 1          the stored bytes are an lz4 block of the raw bytes
@@ -20,11 +23,24 @@ reader can fetch and check any BLOCK_SIZE-aligned piece of a big record (`block_
 `verify_blocks`) without reading it all. The whole-record checksum covers the stored bytes only,
 exactly as in version 1: whole-record readers never look at the sums.
 
-Versions: 2 is version 1 plus FLAG_BLOCK_SUMS. A chunk is written as version 2 only when one of
-its records carries block sums; any other chunk is written as version 1, in exactly the version-1
-layout: a version-1 reader still reads it, and a chunk of small files keeps the content id the
-version-1 writer gave it, so data ingested before is found already stored. Both versions are read
-and verified; FLAG_BLOCK_SUMS in a version-1 chunk is corrupt.
+Versions:
+    1  records back to back, no block sums.
+    2  version 1 plus FLAG_BLOCK_SUMS. Read, no longer written.
+    3  version 2 plus alignment: a record with FLAG_BLOCK_SUMS has its stored bytes at a multiple of
+       BLOCK_SIZE of the chunk (zero padding before its header), so that each block a random read
+       fetches (`block_range`: offset + first * BLOCK_SIZE) is one page of the chunk file, not two.
+A chunk is written as version 3 only when one of its records carries block sums; any other chunk
+is written as version 1, in exactly the version-1 layout: a version-1 reader still reads it, and a
+chunk of small files keeps the content id the version-1 writer gave it, so data ingested before is
+found already stored. All three versions are read and verified; FLAG_BLOCK_SUMS in a version-1
+chunk is corrupt.
+
+Framing of version 3: where a record may start (after the chunk header or a record's last byte),
+either the record magic is there and so is the header, or the padding starts there: zero bytes up
+to the one offset p with (p + RECORD.size) % BLOCK_SIZE == 0, then a header with FLAG_BLOCK_SUMS.
+The magic's first byte is not zero, so padding never looks like a header. Anything else is corrupt:
+a non-zero byte in the padding, padding before a record without block sums, a record with block
+sums that is not aligned, padding after the last record.
 
 The index points straight at each record's stored bytes (offset, lengths, checksum, flags), so a
 reader fetches and verifies one file without parsing the chunk; the record headers make a chunk
@@ -44,8 +60,9 @@ import xxhash
 from dlfs.errors import CorruptData
 
 MAGIC = b"DLFSCHNK"
-VERSION = 2  # written only for chunks with block sums (see above)
+VERSION = 3  # written only for chunks with block sums (see above)
 VERSION_PLAIN = 1  # written for every other chunk
+VERSION_UNALIGNED = 2  # block sums, no padding: read, no longer written
 HEADER = struct.Struct("<8sHHIQQ")
 RECORD = struct.Struct("<IIIIQ")
 RECORD_MAGIC = 0xD1F5C0DE
@@ -57,7 +74,10 @@ MAX_RECORD_BYTES = 4 << 20  # raw bytes of one record at most: it fits a 4 MiB c
 BLOCK_SIZE = 4096  # bytes checked by one block sum
 BLOCK_SUMS_MIN = 256 << 10  # uncompressed records this big carry block sums
 BLOCK_SUM = struct.Struct("<Q")
-_FLAGS_OF_VERSION = {VERSION_PLAIN: FLAG_LZ4, VERSION: FLAG_LZ4 | FLAG_BLOCK_SUMS}
+_FLAGS_OF_VERSION = {VERSION_PLAIN: FLAG_LZ4, VERSION_UNALIGNED: FLAG_LZ4 | FLAG_BLOCK_SUMS,
+                     VERSION: FLAG_LZ4 | FLAG_BLOCK_SUMS}
+_ALIGNED_VERSIONS = frozenset({VERSION})
+_RECORD_MAGIC_BYTES = struct.pack("<I", RECORD_MAGIC)
 
 
 def chunk_id(data: bytes | bytearray | memoryview) -> bytes:
@@ -80,11 +100,19 @@ def block_sums(data: bytes | bytearray | memoryview) -> list[int]:
     return [digest(view[i : i + BLOCK_SIZE]) for i in range(0, len(view), BLOCK_SIZE)]
 
 
+def padding_before(pos: int) -> int:
+    """Zero bytes a record with block sums is preceded by when its header would start at chunk
+    offset `pos` (version 3): those that put its stored bytes on a BLOCK_SIZE boundary."""
+    return -(pos + RECORD.size) % BLOCK_SIZE
+
+
 def record_footprint(length: int) -> int:
-    """Chunk bytes one record of `length` raw bytes takes at most (stored as is, so with the block
-    sums it then carries): its header, its bytes and its sums."""
-    sums = block_count(length) * BLOCK_SUM.size if length >= BLOCK_SUMS_MIN else 0
-    return RECORD.size + length + sums
+    """Chunk bytes one record of `length` raw bytes takes at most, wherever it starts (stored as
+    is, so with the block sums it then carries): its header, its bytes, its sums, and the most
+    padding a record with sums may need."""
+    if length < BLOCK_SUMS_MIN:
+        return RECORD.size + length
+    return BLOCK_SIZE - 1 + RECORD.size + length + block_count(length) * BLOCK_SUM.size
 
 
 def records_span(length: int) -> int:
@@ -169,8 +197,10 @@ class ChunkWriter:
     """Packs records into one chunk buffer that already exists; `finish` seals and names it.
 
     The buffer is reused chunk after chunk (`reset`): file bytes are read straight into it, and a
-    record's block sums are written right after its bytes. Room is always kept for the sums a
-    record would carry stored as is, whether or not it then compresses.
+    record's block sums are written right after its bytes. Room is always kept for the sums, and
+    the padding, a record would carry stored as is, whether or not it then compresses: a record
+    big enough for sums is read in at the next aligned place, and moved back to the unpadded one
+    only if it compresses.
     """
 
     def __init__(self, capacity: int, buf: bytearray | None = None) -> None:
@@ -193,14 +223,20 @@ class ChunkWriter:
 
     def room(self) -> int:
         """Raw bytes one more record may take: at most MAX_RECORD_BYTES, and with its header and
-        the block sums it may carry, it fits in what is left of the chunk."""
+        the padding and block sums it may carry, it fits in what is left of the chunk."""
         space = self.capacity - self.pos - RECORD.size
         if space <= 0:
             return 0
-        # With sums, each whole block costs BLOCK_SIZE + 8 bytes, and a short last block its length + 8.
-        blocks, rest = divmod(space, BLOCK_SIZE + BLOCK_SUM.size)
+        # With sums, the padding comes first; then each whole block costs BLOCK_SIZE + 8 bytes, and
+        # a short last block its length + 8.
+        blocks, rest = divmod(max(0, space - padding_before(self.pos)), BLOCK_SIZE + BLOCK_SUM.size)
         with_sums = blocks * BLOCK_SIZE + max(0, rest - BLOCK_SUM.size)
         return min(MAX_RECORD_BYTES, with_sums if with_sums >= BLOCK_SUMS_MIN else min(space, BLOCK_SUMS_MIN - 1))
+
+    def _data_start(self, length: int) -> int:
+        """Where a record of `length` raw bytes is read in: past its padding if it may carry sums."""
+        head = self.pos + (padding_before(self.pos) if length >= BLOCK_SUMS_MIN else 0)
+        return head + RECORD.size
 
     def fits(self, length: int) -> bool:
         """Whether `length` bytes of one file, cut into records of MAX_RECORD_BYTES, fit in what is
@@ -211,9 +247,9 @@ class ChunkWriter:
         """Append one record from bytes; compression is kept only where it saves space."""
         if len(data) > self.room():
             raise ValueError("record does not fit in the chunk")
-        start = self.pos + RECORD.size
+        start = self._data_start(len(data))
         self.view[start : start + len(data)] = data
-        return self._seal(len(data), compress)
+        return self._seal(start, len(data), compress)
 
     def add_from(self, fd: int, length: int, compress: bool) -> Record:
         """Append one record read from `fd` straight into the buffer; returns it.
@@ -222,7 +258,7 @@ class ChunkWriter:
         """
         if length > self.room():
             raise ValueError("record does not fit in the chunk")
-        start = self.pos + RECORD.size
+        start = self._data_start(length)
         dest = self.view[start : start + length]
         got = 0
         while got < length:
@@ -230,22 +266,24 @@ class ChunkWriter:
             if n == 0:
                 raise EOFError(got)
             got += n
-        return self._seal(length, compress)
+        return self._seal(start, length, compress)
 
-    def _seal(self, length: int, compress: bool) -> Record:
-        start = self.pos + RECORD.size
+    def _seal(self, start: int, length: int, compress: bool) -> Record:
+        """Frame the record whose `length` raw bytes were read in at `start` (`_data_start`)."""
         raw = self.view[start : start + length]
         stored_len, flags = length, 0
         if compress and length > 64:
             packed = lz4.block.compress(raw, store_size=False)
             if len(packed) < length:
+                start = self.pos + RECORD.size  # no sums, so no padding: right after the header
                 self.view[start : start + len(packed)] = packed
                 stored_len, flags = len(packed), FLAG_LZ4
         if not flags & FLAG_LZ4 and length >= BLOCK_SUMS_MIN:
             flags |= FLAG_BLOCK_SUMS
+            self.view[self.pos : start - RECORD.size] = bytes(start - RECORD.size - self.pos)  # the padding
         stored = self.view[start : start + stored_len]
         checksum = record_checksum(stored)
-        RECORD.pack_into(self.buf, self.pos, RECORD_MAGIC, flags, stored_len, length, checksum)
+        RECORD.pack_into(self.buf, start - RECORD.size, RECORD_MAGIC, flags, stored_len, length, checksum)
         rec = Record(start, stored_len, length, checksum, flags)
         if flags & FLAG_BLOCK_SUMS:
             sums = block_sums(stored)
@@ -302,8 +340,17 @@ def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> I
     # Too long is not truncation: say so, or repair hunts for a missing tail that is not missing.
     if HEADER.size + payload < len(view):
         raise CorruptData(f"{name}: {len(view) - HEADER.size - payload} stray bytes after the payload")
+    aligned = version in _ALIGNED_VERSIONS
     pos = HEADER.size
     for i in range(n_records):
+        padding = 0
+        if aligned and view[pos : pos + 4] != _RECORD_MAGIC_BYTES:  # not a header: the padding starts here
+            padding = padding_before(pos)
+            pad = bytes(view[pos : pos + padding])
+            if pad.count(0) != len(pad):
+                at = pos + len(pad) - len(pad.lstrip(b"\0"))
+                raise CorruptData(f"{name}: record {i}: a non-zero byte in the padding before it, at offset {at}")
+            pos += padding
         if pos + RECORD.size > len(view):
             raise CorruptData(f"{name}: record {i} header runs past the end")
         rmagic, flags, stored_len, raw_len, checksum = RECORD.unpack_from(view, pos)
@@ -312,6 +359,11 @@ def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> I
         # The flags decide where the next record starts: one this version lacks would misframe the rest.
         if flags & ~allowed or (flags & FLAG_LZ4 and flags & FLAG_BLOCK_SUMS):
             raise CorruptData(f"{name}: record {i} has flags {flags:#x}, not valid in a version {version} chunk")
+        if aligned and flags & FLAG_BLOCK_SUMS and padding_before(pos):
+            raise CorruptData(f"{name}: record {i} has block sums but its bytes start at offset "
+                              f"{pos + RECORD.size}, not on a {BLOCK_SIZE}-byte boundary")
+        if padding and not flags & FLAG_BLOCK_SUMS:
+            raise CorruptData(f"{name}: record {i} is padded but has no block sums (flags {flags:#x})")
         pos += RECORD.size
         rec = Record(pos, stored_len, raw_len, checksum, flags)
         if pos + stored_len + rec.sums_len > len(view):
