@@ -109,6 +109,34 @@ async def test_a_random_miss_fetches_its_window_not_its_chunk(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(60)
+async def test_a_small_file_miss_queues_its_chunk_within_the_readahead_bound(tmp_path: Path) -> None:
+    """An epoch reads every small file once, in any order: a miss of one queues the rest of its chunk,
+    but read-ahead never holds more than its bound (a dataset bigger than it is read a window at a
+    time, not prefetched into memory whole)."""
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
+        index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=4)
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB)
+        cache._readahead_cap = 3 * cache.slab_size  # as READAHEAD_MAX is to a big cache
+        held = []
+        for _ in range(2):
+            n.start_soon(cache.prefetch_worker)
+        for c in (0, 2):
+            ext = c * 8 + 4
+            got = await cache.read(ext, 0, len(payloads[ext]), ext, ext + 1, len(payloads[ext]))
+            assert bytes(got) == payloads[ext]
+            cache.consume(ext, len(got))  # the kernel has it, as the FUSE handlers say
+            await trio.testing.wait_all_tasks_blocked()
+            st = cache.stats()
+            held.append(st["cached_bytes"] - st["own_bytes"])  # slabs (decompressed records are bounded apart)
+        chunk0 = {e for e in range(8) if e in cache}
+        assert chunk0 == set(range(8)) - {4}, "the first miss's chunk was prefetched whole (it fits the bound)"
+        assert cache.prefetched_bytes > 0
+        assert max(held) <= 3 * cache.slab_size, held
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
 async def test_a_stream_keeps_its_next_windows_in_flight(tmp_path: Path) -> None:
     """A file read in order (its extents [0, 32) here, across chunks) has its next windows fetched
     ahead: after the first miss, every record is a hit and no byte is fetched twice."""
