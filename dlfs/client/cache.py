@@ -538,7 +538,7 @@ class ChunkCache:
         return [i for i in range(lo, hi) if i == ext or not self._here(i, sent)]
 
     async def _from_sources(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
-                            check: Callable[[Sequence[Buffer], str], Awaitable[T]]) -> T:
+                            check: Callable[[Sequence[Buffer], str], Awaitable[T]], urgent: bool = True) -> T:
         """Ranges (offset, length) of chunk `cid` from the first source whose bytes pass `check`: this
         machine's chunk files first, then each replica (CorruptData from `check` moves on to the next;
         so does a replica that is down). The first range lands in `into` where the source can put it
@@ -547,7 +547,7 @@ class ChunkCache:
         errors: list[str] = []
         corrupt = False
         if self.local is not None:
-            pieces = await self.local.read_ranges(cid, ranges, into)
+            pieces = await self.local.read_ranges(cid, ranges, into, urgent)
             if pieces is not None:
                 local: list[Buffer] = list(pieces)
                 try:
@@ -617,7 +617,7 @@ class ChunkCache:
             return raw
 
         try:
-            return await self._from_sources(chunk.id, [(base, length)], into, keep)
+            return await self._from_sources(chunk.id, [(base, length)], into, keep, urgent=need is not None)
         finally:
             self._inflight_size -= length
             for i in run:

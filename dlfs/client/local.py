@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import logging
 import os
+import queue
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -29,6 +34,10 @@ OPEN_FILES = 256
 THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker thread: not on the event loop
 DIRECT_MIN = 256 << 10  # windows this big go from the disk straight to their slab (O_DIRECT)
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of offset, length and memory (a page covers every device's)
+# Threads reading this machine's chunk files, in the order asked. Each goes from one read straight to
+# the next, with no hop through the event loop between. On this project's virtio disks reads in file
+# order two at a time beat more at once (1.17-1.25 GB/s through a mount; 1.0-1.2 with four).
+DISK_THREADS = 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # Linux 6.14+: a buffered read that leaves no page cache behind (the kernel keeps what it is sent for
 # the FUSE file: one copy of each byte in memory is enough). Cleared where the kernel has no such flag.
@@ -105,10 +114,66 @@ def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int, cached: 
     return off - lo, max(0, got - (off - lo))
 
 
+class DiskQueue:
+    """Reads of local files by DISK_THREADS threads of its own, in the order asked, those a reader
+    waits for (urgent) before read-ahead; each read's result is handed back to the event loop, while
+    its thread goes straight on to the next read."""
+
+    def __init__(self, threads: int = DISK_THREADS) -> None:
+        self._jobs: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._serve, name=f"dlfs-disk-{i}", daemon=True)
+                         for i in range(threads)]
+        self._started = False
+
+    def _serve(self) -> None:
+        while True:
+            _, _, job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, token, finished = job
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # handed to the waiter, which raises it
+                result, error = None, exc
+            try:
+                token.run_sync_soon(finished, result, error)
+            except trio.RunFinishedError:
+                return
+
+    async def run(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> Any:
+        """fn(*args) in a disk thread. Not cancellable once queued (as trio.to_thread.run_sync): the
+        read may be landing in memory its caller owns."""
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
+        done = trio.Event()
+        box: list[Any] = []
+
+        def finished(result: Any, error: BaseException | None) -> None:
+            box[:] = [result, error]
+            done.set()
+
+        self._jobs.put((0 if urgent else 1, next(self._order),
+                        (fn, args, trio.lowlevel.current_trio_token(), finished)))
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def close(self) -> None:
+        if self._started:
+            for _ in self._threads:
+                self._jobs.put((-1, -1, None))
+
+
 class LocalChunks:
     def __init__(self, chunk_dir: Path, node: str) -> None:
         self.chunk_dir = chunk_dir
         self.node = node
+        self.disk = DiskQueue()
         self._fds: OrderedDict[bytes, int] = OrderedDict()
         self._direct_fds: OrderedDict[bytes, int] = OrderedDict()
         self._absent: set[bytes] = set()
@@ -149,7 +214,8 @@ class LocalChunks:
             os.close(self._direct_fds.popitem(last=False)[1])
         return fd
 
-    async def _read_direct(self, cid: bytes, off: int, n: int, cached: bool, into: memoryview) -> memoryview | None:
+    async def _read_direct(self, cid: bytes, off: int, n: int, cached: bool, into: memoryview,
+                           urgent: bool = False) -> memoryview | None:
         """Bytes [off, off+n) of the chunk in `into`: copied from the page cache if it has them all
         (`cached`), else read from the disk straight into `into` (O_DIRECT, the range widened to whole
         4 KiB pages, so the bytes start a little into it: no copy, and no page cache kept of them); None
@@ -162,7 +228,7 @@ class LocalChunks:
         # Their own descriptors: no eviction here can close them under the thread.
         fd, dfd = os.dup(fd), os.dup(dfd)
         try:
-            start, got = await trio.to_thread.run_sync(_read_window, fd, dfd, off, n, lo, hi, cached, into)
+            start, got = await self.disk.run(_read_window, fd, dfd, off, n, lo, hi, cached, into, urgent=urgent)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -177,13 +243,13 @@ class LocalChunks:
         return into[start : start + n]
 
     async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
-                          into: memoryview | None = None) -> list[memoryview] | None:
+                          into: memoryview | None = None, urgent: bool = False) -> list[memoryview] | None:
         """The (offset, length) ranges of the chunk (the first into `into` when given), if this machine
         holds its chunk and they are all there; else None. Unchecked: the caller verifies them. A first
         range with `into` that the page cache does not hold comes from the disk straight into it
         (O_DIRECT; it may then start a little into `into`), and a big one that it holds is copied in a
-        worker thread; otherwise what the page cache has is copied at once, and the rest is read from
-        disk in one worker thread."""
+        disk thread; otherwise what the page cache has is copied at once, and the rest is read from
+        disk in a disk thread (`urgent`: before read-ahead waiting there)."""
         fd = self._fd(cid)
         if fd is None:
             return None
@@ -193,7 +259,7 @@ class LocalChunks:
         cached = into is not None and self.direct and _all_cached(fd, *ranges[0])
         if into is not None and self.direct and (ranges[0][1] >= DIRECT_MIN or not cached):
             try:
-                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into)
+                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into, urgent)
             except OSError as exc:
                 self.fallbacks += 1
                 log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
@@ -220,7 +286,7 @@ class LocalChunks:
                 # On its own descriptor, which no eviction here can close, so the other readers go on.
                 dup = os.dup(fd)
                 try:
-                    more = await trio.to_thread.run_sync(_pread_all, dup, rest)
+                    more = await self.disk.run(_pread_all, dup, rest, urgent=urgent)
                 finally:
                     os.close(dup)
                 late = iter(more)
@@ -241,6 +307,7 @@ class LocalChunks:
         return bufs
 
     def close(self) -> None:
+        self.disk.close()
         for fd in [*self._fds.values(), *self._direct_fds.values()]:
             os.close(fd)
         self._fds.clear()
