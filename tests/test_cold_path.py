@@ -66,6 +66,23 @@ def _read(path: Path) -> bytes:
         return f.read()
 
 
+def _flip(path: Path, offset: int) -> None:
+    """Flip one byte of a file in place (a chunk file: damage its checksum would catch)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x55]))
+
+
+def _cold_read_is_eio(path: Path) -> None:
+    """Reading `path` whole, cold, fails with EIO (not wrong bytes)."""
+    drop_caches()
+    with pytest.raises(OSError) as exc:
+        _read(path)
+    assert exc.value.errno == errno.EIO
+
+
 def _engine(c: Cold, mnt: Path | None = None) -> dict:
     return mount_stats(c.node.home, mnt or c.mnt / "big", timeout=3.0)
 
@@ -167,17 +184,10 @@ def test_a_corrupt_record_fails_exactly_its_bytes(tmp_path: Path) -> None:
             idx.close()
         lo = recs[0].record.raw_len
         hi = lo + recs[1].record.raw_len
-        with open(node.home / "data/chunks" / cid.hex()[:2] / cid.hex(), "r+b") as f:
-            f.seek(recs[1].record.offset + 5000)
-            b = f.read(1)
-            f.seek(recs[1].record.offset + 5000)
-            f.write(bytes([b[0] ^ 1]))
+        _flip(node.home / "data/chunks" / cid.hex()[:2] / cid.hex(), recs[1].record.offset + 5000)
         mnt = node.mount("bad", tmp_path / "mnt")
         try:
-            drop_caches()
-            with pytest.raises(OSError) as exc:
-                _read(mnt / "f")
-            assert exc.value.errno == errno.EIO
+            _cold_read_is_eio(mnt / "f")
             fd = os.open(mnt / "f", os.O_RDONLY)
             try:
                 assert os.pread(fd, lo, 0) == data[:lo]
@@ -210,11 +220,7 @@ def test_a_stream_whose_local_copy_goes_bad_midway_goes_on_from_the_other_replic
             if k % 4 == 1:
                 os.truncate(path, path.stat().st_size // 2)
             else:
-                with open(path, "r+b") as f:
-                    f.seek(path.stat().st_size // 2)
-                    b = f.read(1)
-                    f.seek(path.stat().st_size // 2)
-                    f.write(bytes([b[0] ^ 0x55]))
+                _flip(path, path.stat().st_size // 2)
         mnt = n1.mount("twice", tmp_path / "mnt")
         try:
             drop_caches()
@@ -226,10 +232,7 @@ def test_a_stream_whose_local_copy_goes_bad_midway_goes_on_from_the_other_replic
         n2.stop()
         mnt = n1.mount("twice", tmp_path / "mnt")
         try:
-            drop_caches()
-            with pytest.raises(OSError) as exc:
-                _read(mnt / "f")
-            assert exc.value.errno == errno.EIO
+            _cold_read_is_eio(mnt / "f")
         finally:
             n1.umount(mnt)
         n2.start()

@@ -71,8 +71,8 @@ SEQUENTIAL_AFTER = 2  # reads continuing the one before, after which a stream fe
 # they arrive (several are in flight at once); smaller ones are an application's random reads. The
 # serving threads draw the same line (native/answer.h).
 RANDOM_READ_MAX = getattr(native, "RANDOM_READ_MAX", 64 << 10)
-# Windows kept ahead of a file read in order: from the first, doubled whenever a read has to wait for
-# one (the reader outran them), up to the most (a slab each).
+# Windows kept ahead of a file read in order: from the first, doubled whenever a read that reaches
+# Python finds its window still in flight (the reader outran them), up to the most (a slab each).
 STREAM_WINDOWS, STREAM_WINDOWS_MAX = 8, 16
 # Read-ahead for the FUSE path lands in at most this much of the arena (slabs reused once consumed):
 # an epoch over a bigger dataset touches this much fresh memory once per mount, not the dataset's size.
@@ -361,11 +361,12 @@ class ChunkCache:
         """Bytes [lo, hi) of extent `ext`'s record for a read of the file made of extents [first, end),
         fetched as its access pattern asks, as the kernel's own read-ahead does: a READ of more than
         RANDOM_READ_MAX (`size`: the kernel's read-ahead), reading the file from its start, or a third
-        read in a row continuing the one before (across records too), is sequential: the record's window is fetched and the file's next windows kept in flight ahead of
-        it; a small file (one record) brings its window and queues the rest of its chunk for the
-        prefetch workers (an epoch reads its neighbours too, in whatever order: read-ahead's bound
-        decides how far that goes); any other read inside a record with block sums fetches just the
-        4 KiB blocks it covers, of a small record of a big file (its tail) the record alone."""
+        read in a row continuing the one before (across records too), is sequential: the record's
+        window is fetched and the file's next windows kept in flight ahead of it; a small file (one
+        record) brings its window and queues the rest of its chunk for the prefetch workers (an epoch
+        reads its neighbours too, in whatever order: read-ahead's bound decides how far that goes); any
+        other read inside a record with block sums fetches just the 4 KiB blocks it covers, of a small
+        record of a big file (its tail) the record alone."""
         sequential = self._stream(ext, lo, hi, first) or size > RANDOM_READ_MAX
         small_file = end - first == 1
         if sequential:
@@ -433,9 +434,6 @@ class ChunkCache:
             self._queue_chunk(ext)
         data = await self._fetch(self._run(ext, sent=not direct) if window else [ext], ext, direct)
         assert data is not None
-        if stream is not None:
-            self._deepen(stream[0])
-            self._stream_ahead(ext, *stream)
         return data
 
     def _count_fetch(self, node: str, nbytes: int) -> None:
