@@ -164,7 +164,7 @@ async def test_a_second_cold_epoch_reads_ahead_as_the_first(tmp_path: Path) -> N
         index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=4)
         cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB, prefetch=False)
         fetches = []
-        for epoch in range(2):
+        for _epoch in range(2):
             before = cache.fetches
             for ext in range(len(payloads)):
                 got = await cache.record(ext)

@@ -92,7 +92,8 @@ def _idle(c: Cold, mnt: Path, timeout: float = 30.0) -> dict:
     prev = _engine(c, mnt)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        now = mount_stats(c.node.home, mnt, until=lambda s: s["time"] > prev["time"], timeout=3.0)
+        then = prev["time"]
+        now = mount_stats(c.node.home, mnt, until=lambda s, then=then: s["time"] > then, timeout=3.0)
         if now["fetches"] == prev["fetches"]:
             return now
         prev = now
