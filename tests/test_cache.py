@@ -442,3 +442,37 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
                 assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
         assert cache.fetches == len(windows), (cache.fetches, len(windows))
         n.cancel_scope.cancel()
+
+
+def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:
+    """Read-ahead reaches the disk in the order it was queued (its ticket), not in the order its tasks
+    happen to be scheduled; a read a reader waits for goes before all of it."""
+    import threading
+    from functools import partial
+
+    from dlfs.client.local import DiskQueue, ticket
+
+    disk = DiskQueue(threads=1)
+    taken, gate, served = threading.Event(), threading.Event(), []
+    first, second, third = ticket(), ticket(), ticket()
+
+    def hold() -> None:
+        taken.set()
+        gate.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(disk.run, hold)  # holds the one thread while the rest are queued
+            await trio.to_thread.run_sync(taken.wait, 10)
+            for name, order in (("third", third), ("first", first), ("second", second)):
+                n.start_soon(partial(disk.run, served.append, name, order=order))
+                await trio.testing.wait_all_tasks_blocked()  # queued, in this order
+            n.start_soon(partial(disk.run, served.append, "urgent", urgent=True))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+
+    try:
+        trio.run(main)
+    finally:
+        disk.close()
+    assert served == ["urgent", "first", "second", "third"]

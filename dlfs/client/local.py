@@ -114,21 +114,30 @@ def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int, cached: 
     return off - lo, max(0, got - (off - lo))
 
 
+_tickets = itertools.count()
+
+
+def ticket() -> int:
+    """A place in the disk queue's order, taken when a read is decided on (read-ahead queued in file
+    order keeps that order, however its tasks are scheduled before they reach the queue)."""
+    return next(_tickets)
+
+
 class DiskQueue:
-    """Reads of local files by DISK_THREADS threads of its own, in the order asked, those a reader
-    waits for (urgent) before read-ahead; each read's result is handed back to the event loop, while
-    its thread goes straight on to the next read."""
+    """Reads of local files by DISK_THREADS threads of its own, those a reader waits for (urgent)
+    first, the rest in the order of their tickets (by default, the order asked); each read's result
+    is handed back to the event loop, while its thread goes straight on to the next read."""
 
     def __init__(self, threads: int = DISK_THREADS) -> None:
-        self._jobs: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
-        self._order = itertools.count()
+        self._jobs: queue.PriorityQueue[tuple[int, int, int, Any]] = queue.PriorityQueue()
+        self._asked = itertools.count()  # ties (a ticket reused by a retry) in the order asked
         self._threads = [threading.Thread(target=self._serve, name=f"dlfs-disk-{i}", daemon=True)
                          for i in range(threads)]
         self._started = False
 
     def _serve(self) -> None:
         while True:
-            _, _, job = self._jobs.get()
+            *_, job = self._jobs.get()
             if job is None:
                 return
             fn, args, token, finished = job
@@ -141,7 +150,7 @@ class DiskQueue:
             except trio.RunFinishedError:
                 return
 
-    async def run(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> Any:
+    async def run(self, fn: Callable[..., Any], *args: Any, urgent: bool = False, order: int | None = None) -> Any:
         """fn(*args) in a disk thread. Not cancellable once queued (as trio.to_thread.run_sync): the
         read may be landing in memory its caller owns."""
         if not self._started:
@@ -155,7 +164,7 @@ class DiskQueue:
             box[:] = [result, error]
             done.set()
 
-        self._jobs.put((0 if urgent else 1, next(self._order),
+        self._jobs.put((0 if urgent else 1, ticket() if order is None else order, next(self._asked),
                         (fn, args, trio.lowlevel.current_trio_token(), finished)))
         with trio.CancelScope(shield=True):
             await done.wait()
@@ -166,7 +175,7 @@ class DiskQueue:
     def close(self) -> None:
         if self._started:
             for _ in self._threads:
-                self._jobs.put((-1, -1, None))
+                self._jobs.put((-1, -1, -1, None))
 
 
 class LocalChunks:
@@ -215,7 +224,7 @@ class LocalChunks:
         return fd
 
     async def _read_direct(self, cid: bytes, off: int, n: int, cached: bool, into: memoryview,
-                           urgent: bool = False) -> memoryview | None:
+                           urgent: bool = False, order: int | None = None) -> memoryview | None:
         """Bytes [off, off+n) of the chunk in `into`: copied from the page cache if it has them all
         (`cached`), else read from the disk straight into `into` (O_DIRECT, the range widened to whole
         4 KiB pages, so the bytes start a little into it: no copy, and no page cache kept of them); None
@@ -228,7 +237,8 @@ class LocalChunks:
         # Their own descriptors: no eviction here can close them under the thread.
         fd, dfd = os.dup(fd), os.dup(dfd)
         try:
-            start, got = await self.disk.run(_read_window, fd, dfd, off, n, lo, hi, cached, into, urgent=urgent)
+            start, got = await self.disk.run(_read_window, fd, dfd, off, n, lo, hi, cached, into, urgent=urgent,
+                                              order=order)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -243,13 +253,15 @@ class LocalChunks:
         return into[start : start + n]
 
     async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
-                          into: memoryview | None = None, urgent: bool = False) -> list[memoryview] | None:
+                          into: memoryview | None = None, urgent: bool = False,
+                          order: int | None = None) -> list[memoryview] | None:
         """The (offset, length) ranges of the chunk (the first into `into` when given), if this machine
         holds its chunk and they are all there; else None. Unchecked: the caller verifies them. A first
         range with `into` that the page cache does not hold comes from the disk straight into it
         (O_DIRECT; it may then start a little into `into`), and a big one that it holds is copied in a
         disk thread; otherwise what the page cache has is copied at once, and the rest is read from
-        disk in a disk thread (`urgent`: before read-ahead waiting there)."""
+        disk in a disk thread (`urgent`: before read-ahead waiting there; `order`: a ticket, its place
+        among read-ahead)."""
         fd = self._fd(cid)
         if fd is None:
             return None
@@ -259,7 +271,7 @@ class LocalChunks:
         cached = into is not None and self.direct and _all_cached(fd, *ranges[0])
         if into is not None and self.direct and (ranges[0][1] >= DIRECT_MIN or not cached):
             try:
-                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into, urgent)
+                first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into, urgent, order)
             except OSError as exc:
                 self.fallbacks += 1
                 log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
@@ -286,7 +298,7 @@ class LocalChunks:
                 # On its own descriptor, which no eviction here can close, so the other readers go on.
                 dup = os.dup(fd)
                 try:
-                    more = await self.disk.run(_pread_all, dup, rest, urgent=urgent)
+                    more = await self.disk.run(_pread_all, dup, rest, urgent=urgent, order=order)
                 finally:
                     os.close(dup)
                 late = iter(more)
