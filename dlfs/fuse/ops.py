@@ -194,27 +194,27 @@ class DlfsOperations(pyfuse3.Operations):
             data = await self.cache.read(node.ref, off, end, node.ref, file_end, size)
             self.cache.consume(node.ref, len(data))
             return data
-        # A READ (at most 1 MiB) that lies in one record is answered with a view of it, no copy.
-        pos = 0
-        for ext in range(node.ref, file_end):
-            n = self.index.extent(ext).record.raw_len
+        # The record holding `off`, found once; a READ (at most 1 MiB) that lies in it is answered with
+        # a view of it, no copy.
+        start, pos = node.ref, 0
+        while start < file_end:
+            n = self.index.extent(start).record.raw_len
             if pos + n > off:
-                if end <= pos + n:
-                    data = await self.cache.read(ext, off - pos, end - pos, node.ref, file_end, size)
-                    self.cache.consume(ext, len(data))
-                    return data
                 break
             pos += n
+            start += 1
+        if start < file_end and end <= pos + n:
+            data = await self.cache.read(start, off - pos, end - pos, node.ref, file_end, size)
+            self.cache.consume(start, len(data))
+            return data
         # Each piece is copied out before the next await: a view could outlive its cache slab.
         out = bytearray(end - off)
-        pos = 0
-        for ext in range(node.ref, file_end):
+        for ext in range(start, file_end):
             n = self.index.extent(ext).record.raw_len
-            if pos + n > off and pos < end:
-                lo = max(off - pos, 0)
-                piece = await self.cache.read(ext, lo, min(end - pos, n), node.ref, file_end, size)
-                out[pos + lo - off : pos + lo - off + len(piece)] = piece
-                self.cache.consume(ext, len(piece))
+            lo = max(off - pos, 0)
+            piece = await self.cache.read(ext, lo, min(end - pos, n), node.ref, file_end, size)
+            out[pos + lo - off : pos + lo - off + len(piece)] = piece
+            self.cache.consume(ext, len(piece))
             pos += n
             if pos >= end:
                 break
