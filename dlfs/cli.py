@@ -9,9 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -22,8 +23,11 @@ from dlfs.private import UMASK as PRIVATE_UMASK
 from dlfs.private import private_dirs
 from dlfs.procs import give_freed_memory_back
 from dlfs.tasks import leaves, open_nursery
-from dlfs.units import human_bytes, parse_size
+from dlfs.units import human_bytes, human_duration, parse_size
 from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
+
+if TYPE_CHECKING:
+    from dlfs.ingest.walk import Selection
 
 log = logging.getLogger("dlfs")
 EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
@@ -94,12 +98,22 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 # --- ingest -------------------------------------------------------------------------------------
 class _ProgressBar:
-    """One bar of a progress display on stderr, shown only when stderr is a terminal."""
+    """One bar of a progress display on stderr when stderr is a terminal; otherwise (a Slurm or
+    Kubernetes log) one plain line every $DLFS_PROGRESS_EVERY seconds (default 5), with rate and time
+    left."""
 
     def __init__(self, bar: Any, label: str, unit: str) -> None:
         self.bar, self.label, self.unit = bar, label, unit
         self.task: Any = None
         self.done = self.total = 0
+        self.bytes_done = self.bytes_total = 0
+        self.plain = not sys.stderr.isatty()
+        every = os.environ.get("DLFS_PROGRESS_EVERY", "5")
+        try:
+            self.every = float(every)
+        except ValueError:
+            raise UsageError(f"DLFS_PROGRESS_EVERY must be a number of seconds, not {every!r}") from None
+        self.t0 = self.said = time.monotonic()
 
     @staticmethod
     def display(transient: bool = True) -> Any:
@@ -122,15 +136,50 @@ class _ProgressBar:
         self.task = self.bar.add_task(self.label, total=None, items="")
 
     def start(self, items: int, nbytes: int) -> None:
-        self.total = items
+        self.total, self.bytes_total = items, nbytes
+        self.t0 = self.said = time.monotonic()
         if self.task is None:
             self.task = self.bar.add_task(self.label, total=nbytes, items=f"0/{items} {self.unit}")
         else:
             self.bar.update(self.task, total=nbytes, items=f"0/{items} {self.unit}")
 
     def advance(self, items: int, nbytes: int) -> None:
+        """`items` more done, and `nbytes` more of their bytes (a big item moves the bar as it goes)."""
         self.done += items
+        self.bytes_done += nbytes
         self.bar.update(self.task, advance=nbytes, items=f"{self.done}/{self.total} {self.unit}")
+        now = time.monotonic()
+        if self.plain and now - self.said >= self.every:
+            self.said = now
+            print(self.line(now), file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        """The plain progress line: items, bytes, share, rate, time left."""
+        rate = self.bytes_done / max(now - self.t0, 1e-9)
+        share = f" ({100 * self.bytes_done / self.bytes_total:.0f}%)" if self.bytes_total else ""
+        left = f", {human_duration((self.bytes_total - self.bytes_done) / rate)} left" if rate > 0 else ""
+        return (f"{self.label}: {self.done}/{self.total} {self.unit}, {human_bytes(self.bytes_done)} of "
+                f"{human_bytes(self.bytes_total)}{share}, {human_bytes(rate)}/s{left}")
+
+
+def _selection(args: argparse.Namespace) -> Selection:
+    """What of the source the ingest takes (--files-from, --exclude); a bad list is a UsageError."""
+    from dlfs.ingest.walk import Selection, read_list
+
+    listed = None
+    if args.files_from is not None:
+        try:
+            if args.files_from == "-":
+                listed = read_list(sys.stdin.buffer, args.src)
+            else:
+                with open(args.files_from, "rb") as f:
+                    listed = read_list(f, args.src)
+        except OSError as exc:
+            raise UsageError(f"--files-from: cannot read {args.files_from}: {exc.strerror}") from None
+    for pat in args.exclude:
+        if not pat.strip("/"):
+            raise UsageError(f"--exclude {pat!r} would exclude everything")
+    return Selection(listed, tuple(args.exclude))
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -144,6 +193,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     chunk_size = check_chunk_size(parse_size(args.chunk_size))
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
+    select = _selection(args)
     cluster = _cluster(args)
     _check_transport(cluster, "ingest")
     bar = _ProgressBar.display(transient=False)
@@ -162,7 +212,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
                 nursery.start_soon(on_signal, name="dlfs-ingest-signals")
                 report = await ingest(cluster, args.src, args.name, chunk_size, args.compress == "lz4", progress,
-                                      home_dir(args.home))
+                                      home_dir(args.home), select)
                 nursery.cancel_scope.cancel()
                 return report
         return None  # cancelled by the signal
@@ -785,6 +835,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk-size", default="8M", metavar="SIZE", help="chunk size, e.g. 8M, 32MiB (default 8M)")
     sp.add_argument("--compress", default="none", choices=["lz4", "none"],
                     help="per-record lz4 compression (default none: JPEGs and the like do not compress)")
+    sp.add_argument("--files-from", metavar="LIST",
+                    help="ingest only the paths in LIST, one a line, relative to SRC (a directory brings all "
+                         "under it; - reads standard input); a path not in SRC is an error")
+    sp.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                    help="leave out entries matching GLOB (repeatable): with a / it is matched against the "
+                         "path from SRC, else against each name at any depth; a trailing / matches "
+                         "directories only, e.g. --exclude '*.tmp' --exclude .git/")
 
     add("datasets", cmd_datasets, "List datasets: version, files, bytes, chunks.")
 

@@ -39,6 +39,8 @@ def dlfs_env(home: Path) -> dict[str, str]:
     env["DLFS_HOME"] = str(home)
     env.pop("DLFS_CLUSTER", None)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # Tests read stderr whole: no plain progress lines in it however slow the machine (a test of them sets this).
+    env.setdefault("DLFS_PROGRESS_EVERY", "86400")
     return env
 
 

@@ -100,6 +100,8 @@ class Packer:
                     raise SourceError(f"{self._where(node)} shrank while being ingested; nothing was published") from None
                 self.writer.add_extent(self.number, rec)
                 left -= piece
+                if self.progress:  # a big file moves the progress as it goes, not only once done
+                    self.progress(0, piece)
             if os.read(fd, 1):
                 raise SourceError(f"{self._where(node)} grew while being ingested; nothing was published")
             self._check_unmodified(node, os.fstat(fd).st_mtime_ns)
@@ -109,7 +111,7 @@ class Packer:
             os.close(fd)
         self.extents[node.ino] = (first, self.writer.extents_count() - first)
         if self.progress:
-            self.progress(1, size)
+            self.progress(1, 0)
 
     def run(self) -> dict[int, tuple[int, int]]:
         """Pack every regular file; returns each file inode's extent run."""

@@ -27,7 +27,7 @@ from dlfs.errors import DlfsError, StorageFull, Unreachable, UsageError
 from dlfs.format.chunk import MAX_CHUNK_SIZE
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.pack import Packed, Packer
-from dlfs.ingest.walk import Tree, walk
+from dlfs.ingest.walk import Selection, Tree, walk
 from dlfs.private import private_dirs
 from dlfs.tasks import open_nursery
 from dlfs.wire.messages import META_DAEMON, IngestBegun, Missing, VersionInfo, reply
@@ -86,7 +86,8 @@ def check_chunk_size(chunk_size: int) -> int:
 
 
 async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 20, compress: bool = False,
-                 progress: Progress | None = None, tmp_dir: Path | None = None) -> IngestReport:
+                 progress: Progress | None = None, tmp_dir: Path | None = None,
+                 select: Selection | None = None) -> IngestReport:
     check_dataset_name(name)
     check_chunk_size(chunk_size)
     t0 = time.monotonic()
@@ -98,7 +99,7 @@ async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 2
         keepalive = trio.CancelScope()
         nursery.start_soon(_keep_alive, client, session, begun.ttl, keepalive)
         try:
-            report = await _ingest(client, session, src, name, chunk_size, compress, progress, tmp_dir)
+            report = await _ingest(client, session, src, name, chunk_size, compress, progress, tmp_dir, select)
         except BaseException:
             keepalive.cancel()
             with trio.CancelScope(shield=True), trio.move_on_after(ABORT_WAIT):
@@ -135,9 +136,9 @@ async def _abort(cluster: Cluster, session: str) -> None:
 
 
 async def _ingest(client: ClusterClient, session: str, src: str, name: str, chunk_size: int, compress: bool,
-                  progress: Progress | None, tmp_dir: Path | None) -> IngestReport:
+                  progress: Progress | None, tmp_dir: Path | None, select: Selection | None) -> IngestReport:
     # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
-    tree = await trio.to_thread.run_sync(walk, src, abandon_on_cancel=True)
+    tree = await trio.to_thread.run_sync(walk, src, select, abandon_on_cancel=True)
     files = tree.files
     if progress:
         progress.start(len(files), sum(f.size for f in files))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dlfs.errors import SourceError
+from dlfs.errors import SourceError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +42,74 @@ class Tree:
         return [n for n in self.nodes if stat.S_ISREG(n.mode)]
 
 
+@dataclass(frozen=True)
+class Selection:
+    """Which entries of the source an ingest takes: with `listed` (--files-from), the listed paths (a
+    directory with everything under it) and the directories that lead to them; never one that an
+    `excludes` pattern (--exclude) matches, nor anything under an excluded directory. A pattern with a
+    `/` is matched against the path from the source root (a leading `/` anchors it there), one without
+    against the entry's name at any depth; a trailing `/` matches directories only; `*` does not stop at
+    `/` (fnmatch)."""
+
+    listed: frozenset[bytes] | None = None
+    excludes: tuple[str, ...] = ()
+
+    def excluded(self, rel: bytes, is_dir: bool) -> bool:
+        path = os.fsdecode(rel)
+        for pat in self.excludes:
+            if pat.endswith("/"):
+                if not is_dir:
+                    continue
+                pat = pat.rstrip("/")
+            if "/" in pat:
+                if fnmatch.fnmatchcase(path, pat.lstrip("/")):
+                    return True
+            elif fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pat):
+                return True
+        return False
+
+
+def read_list(lines: Iterable[bytes], root: str | bytes, what: str = "--files-from") -> frozenset[bytes]:
+    """The paths of a file list (one a line; blank lines skipped), relative to the source `root`: an
+    absolute path inside it is made relative, `./` and trailing `/` dropped. A path outside the root
+    is a UsageError naming its line."""
+    top = os.fsencode(os.path.abspath(root))
+    out: set[bytes] = set()
+    for number, line in enumerate(lines, 1):
+        entry = line.rstrip(b"\r\n")
+        if not entry.strip():
+            continue
+        if entry.startswith(b"/"):
+            if entry.rstrip(b"/") == top:
+                raise UsageError(f"{what} line {number}: {os.fsdecode(entry)} is the source itself: leave "
+                                 f"{what} out to ingest all of it")
+            if not entry.startswith(top + b"/"):
+                raise UsageError(f"{what} line {number}: {os.fsdecode(entry)} is not under the source "
+                                 f"{os.fsdecode(top)}")
+            entry = entry[len(top) + 1 :]
+        parts = [p for p in entry.split(b"/") if p not in (b"", b".")]
+        if not parts or b".." in parts:
+            raise UsageError(f"{what} line {number}: {os.fsdecode(entry)} is not a path inside the source")
+        out.add(b"/".join(parts))
+    return frozenset(out)
+
+
 def _display(root: bytes, rel: bytes) -> str:
     return os.fsdecode(os.path.join(root, rel) if rel else root)
 
 
-def walk(src: str | bytes) -> Tree:
-    """Every directory, regular file and symlink under `src`, sorted by name, depth first.
+def walk(src: str | bytes, select: Selection | None = None) -> Tree:
+    """Every directory, regular file and symlink under `src` (those `select` takes), sorted by name,
+    depth first.
 
-    Sockets, fifos and device nodes are skipped with a warning that names them.
+    Sockets, fifos and device nodes are skipped with a warning that names them. A listed path that is
+    not in the tree (or lies under a symlink, which is not followed) is a SourceError naming it.
     """
+    select = select or Selection()
+    listed = select.listed
+    # The directories that lead to a listed path: walked, but only for what is listed below them.
+    leads = {b"/".join(p.split(b"/")[:k]) for p in listed or () for k in range(1, p.count(b"/") + 1)}
+    found: set[bytes] = set()
     root = os.fsencode(os.path.abspath(src))
     try:
         st = os.lstat(root)
@@ -59,9 +120,10 @@ def walk(src: str | bytes) -> Tree:
     nodes = [Node(1, b"", st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, nlink=2, parent=1)]
     links: dict[tuple[int, int], Node] = {}
     skipped: list[bytes] = []
-    stack = [nodes[0]]
+    # (directory, whether all of it is taken: no list, or it is listed or under a listed one)
+    stack = [(nodes[0], listed is None)]
     while stack:
-        d = stack.pop()
+        d, whole = stack.pop()
         full = os.path.join(root, d.path) if d.path else root
         try:
             with os.scandir(full) as it:
@@ -71,11 +133,20 @@ def walk(src: str | bytes) -> Tree:
         subdirs = []
         for e in entries:
             rel = os.path.join(d.path, e.name) if d.path else e.name
+            taken = whole or (listed is not None and rel in listed)
+            if not taken and rel not in leads:
+                continue
             try:
                 est = e.stat(follow_symlinks=False)
             except OSError as exc:
                 raise SourceError(f"cannot stat {_display(root, rel)}: {exc.strerror}") from None
             mode = est.st_mode
+            if listed is not None and rel in listed:
+                found.add(rel)
+            if select.excludes and select.excluded(rel, stat.S_ISDIR(mode)):
+                continue
+            if not taken and not stat.S_ISDIR(mode):
+                continue  # a file where the list has a directory of that name
             if stat.S_ISREG(mode) and est.st_nlink > 1:
                 seen = links.get((est.st_dev, est.st_ino))
                 if seen is not None:
@@ -96,12 +167,20 @@ def walk(src: str | bytes) -> Tree:
             elif stat.S_ISDIR(mode):
                 n.nlink = 2
                 d.nlink += 1
-                subdirs.append(n)
+                subdirs.append((n, taken))
             elif est.st_nlink > 1:
                 links[(est.st_dev, est.st_ino)] = n
             nodes.append(n)
             d.children.append((e.name, n.ino))
         stack.extend(reversed(subdirs))
+    if listed is not None and len(found) < len(listed):
+        # Under an excluded directory is not missing: the exclusion wins, as for what it names itself.
+        missing = sorted(p for p in listed - found if not any(
+            select.excluded(p[:i], True) for i in range(len(p)) if p[i : i + 1] == b"/"))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        if missing:
+            raise SourceError(f"--files-from names {_display(root, missing[0])}{more}, which is not in the "
+                              f"source (or lies under a symlink, which is not followed)")
     return Tree(root, nodes, skipped)
 
 
