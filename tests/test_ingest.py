@@ -46,7 +46,7 @@ from dlfs.format.chunk import (
 from dlfs.format.index import Index, IndexWriter
 from dlfs.ingest.pack import Packed, Packer
 from dlfs.ingest.run import build_index, ingest
-from dlfs.ingest.walk import Tree, walk
+from dlfs.ingest.walk import Selection, Tree, walk
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 
@@ -202,8 +202,8 @@ async def test_file_vanishes_after_walk(node: Node, tmp_path: Path, monkeypatch:
     victim = tmp_path / "src" / "d2" / "f008.bin"
     real_walk = dlfs.ingest.run.walk
 
-    def walk(src: str | bytes) -> Tree:
-        tree = real_walk(src)
+    def walk(src: str | bytes, select: Selection | None = None) -> Tree:
+        tree = real_walk(src, select)
         victim.unlink()
         return tree
 
@@ -217,8 +217,8 @@ async def test_file_changes_size_after_walk(node: Node, tmp_path: Path, monkeypa
     victim = tmp_path / "src" / "d0" / "f006.bin"
     real_walk = dlfs.ingest.run.walk
 
-    def walk(src: str | bytes) -> Tree:
-        tree = real_walk(src)
+    def walk(src: str | bytes, select: Selection | None = None) -> Tree:
+        tree = real_walk(src, select)
         with open(victim, "ab") as f:
             f.write(b"more")
         return tree
@@ -235,8 +235,8 @@ async def test_file_rewritten_same_size_after_walk(node: Node, tmp_path: Path,
     victim = tmp_path / "src" / "d1" / "f010.bin"
     real_walk = dlfs.ingest.run.walk
 
-    def walk(src: str | bytes) -> Tree:
-        tree = real_walk(src)
+    def walk(src: str | bytes, select: Selection | None = None) -> Tree:
+        tree = real_walk(src, select)
         st = victim.stat()
         victim.write_bytes(bytes(st.st_size))  # same size, other bytes, a later mtime
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))

@@ -23,7 +23,7 @@ from test_ingest import chunk_files, dataset_rows, make_files, one_line_error
 import dlfs.ingest.run
 from dlfs.config import load_cluster, parse_cluster_file
 from dlfs.errors import SourceError
-from dlfs.ingest.walk import Tree, walk
+from dlfs.ingest.walk import Selection, Tree, walk
 from dlfs.meta.store import TTL_ENV
 
 TTL = 2.0  # the session TTL these tests give the node (seconds)
@@ -83,9 +83,9 @@ def test_killed_ingest_expires_and_gc_frees_its_chunks(tmp_path: Path, monkeypat
         assert chunk_files(node.home)
 
         # A live ingest that stalls for longer than the TTL (a slow walk) keeps its session alive.
-        def slow_walk(src: str) -> Tree:
+        def slow_walk(src: str, select: Selection | None = None) -> Tree:
             time.sleep(2.5 * TTL)
-            return walk(src)
+            return walk(src, select)
 
         monkeypatch.setattr(dlfs.ingest.run, "walk", slow_walk)
         report = trio.run(dlfs.ingest.run.ingest, load_cluster(None, node.home), str(slow_src), "slow", 1 << 20)
