@@ -27,6 +27,7 @@ from dlfs.units import human_bytes, human_duration, parse_size
 from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 
 if TYPE_CHECKING:
+    from dlfs.ingest.source import Source
     from dlfs.ingest.walk import Selection
 
 log = logging.getLogger("dlfs")
@@ -170,16 +171,39 @@ def _selection(args: argparse.Namespace) -> Selection:
     if args.files_from is not None:
         try:
             if args.files_from == "-":
-                listed = read_list(sys.stdin.buffer, args.src)
+                listed = read_list(sys.stdin.buffer, args.src[0])
             else:
                 with open(args.files_from, "rb") as f:
-                    listed = read_list(f, args.src)
+                    listed = read_list(f, args.src[0])
         except OSError as exc:
             raise UsageError(f"--files-from: cannot read {args.files_from}: {exc.strerror}") from None
     for pat in args.exclude:
         if not pat.strip("/"):
             raise UsageError(f"--exclude {pat!r} would exclude everything")
     return Selection(listed, tuple(args.exclude))
+
+
+def _source(args: argparse.Namespace) -> Source:
+    """What SRC names: a local tree, an s3:// prefix, or (--expand-tar) shards."""
+    from dlfs.ingest.source import LocalTree
+
+    if args.expand_tar:
+        from dlfs.ingest.tar import TarShards
+
+        return TarShards(args.src, flatten=args.flatten, endpoint_url=args.endpoint_url)
+    if args.flatten:
+        raise UsageError("--flatten goes with --expand-tar")
+    if len(args.src) > 1:
+        raise UsageError(f"ingest takes one SRC ({len(args.src)} given); several are for tar shards "
+                         "(--expand-tar)")
+    src = args.src[0]
+    if src.startswith("s3://"):
+        from dlfs.ingest.s3 import S3Prefix
+
+        return S3Prefix(src, endpoint_url=args.endpoint_url)
+    if args.endpoint_url:
+        raise UsageError("--endpoint-url goes with an s3:// SRC")
+    return LocalTree(src)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -193,6 +217,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     chunk_size = check_chunk_size(parse_size(args.chunk_size))
     if args.compress not in ("lz4", "none"):
         raise UsageError("--compress takes lz4 or none")
+    source = _source(args)
     select = _selection(args)
     cluster = _cluster(args)
     _check_transport(cluster, "ingest")
@@ -211,7 +236,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                         return
 
                 nursery.start_soon(on_signal, name="dlfs-ingest-signals")
-                report = await ingest(cluster, args.src, args.name, chunk_size, args.compress == "lz4", progress,
+                report = await ingest(cluster, source, args.name, chunk_size, args.compress == "lz4", progress,
                                       home_dir(args.home), select)
                 nursery.cancel_scope.cancel()
                 return report
@@ -829,8 +854,21 @@ def build_parser() -> argparse.ArgumentParser:
                          f"between {MIN_NODE_MEMORY >> 20}M and {NODE_MEMORY >> 20}M); a request that does not fit "
                          "waits, and no chunk bigger than it can be stored")
 
-    sp = add("ingest", cmd_ingest, "Pack a directory tree into chunks, store them, and commit it as a dataset version.", moves_chunks=True)
-    sp.add_argument("src", metavar="SRC", help="directory to ingest")
+    sp = add("ingest", cmd_ingest, "Pack a directory tree, an S3 bucket prefix or tar shards into chunks, store "
+             "them, and commit it as a dataset version.", moves_chunks=True)
+    sp.add_argument("src", metavar="SRC", nargs="+",
+                    help="what to ingest: a directory, or s3://BUCKET[/PREFIX] (every object under the prefix, "
+                         "keys split into directories at /); with --expand-tar, one or more tar or zip shards, "
+                         "directories of shards or s3:// prefixes of shards")
+    sp.add_argument("--expand-tar", action="store_true",
+                    help="SRC are shards (.tar, .tar.gz/.tgz, .tar.zst, .zip): every member becomes a file, under "
+                         "a directory named for its shard (--flatten: at the top when member names are unique)")
+    sp.add_argument("--flatten", action="store_true",
+                    help="with --expand-tar: put every member at the top of the dataset, not under its shard's "
+                         "directory (an error if two shards hold the same member name)")
+    sp.add_argument("--endpoint-url", metavar="URL",
+                    help="S3-compatible endpoint for s3:// sources (MinIO, Ceph RGW...; default AWS_ENDPOINT_URL, "
+                         "else AWS); credentials, region and profile are found the standard AWS way")
     sp.add_argument("--name", required=True, help="dataset name (letters, digits, . _ -)")
     sp.add_argument("--chunk-size", default="8M", metavar="SIZE", help="chunk size, e.g. 8M, 32MiB (default 8M)")
     sp.add_argument("--compress", default="none", choices=["lz4", "none"],

@@ -98,14 +98,11 @@ def test_add_from_reads_a_real_file(tmp_path: Path) -> None:
     src = tmp_path / "f.bin"
     src.write_bytes(content)
     w = ChunkWriter(CAP)
-    fd = os.open(src, os.O_RDONLY)
-    try:
-        first = w.add_from(fd, 700_000, compress=False)
-        second = w.add_from(fd, len(content) - 700_000, compress=True)
+    with open(src, "rb", buffering=0) as f:
+        first = w.add_from(f.readinto, 700_000, compress=False)
+        second = w.add_from(f.readinto, len(content) - 700_000, compress=True)
         with pytest.raises(EOFError):
-            w.add_from(fd, 10, compress=False)  # the file is used up
-    finally:
-        os.close(fd)
+            w.add_from(f.readinto, 10, compress=False)  # the file is used up
     cid, view = w.finish()
     data = bytes(view)
     assert verify_chunk(data, cid) == 2

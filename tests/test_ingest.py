@@ -28,6 +28,7 @@ from damage import inode_of
 
 import dlfs.direct
 import dlfs.ingest.run
+import dlfs.ingest.source
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import load_cluster
 from dlfs.errors import SourceError
@@ -46,7 +47,8 @@ from dlfs.format.chunk import (
 from dlfs.format.index import Index, IndexWriter
 from dlfs.ingest.pack import Packed, Packer
 from dlfs.ingest.run import build_index, ingest
-from dlfs.ingest.walk import Selection, Tree, walk
+from dlfs.ingest.source import LocalTree
+from dlfs.ingest.walk import Selection, Tree
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 
@@ -200,14 +202,14 @@ async def test_unreadable_file(node: Node, tmp_path: Path, monkeypatch: pytest.M
 async def test_file_vanishes_after_walk(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_files(tmp_path / "src", 12, 30_000)
     victim = tmp_path / "src" / "d2" / "f008.bin"
-    real_walk = dlfs.ingest.run.walk
+    real_walk = dlfs.ingest.source.walk
 
     def walk(src: str | bytes, select: Selection | None = None) -> Tree:
         tree = real_walk(src, select)
         victim.unlink()
         return tree
 
-    monkeypatch.setattr(dlfs.ingest.run, "walk", walk)
+    monkeypatch.setattr(dlfs.ingest.source, "walk", walk)
     await _expect_source_error(node, tmp_path / "src", str(victim))
 
 
@@ -215,7 +217,7 @@ async def test_file_vanishes_after_walk(node: Node, tmp_path: Path, monkeypatch:
 async def test_file_changes_size_after_walk(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_files(tmp_path / "src", 12, 30_000)
     victim = tmp_path / "src" / "d0" / "f006.bin"
-    real_walk = dlfs.ingest.run.walk
+    real_walk = dlfs.ingest.source.walk
 
     def walk(src: str | bytes, select: Selection | None = None) -> Tree:
         tree = real_walk(src, select)
@@ -223,7 +225,7 @@ async def test_file_changes_size_after_walk(node: Node, tmp_path: Path, monkeypa
             f.write(b"more")
         return tree
 
-    monkeypatch.setattr(dlfs.ingest.run, "walk", walk)
+    monkeypatch.setattr(dlfs.ingest.source, "walk", walk)
     message = await _expect_source_error(node, tmp_path / "src", str(victim))
     assert "changed" in message
 
@@ -233,7 +235,7 @@ async def test_file_rewritten_same_size_after_walk(node: Node, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     make_files(tmp_path / "src", 12, 30_000)
     victim = tmp_path / "src" / "d1" / "f010.bin"
-    real_walk = dlfs.ingest.run.walk
+    real_walk = dlfs.ingest.source.walk
 
     def walk(src: str | bytes, select: Selection | None = None) -> Tree:
         tree = real_walk(src, select)
@@ -242,7 +244,7 @@ async def test_file_rewritten_same_size_after_walk(node: Node, tmp_path: Path,
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         return tree
 
-    monkeypatch.setattr(dlfs.ingest.run, "walk", walk)
+    monkeypatch.setattr(dlfs.ingest.source, "walk", walk)
     message = await _expect_source_error(node, tmp_path / "src", str(victim))
     assert "changed" in message
 
@@ -440,7 +442,8 @@ MiB = 1 << 20
 
 def _pack(src: Path, chunk_size: int, compress: bool = False) -> tuple[Index, list[bytes]]:
     """Walk and pack `src` as ingest does (no node): the index, opened, and every chunk's bytes."""
-    tree = walk(str(src))
+    source = LocalTree(str(src))
+    tree = source.walk(None)
     writer = IndexWriter(len(tree.nodes), chunk_size)
     pool: queue.Queue[bytearray] = queue.Queue()
     pool.put(bytearray(chunk_size))
@@ -450,7 +453,7 @@ def _pack(src: Path, chunk_size: int, compress: bool = False) -> tuple[Index, li
         chunks.append(bytes(p.data))  # the buffer is reused for the next chunk
         pool.put(p.buf)
 
-    extents = Packer(tree, writer, chunk_size, compress, pool, emit).run()
+    extents = Packer(source, tree, writer, chunk_size, compress, pool, emit).run()
     build_index(tree, extents, writer)
     with open(src.parent / "packed.idx", "wb") as f:
         writer.write(f)

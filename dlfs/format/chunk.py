@@ -49,9 +49,8 @@ checkable on its own (`verify_chunk`), which the data daemon and repair use.
 
 from __future__ import annotations
 
-import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import lz4.block
@@ -251,8 +250,9 @@ class ChunkWriter:
         self.view[start : start + len(data)] = data
         return self._seal(start, len(data), compress)
 
-    def add_from(self, fd: int, length: int, compress: bool) -> Record:
-        """Append one record read from `fd` straight into the buffer; returns it.
+    def add_from(self, readinto: Callable[[memoryview], int], length: int, compress: bool) -> Record:
+        """Append one record read by `readinto` (a file's, filling a prefix of the view it is given)
+        straight into the buffer; returns it.
 
         Raises EOFError if the file ends before `length` bytes.
         """
@@ -262,7 +262,7 @@ class ChunkWriter:
         dest = self.view[start : start + length]
         got = 0
         while got < length:
-            n = os.readv(fd, [dest[got:]])
+            n = readinto(dest[got:])
             if n == 0:
                 raise EOFError(got)
             got += n

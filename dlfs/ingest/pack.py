@@ -7,7 +7,6 @@ has to fetch, or check, more than one such record (and, through its block sums, 
 
 from __future__ import annotations
 
-import os
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from dlfs.errors import SourceError
 from dlfs.format.chunk import BLOCK_SIZE, HEADER, ChunkWriter, records_span
 from dlfs.format.index import IndexWriter
+from dlfs.ingest.source import FileReader, Source
 from dlfs.ingest.walk import Node, Tree
 
 # A file is split across chunks only when it could never fit in one, or when this much of the
@@ -35,9 +35,10 @@ class Packed:
 class Packer:
     """Fills chunks with the tree's files in inode order and records every extent in the index."""
 
-    def __init__(self, tree: Tree, writer: IndexWriter, chunk_size: int, compress: bool,
+    def __init__(self, source: Source, tree: Tree, writer: IndexWriter, chunk_size: int, compress: bool,
                  pool: queue.Queue[bytearray], emit: Callable[[Packed], None],
                  progress: Callable[[int, int], None] | None = None) -> None:
+        self.source = source
         self.tree = tree
         self.writer = writer
         self.compress = compress
@@ -60,62 +61,38 @@ class Packer:
         self.first_extent += n_ext
         self.chunk.reset(self.pool.get())
 
-    def _where(self, node: Node) -> str:
-        return os.fsdecode(os.path.join(self.tree.root, node.path))
-
-    def _check_unmodified(self, node: Node, mtime_ns: int) -> None:
-        # A rewrite that keeps the size shows only in the mtime: the index would pair the new
-        # bytes with the old time, and the dataset would match no state the source was ever in.
-        if mtime_ns != node.mtime_ns:
-            raise SourceError(f"{self._where(node)} changed while being ingested (modified after it was "
-                              "listed); nothing was published")
-
-    def add_file(self, node: Node) -> None:
-        try:
-            fd = os.open(os.path.join(self.tree.root, node.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise SourceError(f"cannot read {self._where(node)}: {exc.strerror}; nothing was published") from None
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if size != node.size:
-                raise SourceError(f"{self._where(node)} changed while being ingested "
-                                  f"(size {node.size} -> {size}); nothing was published")
-            self._check_unmodified(node, st.st_mtime_ns)
-            first = self.writer.extents_count()
-            left = size
-            while left:
-                room = self.chunk.room()
-                fits_whole = records_span(left) <= self.chunk.capacity - HEADER.size
-                # An empty chunk always takes a piece: sealing it would seal nothing, forever.
-                if not self.chunk.fits(left) and self.chunk.records and (fits_whole or room < SPLIT_MIN_ROOM):
-                    self._seal()
-                    continue
-                # A piece that does not end the file ends on a block boundary: file offsets then map to
-                # whole 4 KiB blocks of each record, and a random 4 KiB read checks one block, not two.
-                piece = left if left <= room else (room - room % BLOCK_SIZE or room)
-                try:
-                    rec = self.chunk.add_from(fd, piece, self.compress)
-                except EOFError:
-                    raise SourceError(f"{self._where(node)} shrank while being ingested; nothing was published") from None
-                self.writer.add_extent(self.number, rec)
-                left -= piece
-                if self.progress:  # a big file moves the progress as it goes, not only once done
-                    self.progress(0, piece)
-            if os.read(fd, 1):
-                raise SourceError(f"{self._where(node)} grew while being ingested; nothing was published")
-            self._check_unmodified(node, os.fstat(fd).st_mtime_ns)
-        except OSError as exc:
-            raise SourceError(f"cannot read {self._where(node)}: {exc.strerror}; nothing was published") from None
-        finally:
-            os.close(fd)
+    def add_file(self, node: Node, f: FileReader) -> None:
+        first = self.writer.extents_count()
+        left = node.size
+        while left:
+            room = self.chunk.room()
+            fits_whole = records_span(left) <= self.chunk.capacity - HEADER.size
+            # An empty chunk always takes a piece: sealing it would seal nothing, forever.
+            if not self.chunk.fits(left) and self.chunk.records and (fits_whole or room < SPLIT_MIN_ROOM):
+                self._seal()
+                continue
+            # A piece that does not end the file ends on a block boundary: file offsets then map to
+            # whole 4 KiB blocks of each record, and a random 4 KiB read checks one block, not two.
+            piece = left if left <= room else (room - room % BLOCK_SIZE or room)
+            try:
+                rec = self.chunk.add_from(f.readinto, piece, self.compress)
+            except EOFError:
+                raise SourceError(f"{f.name} shrank while being ingested; nothing was published") from None
+            self.writer.add_extent(self.number, rec)
+            left -= piece
+            if self.progress:  # a big file moves the progress as it goes, not only once done
+                self.progress(0, piece)
+        f.finish()
         self.extents[node.ino] = (first, self.writer.extents_count() - first)
         if self.progress:
             self.progress(1, 0)
 
     def run(self) -> dict[int, tuple[int, int]]:
         """Pack every regular file; returns each file inode's extent run."""
-        for node in self.tree.files:
-            self.add_file(node)
+        for node, f in self.source.files(self.tree):
+            try:
+                self.add_file(node, f)
+            finally:
+                f.close()
         self._seal()
         return self.extents

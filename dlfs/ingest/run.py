@@ -27,7 +27,8 @@ from dlfs.errors import DlfsError, StorageFull, Unreachable, UsageError
 from dlfs.format.chunk import MAX_CHUNK_SIZE
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.pack import Packed, Packer
-from dlfs.ingest.walk import Selection, Tree, walk
+from dlfs.ingest.source import LocalTree, Source
+from dlfs.ingest.walk import Selection, Tree
 from dlfs.private import private_dirs
 from dlfs.tasks import open_nursery
 from dlfs.wire.messages import META_DAEMON, IngestBegun, Missing, VersionInfo, reply
@@ -85,11 +86,12 @@ def check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
-async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 20, compress: bool = False,
+async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int = 8 << 20, compress: bool = False,
                  progress: Progress | None = None, tmp_dir: Path | None = None,
                  select: Selection | None = None) -> IngestReport:
     check_dataset_name(name)
     check_chunk_size(chunk_size)
+    source = LocalTree(src) if isinstance(src, str) else src
     t0 = time.monotonic()
     async with open_nursery() as nursery:
         client = ClusterClient(cluster, nursery)
@@ -99,7 +101,7 @@ async def ingest(cluster: Cluster, src: str, name: str, chunk_size: int = 8 << 2
         keepalive = trio.CancelScope()
         nursery.start_soon(_keep_alive, client, session, begun.ttl, keepalive)
         try:
-            report = await _ingest(client, session, src, name, chunk_size, compress, progress, tmp_dir, select)
+            report = await _ingest(client, session, source, name, chunk_size, compress, progress, tmp_dir, select)
         except BaseException:
             keepalive.cancel()
             with trio.CancelScope(shield=True), trio.move_on_after(ABORT_WAIT):
@@ -135,10 +137,10 @@ async def _abort(cluster: Cluster, session: str) -> None:
         log.info("could not abort ingest session %s: %s", session, exc)
 
 
-async def _ingest(client: ClusterClient, session: str, src: str, name: str, chunk_size: int, compress: bool,
+async def _ingest(client: ClusterClient, session: str, source: Source, name: str, chunk_size: int, compress: bool,
                   progress: Progress | None, tmp_dir: Path | None, select: Selection | None) -> IngestReport:
     # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
-    tree = await trio.to_thread.run_sync(walk, src, select, abandon_on_cancel=True)
+    tree = await trio.to_thread.run_sync(source.walk, select, abandon_on_cancel=True)
     files = tree.files
     if progress:
         progress.start(len(files), sum(f.size for f in files))
@@ -170,7 +172,7 @@ async def _ingest(client: ClusterClient, session: str, src: str, name: str, chun
                     pool.put(p.buf)
 
     def pack() -> dict[int, tuple[int, int]]:
-        return Packer(tree, writer, chunk_size, compress, pool, emit, tick).run()
+        return Packer(source, tree, writer, chunk_size, compress, pool, emit, tick).run()
 
     async with open_nursery() as n:
         for _ in range(UPLOADERS):
