@@ -184,6 +184,125 @@ def walk(src: str | bytes, select: Selection | None = None) -> Tree:
     return Tree(root, nodes, skipped)
 
 
+class TreeBuilder:
+    """A Tree from entries named by path, as a bucket listing or an archive gives them (files in the
+    order they will be read, which is the order they are packed in). The directories leading to an
+    entry are made as they are first needed (mode 0755, owner and time of the root); an entry that
+    `select` does not take is left out. A path that is both a file and a directory, or named twice, is
+    a SourceError naming it (`where` tells the user where the entries came from)."""
+
+    def __init__(self, where: str, select: Selection | None = None, uid: int = 0, gid: int = 0,
+                 mtime_ns: int = 0) -> None:
+        self.where = where
+        self.select = select or Selection()
+        self.uid, self.gid, self.mtime_ns = uid, gid, mtime_ns
+        root = Node(1, b"", stat.S_IFDIR | 0o755, uid, gid, 0, mtime_ns, nlink=2, parent=1)
+        self.nodes = [root]
+        self.by_path: dict[bytes, Node] = {b"": root}
+        self.names: dict[int, set[bytes]] = {1: set()}  # a directory's names so far, for duplicates
+        self.found: set[bytes] = set()
+        self.skipped: list[bytes] = []
+        # The directories that lead to a listed path.
+        self.leads = {b"/".join(p.split(b"/")[:k]) for p in self.select.listed or ()
+                      for k in range(1, p.count(b"/") + 1)}
+
+    def _excluded(self, path: bytes, is_dir: bool) -> bool:
+        """Whether `path`, or a directory above it, is excluded."""
+        parts = path.split(b"/")
+        return any(self.select.excluded(b"/".join(parts[:k]), True) for k in range(1, len(parts))) or \
+            self.select.excluded(path, is_dir)
+
+    def taken(self, path: bytes, is_dir: bool) -> bool:
+        """Whether the selection takes `path` (relative, no leading /): listed, or under a listed path,
+        or a directory leading to one; and neither it nor a directory above it excluded."""
+        sel = self.select
+        if sel.excludes and self._excluded(path, is_dir):
+            return False
+        if sel.listed is None:
+            return True
+        parts = path.split(b"/")
+        for k in range(1, len(parts) + 1):
+            if (prefix := b"/".join(parts[:k])) in sel.listed:
+                self.found.add(prefix)
+                return True
+        return is_dir and path in self.leads
+
+    def _dir(self, path: bytes) -> Node:
+        node = self.by_path.get(path)
+        if node is not None:
+            if not stat.S_ISDIR(node.mode):
+                raise SourceError(f"{self.where}: {os.fsdecode(path)} is a file and also a directory (of what "
+                                  "is listed under it): a file system cannot hold both")
+            return node
+        parent_path, _, name = path.rpartition(b"/")
+        return self._link(parent_path, name, Node(0, path, stat.S_IFDIR | 0o755, self.uid, self.gid, 0,
+                                                   self.mtime_ns, nlink=2))
+
+    def _link(self, parent_path: bytes, name: bytes, node: Node) -> Node:
+        parent = self._dir(parent_path)
+        names = self.names[parent.ino]
+        if name in names:
+            raise SourceError(f"{self.where}: {os.fsdecode(node.path)} is named twice")
+        names.add(name)
+        node.ino = len(self.nodes) + 1
+        node.parent = parent.ino
+        self.nodes.append(node)
+        self.by_path[node.path] = node
+        parent.children.append((name, node.ino))
+        if stat.S_ISDIR(node.mode):
+            self.names[node.ino] = set()
+            parent.nlink += 1
+        return node
+
+    def add(self, path: bytes, mode: int, size: int = 0, mtime_ns: int = 0, uid: int | None = None,
+            gid: int | None = None, target: bytes = b"") -> Node | None:
+        """Add one entry (its path relative to the root, without leading or doubled /, . or ..); returns
+        its Node, or None if the selection leaves it out. A directory added after entries under it
+        were (archives list them in any order) takes the mode, owner and time given here."""
+        is_dir = stat.S_ISDIR(mode)
+        if not self.taken(path, is_dir):
+            return None
+        uid = self.uid if uid is None else uid
+        gid = self.gid if gid is None else gid
+        if is_dir:
+            node = self._dir(path)
+            node.mode, node.uid, node.gid, node.mtime_ns = mode, uid, gid, mtime_ns
+            return node
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            log.warning("skipping %s: %s", f"{self.where}: {os.fsdecode(path)}", _kind(mode))
+            self.skipped.append(path)
+            return None
+        if path in self.by_path:
+            raise SourceError(f"{self.where}: {os.fsdecode(path)} is named twice")
+        parent_path, _, name = path.rpartition(b"/")
+        node = Node(0, path, mode, uid, gid, len(target) if target else size, mtime_ns, target=target)
+        return self._link(parent_path, name, node)
+
+    def link(self, path: bytes, existing: Node) -> None:
+        """A hard link: `path` names the same file as `existing`."""
+        if not self.taken(path, False):
+            return
+        parent_path, _, name = path.rpartition(b"/")
+        parent = self._dir(parent_path)
+        if name in self.names[parent.ino]:
+            raise SourceError(f"{self.where}: {os.fsdecode(path)} is named twice")
+        self.names[parent.ino].add(name)
+        parent.children.append((name, existing.ino))
+        existing.nlink += 1
+
+    def finish(self) -> Tree:
+        """The tree; a SourceError if a path of the selection's list was never seen."""
+        listed = self.select.listed
+        if listed is not None:
+            missing = sorted(p for p in listed - self.found - set(self.by_path) if not self._excluded(p, True))
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise SourceError(f"--files-from names {os.fsdecode(missing[0])}{more}, which is not in "
+                                  f"{self.where}")
+        self.names.clear()
+        return Tree(os.fsencode(self.where), self.nodes, self.skipped)
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket"
