@@ -237,7 +237,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
                 nursery.start_soon(on_signal, name="dlfs-ingest-signals")
                 report = await ingest(cluster, source, args.name, chunk_size, args.compress == "lz4", progress,
-                                      home_dir(args.home), select)
+                                      home_dir(args.home), select, args.force)
                 nursery.cancel_scope.cancel()
                 return report
         return None  # cancelled by the signal
@@ -247,6 +247,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if report is None:
         raise KeyboardInterrupt
     info = report.info
+    if report.unchanged:
+        print(f"{info.name} is unchanged: version {info.version} holds exactly these {info.files} files "
+              f"({human_bytes(info.bytes)}); no new version made (--force makes one)")
+        return 0
     for skipped in report.skipped[:10]:
         print(f"skipped {os.fsdecode(skipped)} (not a file, directory or symlink)", file=sys.stderr)
     if len(report.skipped) > 10:
@@ -873,6 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk-size", default="8M", metavar="SIZE", help="chunk size, e.g. 8M, 32MiB (default 8M)")
     sp.add_argument("--compress", default="none", choices=["lz4", "none"],
                     help="per-record lz4 compression (default none: JPEGs and the like do not compress)")
+    sp.add_argument("--force", action="store_true",
+                    help="make a new version even when the newest one already holds exactly this data")
     sp.add_argument("--files-from", metavar="LIST",
                     help="ingest only the paths in LIST, one a line, relative to SRC (a directory brings all "
                          "under it; - reads standard input); a path not in SRC is an error")

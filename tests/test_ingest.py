@@ -108,7 +108,14 @@ def test_ingest_twice_makes_version_2(node: Node, tmp_path: Path) -> None:
     # 100 kB files, two to a 256 KiB chunk.
     assert len(stored) == 5
     assert "(5 sent, 0 already stored)" in first.stdout
-    second = node.ingest(tmp_path / "src", "ds", "--chunk-size", "256K")
+    # The same tree again is no new version: it says so, sends nothing and frees nothing.
+    same = node.ingest(tmp_path / "src", "ds", "--chunk-size", "256K")
+    assert same.stdout == ("ds is unchanged: version 1 holds exactly these 10 files (1.0 MB); no new version "
+                           "made (--force makes one)\n")
+    assert [r["version"] for r in dataset_rows(node)] == ["1"]
+    assert chunk_files(node.home) == stored
+    assert node.run("status").stdout.count("ingests in progress 0") == 1  # its session was given up
+    second = node.ingest(tmp_path / "src", "ds", "--chunk-size", "256K", "--force")
     assert second.stdout.startswith("ingested ds version 2: 10 files, 1.0 MB in 5 chunks")
     assert "(0 sent, 5 already stored)" in second.stdout  # same bytes, same chunks
     assert chunk_files(node.home) == stored
@@ -116,6 +123,17 @@ def test_ingest_twice_makes_version_2(node: Node, tmp_path: Path) -> None:
     assert [(r["name"], r["version"], r["files"], r["bytes"], r["chunks"]) for r in rows] == [
         ("ds", "1", "10", "1.0 MB", "5"), ("ds", "2", "10", "1.0 MB", "5")]
     assert (node.home / "meta/index/ds/2.idx").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_a_change_of_metadata_alone_is_a_new_version(node: Node, tmp_path: Path) -> None:
+    make_files(tmp_path / "src", 4, 10_000)
+    node.ingest(tmp_path / "src", "meta")
+    victim = next((tmp_path / "src").rglob("*.bin"))
+    os.chmod(victim, 0o600)  # the bytes stay: only the inode differs
+    out = node.ingest(tmp_path / "src", "meta")
+    assert out.stdout.startswith("ingested meta version 2: 4 files") and "(0 sent, " in out.stdout
+    assert "unchanged: version 2" in node.ingest(tmp_path / "src", "meta").stdout
 
 
 @pytest.mark.timeout(60)

@@ -196,29 +196,45 @@ class IndexWriter:
             mode, uid, gid, nlink, size, mtime_ns, ref, count, parent,
         )
 
-    def write(self, out: BinaryIO) -> int:
-        """Write the index; returns the xxh3-64 of the whole file (its identity on the wire)."""
+    def _sections(self) -> list[tuple[bytearray, bytes]]:
         sections = [self.chunks, self.inodes, self.dirents, self.extents, self.names]
+        return [(s, b"\0" * (_align(len(s)) - len(s))) for s in sections]
+
+    def body_sum(self) -> int:
+        """xxh3-64 of everything but the header: equal for two ingests of the same tree, whenever made."""
         hasher = xxhash.xxh3_64()
-        pads = [b"\0" * (_align(len(s)) - len(s)) for s in sections]
-        for s, pad in zip(sections, pads):
+        for s, pad in self._sections():
             hasher.update(s)
             hasher.update(pad)
+        return hasher.intdigest()
+
+    def write(self, out: BinaryIO) -> int:
+        """Write the index; returns the xxh3-64 of the whole file (its identity on the wire)."""
         head = HEADER.pack(
             MAGIC, VERSION, 0,
             len(self.chunks) // CHUNK.size, self.n_inodes, len(self.dirents) // DIRENT.size,
             len(self.extents) // EXTENT.size, len(self.names), self.files, self.bytes,
-            self.chunk_size, self.created_ns, hasher.intdigest(), 0,
+            self.chunk_size, self.created_ns, self.body_sum(), 0,
         )
         head = head[:-8] + struct.pack("<Q", xxhash.xxh3_64_intdigest(head[:-8]))
         whole = xxhash.xxh3_64(head)
         out.write(head)
-        for s, pad in zip(sections, pads):
+        for s, pad in self._sections():
             out.write(s)
             out.write(pad)
             whole.update(s)
             whole.update(pad)
         return whole.intdigest()
+
+
+def header_body_sum(head: bytes) -> int | None:
+    """The body checksum an index header records, or None if `head` is not a sound index header."""
+    if len(head) < HEADER.size:
+        return None
+    fields = HEADER.unpack(head[: HEADER.size])
+    if fields[0] != MAGIC or xxhash.xxh3_64_intdigest(head[: HEADER.size - 8]) != fields[-1]:
+        return None
+    return int(fields[-2])
 
 
 def file_checksum(path: str | os.PathLike[str]) -> int:

@@ -23,9 +23,9 @@ import trio
 
 from dlfs.client.cluster import ClusterClient, rank
 from dlfs.config import Cluster, NodeSpec, check_dataset_name
-from dlfs.errors import DlfsError, StorageFull, Unreachable, UsageError
+from dlfs.errors import DlfsError, NotFound, StorageFull, Unreachable, UsageError
 from dlfs.format.chunk import MAX_CHUNK_SIZE
-from dlfs.format.index import IndexWriter
+from dlfs.format.index import HEADER, IndexWriter, header_body_sum
 from dlfs.ingest.pack import Packed, Packer
 from dlfs.ingest.source import LocalTree, Source
 from dlfs.ingest.walk import Selection, Tree
@@ -51,6 +51,7 @@ class IngestReport:
     chunks_present: int
     bytes_sent: int
     seconds: float
+    unchanged: bool = False  # the newest version already held exactly this: `info` is that version
 
 
 class _Stopped(Exception):
@@ -88,7 +89,9 @@ def check_chunk_size(chunk_size: int) -> int:
 
 async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int = 8 << 20, compress: bool = False,
                  progress: Progress | None = None, tmp_dir: Path | None = None,
-                 select: Selection | None = None) -> IngestReport:
+                 select: Selection | None = None, force: bool = False) -> IngestReport:
+    """Ingest `src` as a new version of dataset `name`; unless `force`, a tree the newest version already
+    holds exactly (same files, bytes and metadata) makes no new version: the report says `unchanged`."""
     check_dataset_name(name)
     check_chunk_size(chunk_size)
     source = LocalTree(src) if isinstance(src, str) else src
@@ -101,12 +104,16 @@ async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int
         keepalive = trio.CancelScope()
         nursery.start_soon(_keep_alive, client, session, begun.ttl, keepalive)
         try:
-            report = await _ingest(client, session, source, name, chunk_size, compress, progress, tmp_dir, select)
+            report = await _ingest(client, session, source, name, chunk_size, compress, progress, tmp_dir, select,
+                                   force)
         except BaseException:
             keepalive.cancel()
             with trio.CancelScope(shield=True), trio.move_on_after(ABORT_WAIT):
                 await _abort(cluster, session)
             raise
+        if report.unchanged:  # its pins go; every chunk it stored is the newest version's, so none is freed
+            keepalive.cancel()
+            await _abort(cluster, session)
         nursery.cancel_scope.cancel()
     report.seconds = time.monotonic() - t0
     return report
@@ -138,7 +145,8 @@ async def _abort(cluster: Cluster, session: str) -> None:
 
 
 async def _ingest(client: ClusterClient, session: str, source: Source, name: str, chunk_size: int, compress: bool,
-                  progress: Progress | None, tmp_dir: Path | None, select: Selection | None) -> IngestReport:
+                  progress: Progress | None, tmp_dir: Path | None, select: Selection | None,
+                  force: bool) -> IngestReport:
     # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
     tree = await trio.to_thread.run_sync(source.walk, select, abandon_on_cancel=True)
     files = tree.files
@@ -187,8 +195,22 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
                 stop.set()
                 raise
     build_index(tree, extents, writer)
-    info = await commit_index(client, session, writer, tmp_dir)
-    return IngestReport(info, len(tree.nodes), tree.skipped, stats["sent"], stats["present"], stats["bytes"], 0.0)
+    newest = None if force else await _holding(client, name, writer.body_sum())
+    info = newest or await commit_index(client, session, writer, tmp_dir)
+    return IngestReport(info, len(tree.nodes), tree.skipped, stats["sent"], stats["present"], stats["bytes"], 0.0,
+                        unchanged=newest is not None)
+
+
+async def _holding(client: ClusterClient, name: str, body_sum: int) -> VersionInfo | None:
+    """The newest version of `name` if its index has this body (the same tree), else None."""
+    try:
+        meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": name})
+    except NotFound:
+        return None
+    newest = reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)
+    _, head = await client.call_meta(Msg.READ_INDEX, {"name": name, "version": newest.version, "offset": 0,
+                                                      "length": HEADER.size})
+    return newest if header_body_sum(bytes(head)) == body_sum else None
 
 
 async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: dict[str, int]) -> None:
