@@ -8,11 +8,14 @@ it listed, and says so as a SourceError naming the file ("nothing was published"
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Protocol
 
 from dlfs.errors import SourceError
 from dlfs.ingest.walk import Node, Selection, Tree, walk
+
+READ_AHEAD = 64 << 20  # bytes of a local tree asked of the disk ahead of the packer
 
 
 class FileReader(Protocol):
@@ -54,8 +57,66 @@ class LocalTree:
         return tree
 
     def files(self, tree: Tree) -> Iterator[tuple[Node, FileReader]]:
-        for node in tree.files:
-            yield node, _LocalFile(os.fsdecode(os.path.join(tree.root, node.path)), node)
+        files = tree.files
+        ahead = _ReadAhead(tree.root, files)
+        try:
+            for i, node in enumerate(files):
+                ahead.reached(i)
+                yield node, _LocalFile(os.fsdecode(os.path.join(tree.root, node.path)), node)
+        finally:
+            ahead.stop()
+
+
+class _ReadAhead:
+    """Asks the kernel to read the files the packer comes to next (POSIX_FADV_WILLNEED), READ_AHEAD
+    bytes ahead of it, from a thread of its own: the disk then serves many files at once instead of one
+    small read after another, each waited for (a cold tree of ~110 KB files was read at a third of the
+    disk's speed)."""
+
+    def __init__(self, root: bytes, files: list[Node]) -> None:
+        self.root, self.files = root, files
+        self.cond = threading.Condition()
+        self.at = 0  # the file the packer is on
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="dlfs-ingest-readahead", daemon=True)
+        self.thread.start()
+
+    def reached(self, i: int) -> None:
+        with self.cond:
+            self.at = i
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        ends = []  # ends[j]: bytes of files[0..j]
+        total = 0
+        for n in self.files:
+            total += n.size
+            ends.append(total)
+        for j, node in enumerate(self.files):
+            with self.cond:
+                # Wait until file j starts within READ_AHEAD bytes of where the packer is.
+                while not self.stopped and ends[j] - node.size - (ends[self.at] - self.files[self.at].size) > READ_AHEAD:
+                    self.cond.wait(timeout=1.0)
+                if self.stopped:
+                    return
+            if not node.size:
+                continue
+            try:
+                fd = os.open(os.path.join(self.root, node.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # the packer meets it, and says what is wrong
+            try:
+                os.posix_fadvise(fd, 0, node.size, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
 
 class _LocalFile:
