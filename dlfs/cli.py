@@ -960,7 +960,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 1G; --quick 256M)")
     sp.add_argument("--no-memory", dest="memory", action="store_false",
                     help="leave out the bigger-than-memory section")
-    sp.add_argument("--only", metavar="SECTION", help="run only this section: memory (the bigger-than-memory one)")
+    sp.add_argument("--only", metavar="SECTION", help="run only these sections, comma-separated: cold (the cold path), memory (bigger than "
+                         "memory), ingest (ingest speed beside mksquashfs and cp)")
 
     sp = add("doctor", cmd_doctor, "Check this node and its cluster (FUSE, memlock, RDMA and the transport, the "
              "cluster file and key, every daemon's reachability, key and clock, free space); exits 1 if a check "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dlfs.bench.cold import cold_targets, format_cold
+from dlfs.bench.ingest import ingest_table, ingest_targets
 from dlfs.bench.memory import DLFS_ROWS, size_text
 from dlfs.errors import UsageError
 
@@ -147,6 +148,8 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         rows += cold_targets(out["cold"])
     if "memory" in out:
         rows += memory_targets(out["memory"])
+    if "ingest_trees" in out:
+        rows += ingest_targets(out["ingest_trees"])
     return rows
 
 
@@ -188,6 +191,8 @@ def format_report(out: dict[str, Any]) -> str:
         lines += format_cold(out["cold"])
     if "memory" in out:
         lines += format_memory(out["memory"])
+    if "ingest_trees" in out:
+        lines += ["", *ingest_table(out["ingest_trees"])]
     lines += format_targets(out["targets"])
     lines += ["", f"wall time: {out['wall_s']:.0f} s"]
     return "\n".join(lines)

@@ -44,6 +44,7 @@ from dlfs.bench.bigfiles import PREAD_SIZE, run_bigfiles
 from dlfs.bench.cold import run_cold, section_size
 from dlfs.bench.direct import TORCH_KINDS, run_direct
 from dlfs.bench.epoch import MARKER, READS, list_files, timed_epoch, verify_system
+from dlfs.bench.ingest import run_ingest
 from dlfs.bench.memory import DEFAULT_LIMIT, MIN_LIMIT, QUICK_LIMIT, run_bigger_than_memory, size_text
 from dlfs.bench.report import check_plotting, format_report, targets, write_plot
 from dlfs.bench.sample import make_sample, make_shards
@@ -97,11 +98,14 @@ PASSES = {
     "cold_path": "its own dataset of big files (16 MiB, 40 MB) and ~110 KB files: big files read whole, cold (page "
                  "cache dropped, a fresh mount), 1 and 2 readers; two cold epochs of the small files on one mount with "
                  "the page cache dropped between them, 2 readers; READs sent to Python counted from the mount's stats",
+    "ingest_trees": "trees of ~110 KB files at ~1 GB and ~2.5 GB (--quick: 0.25 and 0.6 GB): dlfs ingest into an "
+                    "empty node, mksquashfs -comp lz4, cp -a; each from a dropped cache until synced, 3 passes "
+                    "(--quick 1) in a rotating order",
     "memory": "bigger than memory: a memory cgroup the bench makes (--memory-limit) and a dataset 2-3x its limit; "
               "the dlfs node, the mounts, squashfuse_ll and the readers all in it; each epoch after the page cache "
               "was dropped, on a fresh mount; bytes checked against xxh3 of the source",
 }
-SECTIONS = {"memory": "memory", "cold": "cold_path"}  # what --only can pick, and the pass each runs
+SECTIONS = {"memory": "memory", "cold": "cold_path", "ingest": "ingest_trees"}  # what --only can pick, and its pass
 Say = Callable[[str], None]
 
 
@@ -269,6 +273,9 @@ def run_sections(opts: BenchOptions, work: Path, say: Say, t_start: float) -> di
         with _sigterm_as_interrupt():
             out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport,
                                    opts.io_uring)
+    if "ingest" in opts.only:
+        with _sigterm_as_interrupt():
+            out["ingest_trees"] = run_ingest(work, say, opts.quick, 1 if opts.quick else 3, opts.transport)
     if "memory" in opts.only:
         with _sigterm_as_interrupt():
             out["memory"] = memory_section(opts, work, say, src, total)
