@@ -31,7 +31,7 @@ import dlfs.ingest.run
 import dlfs.ingest.source
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import load_cluster
-from dlfs.errors import SourceError
+from dlfs.errors import CorruptData, SourceError
 from dlfs.format.chunk import (
     BLOCK_SIZE,
     BLOCK_SUMS_MIN,
@@ -198,6 +198,44 @@ async def _expect_source_error(node: Node, src: Path, what: str) -> str:
     assert (await meta_status(node.home))["ingests"] == 0  # the session was aborted
     assert chunk_files(node.home) == []  # and the chunks it had stored freed
     return message
+
+
+@pytest.mark.timeout(60)
+async def test_a_store_it_cannot_write_takes_chunks_over_its_socket(node: Node, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    files = make_files(tmp_path / "src", 12, 30_000)
+    tried: list[str] = []
+
+    def refuse(path: str, data: memoryview) -> None:  # as a daemon of another user's files would
+        tried.append(path)
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(dlfs.ingest.run, "_write_staged", refuse)
+    report = await ingest(load_cluster(None, node.home), str(tmp_path / "src"), "sent", 64 << 10)
+    # Once refused, every chunk goes over the socket: only those staged in parallel before were tried.
+    assert 1 <= len(tried) <= dlfs.ingest.run.UPLOADERS
+    assert report.chunks_sent == len(chunk_files(node.home)) == report.info.chunks
+    # The files staged for it stay empty until the daemon drops them (STAGE_TTL, or its restart).
+    assert sorted(str(p) for p in (node.home / "data/tmp").iterdir()) == sorted(tried)
+    assert all(os.path.getsize(p) == 0 for p in tried)
+    assert report.info.files == len(files)
+
+
+@pytest.mark.timeout(60)
+async def test_a_damaged_staged_chunk_is_refused(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_files(tmp_path / "src", 12, 30_000)
+    real = dlfs.ingest.run._write_staged
+
+    def damage(path: str, data: memoryview) -> None:
+        real(path, data)
+        with open(path, "r+b") as f:  # the chunk header's magic
+            f.write(b"X")
+
+    monkeypatch.setattr(dlfs.ingest.run, "_write_staged", damage)
+    with pytest.raises(CorruptData, match=r"^staged chunk [0-9a-f]{32}: not a dlfs chunk \(bad magic\)$"):
+        await ingest(load_cluster(None, node.home), str(tmp_path / "src"), "damaged", 64 << 10)
+    assert dataset_rows(node) == [] and chunk_files(node.home) == []
+    assert not list((node.home / "data/tmp").iterdir())
 
 
 @pytest.mark.timeout(60)

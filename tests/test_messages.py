@@ -110,6 +110,7 @@ BAD_DATA = [
     (Msg.HAS_CHUNKS, {"ids": "abc"}, "Expected `array`, got `str` - at `$.ids`"),
     (Msg.DELETE_CHUNKS, {"ids": [None]}, "Expected `bytes`, got `null` - at `$.ids[0]`"),
     (Msg.RDMA_REGION, {"ids": [CID] * 1025}, "Expected `array` of length <= 1024 - at `$.ids`"),
+    (Msg.PUT_STAGED, {"id": CID, "path": "/x", "size": (1 << 30) + 1}, "Expected `int` <= 1073741824 - at `$.size`"),
     (Msg.RDMA_CONNECT, {"qpn": 1, "psn": 1, "lid": 0, "gid": bytes(16), "mtu": 9, "rd_atomic": 1},
      "Expected `int` <= 5 - at `$.mtu`"),
 ]
@@ -139,6 +140,11 @@ async def test_bad_shapes_are_one_line_protocol_errors_and_the_connection_goes_o
         status = reply(MetaStatus, (await mconn.call(Msg.STATUS))[0], Msg.STATUS, "local")
         assert (status.ingests, status.versions) == (0, 0)
         assert reply(DataStatus, (await dconn.call(Msg.STATUS))[0], Msg.STATUS, "local").chunks == 0
+        # A file the daemon never staged is not taken for a chunk, whatever it holds.
+        foreign = tmp_path / "foreign"
+        foreign.write_bytes(chunk)
+        with pytest.raises(ProtocolError, match=r"is not a file node local staged for chunk"):
+            await dconn.call(Msg.PUT_STAGED, {"id": cid, "path": str(foreign), "size": len(chunk)})
         # Both connections still serve a whole ingest.
         assert (await dconn.call(Msg.PUT_CHUNK, {"id": cid}, chunk))[0] == {"stored": True}
         index = make_index([(cid, chunk, recs)])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from dlfs.data.store import ChunkStore, boot_id
-from dlfs.errors import CorruptData, TransportUnavailable
+from dlfs.errors import CorruptData, ProtocolError, TransportUnavailable
 from dlfs.wire.budget import MemoryBudget
 from dlfs.wire.messages import (
     ChunkCount,
@@ -21,6 +23,8 @@ from dlfs.wire.messages import (
     QpEndpoint,
     ReadRange,
     RegionRequest,
+    Staged,
+    StagedChunk,
     Stored,
     Verified,
 )
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PUT_WAIT = 120.0  # seconds a delete waits for a store of the same chunk in flight (a put's own timeout)
+STAGE_TTL = 600.0  # seconds a staged file waits for its PUT_STAGED before it is removed (its client died)
 
 
 class DataService(Service):
@@ -52,9 +57,12 @@ class DataService(Service):
         # gave up) waits for the store to end, else the file would land after the delete.
         self._putting: dict[bytes, int] = {}
         self._put_ended = trio.Event()
+        self._staged: dict[Path, tuple[bytes, float]] = {}  # staged file -> (its chunk, when staged)
         self.handlers.update({
             Msg.STATUS: Route(Empty, self.status),
             Msg.PUT_CHUNK: Route(ChunkRef, self.put_chunk),
+            Msg.STAGE_CHUNK: Route(ChunkRef, self.stage_chunk),
+            Msg.PUT_STAGED: Route(StagedChunk, self.put_staged),
             Msg.READ_RANGE: Route(ReadRange, self.read_range),
             Msg.HAS_CHUNKS: Route(ChunkIds, self.has_chunks),
             Msg.DELETE_CHUNKS: Route(ChunkIds, self.delete_chunks),
@@ -71,10 +79,36 @@ class DataService(Service):
                           "rdma" if self.rdma else "tcp", self.transport_reason), b""
 
     async def put_chunk(self, req: ChunkRef, data: bytearray) -> Reply:
-        cid = req.id
+        stored = await self._storing(req.id, self.store.put, req.id, data)
+        if stored:
+            log.debug("stored chunk %s (%d bytes) on node %s", req.id.hex(), len(data), self.node)
+        return Stored(stored), b""
+
+    async def stage_chunk(self, req: ChunkRef, data: bytearray) -> Reply:
+        now = trio.current_time()
+        for path, (_, when) in list(self._staged.items()):
+            if now - when > STAGE_TTL:
+                del self._staged[path]
+                path.unlink(missing_ok=True)
+        path = await trio.to_thread.run_sync(self.store.stage, req.id, limiter=self.io)
+        self._staged[path] = (req.id, now)
+        return Staged(str(path)), b""
+
+    async def put_staged(self, req: StagedChunk, data: bytearray) -> Reply:
+        path = Path(req.path)
+        if self._staged.get(path, (None,))[0] != req.id:
+            raise ProtocolError(f"{req.path} is not a file node {self.node} staged for chunk {req.id.hex()}")
+        del self._staged[path]
+        stored = await self._storing(req.id, self.store.adopt, req.id, path, req.size)
+        if stored:
+            log.debug("stored staged chunk %s (%d bytes) on node %s", req.id.hex(), req.size, self.node)
+        return Stored(stored), b""
+
+    async def _storing(self, cid: bytes, put: Callable[..., bool], *args: Any) -> bool:
+        """Run a store of `cid` in a thread, known to deletes while it runs; a bad chunk is counted."""
         self._putting[cid] = self._putting.get(cid, 0) + 1
         try:
-            stored = await trio.to_thread.run_sync(self.store.put, cid, data, limiter=self.io)
+            return await trio.to_thread.run_sync(put, *args, limiter=self.io)
         except CorruptData as exc:
             self.checksum_failures += 1
             log.warning("refused chunk %s on node %s: %s", cid.hex(), self.node, exc)
@@ -86,9 +120,6 @@ class DataService(Service):
                 del self._putting[cid]
             self._put_ended.set()
             self._put_ended = trio.Event()
-        if stored:
-            log.debug("stored chunk %s (%d bytes) on node %s", cid.hex(), len(data), self.node)
-        return Stored(stored), b""
 
     async def read_range(self, req: ReadRange, data: bytearray) -> Reply:
         # Sent with sendfile: the bytes go from the page cache to the socket, never through here,

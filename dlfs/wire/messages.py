@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from dlfs.errors import DlfsError, ProtocolError
-from dlfs.format.chunk import ID_BYTES
+from dlfs.format.chunk import ID_BYTES, MAX_CHUNK_SIZE
 from dlfs.wire.protocol import DIRECT_BATCH, MAX_DATA, Msg
 
 T = TypeVar("T")
@@ -154,6 +154,21 @@ class ChunkRef(Struct, frozen=True):
     """PUT_CHUNK: the frame's data is the chunk."""
 
     id: ChunkId
+
+
+class StagedChunk(Struct, frozen=True):
+    """PUT_STAGED: the chunk `id` is in the file STAGE_CHUNK named, `size` bytes, written by a client on
+    the data daemon's own machine (no bytes travel in the frame)."""
+
+    id: ChunkId
+    path: Annotated[str, Meta(max_length=4096)]
+    size: Annotated[int, Meta(ge=0, le=MAX_CHUNK_SIZE)]
+
+
+class Staged(Struct, frozen=True):
+    """STAGE_CHUNK: the fresh, empty file of the daemon's where a client on its machine writes the chunk."""
+
+    path: str
 
 
 class ReadRange(Struct, frozen=True):

@@ -108,6 +108,8 @@ class Msg(enum.IntEnum):
     VERIFY_CHUNKS = 55
     RDMA_CONNECT = 56
     RDMA_REGION = 57
+    STAGE_CHUNK = 58  # a client on the daemon's machine asks where to write a chunk (ingest without the loopback)
+    PUT_STAGED = 59  # ... and hands it over once written: framing checked, the client's hash trusted, synced
     # a mount's control socket (dlfs.direct)
     DIRECT_ATTACH = 60
     DIRECT_READ = 61
