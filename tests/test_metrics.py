@@ -89,8 +89,7 @@ def test_node_and_mount_metrics_after_reads(tmp_path: Path) -> None:
         assert value(before1, "dlfs_chunks_stored", node="n1") == n_files
         assert value(before1, "dlfs_requests_total", node="n1", service="meta", msg="COMMIT") == 1
         # Both daemons run on this machine: every chunk went in as a staged file, none through a socket.
-        for port, name in ((p1, "n1"), (p2, "n2")):
-            got = before1 if name == "n1" else before2
+        for got, name in ((before1, "n1"), (before2, "n2")):
             assert value(got, "dlfs_requests_total", node=name, service="data", msg="PUT_STAGED") == n_files
             assert ("dlfs_requests_total", frozenset({"node": name, "service": "data", "msg": "PUT_CHUNK"}.items())) \
                 not in got
