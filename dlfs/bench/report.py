@@ -387,7 +387,7 @@ def format_memory(mem: dict[str, Any]) -> list[str]:
 
 def format_targets(rows: list[dict[str, Any]]) -> list[str]:
     """The targets block: each target's value, goal and result (pass, FAIL, or n/a where not measured)."""
-    lines = ["", f"{'TARGETS (issues 4, 5, 12, 13, 21)':<76}{'measured':>10}{'goal':>9}  result"]
+    lines = ["", f"{'TARGETS (issues 4, 5, 12, 13, 21, 22)':<76}{'measured':>10}{'goal':>9}  result"]
     for t in rows:
         if isinstance(t["goal"], bool):  # a yes-or-no target (check())
             value = "-" if t["value"] is None else ("yes" if t["value"] else "no")
