@@ -14,6 +14,7 @@ import pytest
 from conftest import DLFS, REPO, dlfs_env
 
 from dlfs.bench import baselines, memory, scale
+from dlfs.bench import ingest as ingest_section
 from dlfs.bench.baselines import mounts_under
 from dlfs.bench.report import (
     bigfile_targets,
@@ -506,3 +507,25 @@ def test_memory_section_runs_in_a_small_cgroup_and_leaves_nothing_behind(tmp_pat
         group = Path(json.loads(report.read_text())["memory"].get("group", "/nonexistent")) if report.exists() else None
     assert left == [] and not running(pid)
     assert group is not None and not group.exists()  # the cgroup is removed
+
+
+@needs_bench
+@pytest.mark.timeout(120)
+def test_ingest_section_times_each_system_from_an_empty_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest_section, "QUICK_SIZES", (1_500_000, 2_500_000))  # 13 and 22 files
+    monkeypatch.setenv("DLFS_PROGRESS_EVERY", "86400")
+    said: list[str] = []
+    out = ingest_section.run_ingest(tmp_path, said.append, quick=True, passes=2)
+    assert [s["files"] for s in out["sizes"].values()] == [13, 22]
+    for s in out["sizes"].values():
+        assert set(s["runs"]) == {"dlfs", "mksquashfs", "cp"}
+        for runs in s["runs"].values():
+            assert len(runs) == 2 and all(r["seconds"] > 0 and r["mb_per_s"] > 0 and r["cpu_s"] >= 0 for r in runs)
+    # Every system ran first once (a rotating order), each pass from an empty target.
+    firsts = [line.rsplit(": ", 1)[1] for line in said if "pass" in line][::3]
+    assert firsts[:2] == ["dlfs", "mksquashfs"]
+    assert not (tmp_path / "ingest.img").exists() and not (tmp_path / "ingest-copy").exists()
+    rows = ingest_section.ingest_targets(out)
+    assert [r["goal"] for r in rows] == [1.2, 1.2] and all(isinstance(r["met"], bool) for r in rows)
+    table = ingest_section.ingest_table(out)
+    assert len(table) == 2 + 2 * 3 and table[2].split()[:3] == ["1.3", "MB", "dlfs"]

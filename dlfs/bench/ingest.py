@@ -20,6 +20,7 @@ from typing import Any
 
 from dlfs.bench.baselines import DlfsNode, build_squashfs, cpu_seconds, drop_caches
 from dlfs.bench.sample import make_sample
+from dlfs.units import human_bytes
 
 Say = Callable[[str], None]
 DATASET = "bench-ingest"
@@ -96,7 +97,7 @@ def ingest_targets(section: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 22's target: at least 1.2x mksquashfs's speed at both sizes, every run (the worst pass)."""
     from dlfs.bench.report import target
 
-    return [target(f"ingest of a local tree, {int(s['bytes']) / 1e9:.1f} GB, worst of {section['passes']} passes: "
+    return [target(f"ingest of a local tree, {human_bytes(int(s['bytes']))}, worst of {section['passes']} passes: "
                    "dlfs / mksquashfs -comp lz4", min(ratios(s["runs"], "mksquashfs")), 1.2, "x")
             for s in section["sizes"].values()]
 
@@ -107,11 +108,11 @@ def ingest_table(section: dict[str, Any]) -> list[str]:
              f"({section['passes']} passes, rotating order)",
              f"  {'tree':<10}{'system':<14}{'MB/s (median)':>15}{'CPU s/GB':>10}{'dlfs / it, each pass':>28}"]
     for s in section["sizes"].values():
-        gb = int(s["bytes"]) / 1e9
+        gb, tree = int(s["bytes"]) / 1e9, human_bytes(int(s["bytes"]))
         for name in SYSTEMS:
             runs = s["runs"][name]
             rate = sorted(r["mb_per_s"] for r in runs)[len(runs) // 2]
             cpu = sorted(r["cpu_s"] for r in runs)[len(runs) // 2] / gb
             each = "" if name == "dlfs" else " ".join(f"{x:.2f}x" for x in ratios(s["runs"], name))
-            lines.append(f"  {f'{gb:.2f} GB':<10}{name:<14}{rate:>15.1f}{cpu:>10.2f}{each:>28}")
+            lines.append(f"  {tree:<10}{name:<14}{rate:>15.1f}{cpu:>10.2f}{each:>28}")
     return lines
