@@ -21,6 +21,7 @@ from conftest import DLFS, dlfs_env, run_dlfs, running_cluster, running_node
 from test_ingest import chunk_files, dataset_rows, make_files, one_line_error
 
 import dlfs.ingest.run
+import dlfs.ingest.source
 from dlfs.config import load_cluster, parse_cluster_file
 from dlfs.errors import SourceError
 from dlfs.ingest.walk import Selection, Tree, walk
@@ -87,7 +88,7 @@ def test_killed_ingest_expires_and_gc_frees_its_chunks(tmp_path: Path, monkeypat
             time.sleep(2.5 * TTL)
             return walk(src, select)
 
-        monkeypatch.setattr(dlfs.ingest.run, "walk", slow_walk)
+        monkeypatch.setattr(dlfs.ingest.source, "walk", slow_walk)
         report = trio.run(dlfs.ingest.run.ingest, load_cluster(None, node.home), str(slow_src), "slow", 1 << 20)
         assert [r["name"] for r in dataset_rows(node)] == ["slow"]
 
