@@ -221,6 +221,24 @@ async def test_a_store_it_cannot_write_takes_chunks_over_its_socket(node: Node, 
     assert report.info.files == len(files)
 
 
+@pytest.mark.timeout(30)
+def test_staged_writes_land_whole_aligned_or_not(tmp_path: Path) -> None:
+    import mmap
+
+    rng = random.Random(5)
+    for size in (0, 100, 4096, 3 * 4096 + 77, 1 << 20):
+        content = rng.randbytes(size)
+        aligned = mmap.mmap(-1, max(size, 1))  # page-aligned, as the ingest's pool: O_DIRECT, then the tail
+        aligned[:size] = content
+        for buf in (memoryview(aligned)[:size], memoryview(bytearray(b"x" + content))[1:]):  # and one that is not
+            target = tmp_path / f"staged-{size}"
+            target.write_bytes(b"old bytes, longer than some chunks here" * 3)
+            os.truncate(target, 0)
+            dlfs.ingest.run._write_staged(str(target), buf)
+            assert target.read_bytes() == content
+            del buf
+
+
 @pytest.mark.timeout(60)
 async def test_a_damaged_staged_chunk_is_refused(node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_files(tmp_path / "src", 12, 30_000)

@@ -49,6 +49,7 @@ checkable on its own (`verify_chunk`), which the data daemon and repair use.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ VERSION = 3  # written only for chunks with block sums (see above)
 VERSION_PLAIN = 1  # written for every other chunk
 VERSION_UNALIGNED = 2  # block sums, no padding: read, no longer written
 HEADER = struct.Struct("<8sHHIQQ")
+ChunkBuffer = bytearray | mmap.mmap  # what a chunk is packed into (an ingest's are mmap'd: page-aligned)
 RECORD = struct.Struct("<IIIIQ")
 RECORD_MAGIC = 0xD1F5C0DE
 FLAG_LZ4 = 1
@@ -202,13 +204,13 @@ class ChunkWriter:
     only if it compresses.
     """
 
-    def __init__(self, capacity: int, buf: bytearray | None = None) -> None:
+    def __init__(self, capacity: int, buf: ChunkBuffer | None = None) -> None:
         self.capacity = capacity
         self.buf = buf if buf is not None else bytearray(capacity)
         self.view = memoryview(self.buf)
         self.reset(self.buf)
 
-    def reset(self, buf: bytearray) -> None:
+    def reset(self, buf: ChunkBuffer) -> None:
         if len(buf) < self.capacity:
             raise ValueError("chunk buffer smaller than the chunk capacity")
         self.buf = buf
@@ -322,24 +324,31 @@ def decode_record(stored: bytes | memoryview, rec: Record, where: str) -> bytes 
     return raw
 
 
+def check_header(head: bytes | bytearray | memoryview, size: int, name: str = "chunk") -> tuple[int, int]:
+    """Check a chunk's header (its first HEADER.size bytes) against the chunk's `size`: magic, checksum,
+    a known version, and a payload that ends where the chunk does. Returns (version, record count)."""
+    if len(head) < HEADER.size or size < HEADER.size:
+        raise CorruptData(f"{name}: truncated header ({min(len(head), size)} bytes)")
+    magic, version, _flags, n_records, payload, hsum = HEADER.unpack_from(head)
+    if magic != MAGIC:
+        raise CorruptData(f"{name}: not a dlfs chunk (bad magic)")
+    if xxhash.xxh3_64_intdigest(head[: HEADER.size - 8]) != hsum:
+        raise CorruptData(f"{name}: header checksum mismatch")
+    if version not in _FLAGS_OF_VERSION:
+        raise CorruptData(f"{name}: chunk format version {version} is not supported")
+    if HEADER.size + payload > size:
+        raise CorruptData(f"{name}: truncated ({size} bytes, header says {HEADER.size + payload})")
+    # Too long is not truncation: say so, or repair hunts for a missing tail that is not missing.
+    if HEADER.size + payload < size:
+        raise CorruptData(f"{name}: {size - HEADER.size - payload} stray bytes after the payload")
+    return version, n_records
+
+
 def iter_records(data: bytes | bytearray | memoryview, name: str = "chunk") -> Iterator[Record]:
     """Walk a whole chunk's records, checking the framing (not the record checksums or block sums)."""
     view = memoryview(data)
-    if len(view) < HEADER.size:
-        raise CorruptData(f"{name}: truncated header ({len(view)} bytes)")
-    magic, version, _flags, n_records, payload, hsum = HEADER.unpack_from(view)
-    if magic != MAGIC:
-        raise CorruptData(f"{name}: not a dlfs chunk (bad magic)")
-    if xxhash.xxh3_64_intdigest(view[: HEADER.size - 8]) != hsum:
-        raise CorruptData(f"{name}: header checksum mismatch")
-    allowed = _FLAGS_OF_VERSION.get(version)
-    if allowed is None:
-        raise CorruptData(f"{name}: chunk format version {version} is not supported")
-    if HEADER.size + payload > len(view):
-        raise CorruptData(f"{name}: truncated ({len(view)} bytes, header says {HEADER.size + payload})")
-    # Too long is not truncation: say so, or repair hunts for a missing tail that is not missing.
-    if HEADER.size + payload < len(view):
-        raise CorruptData(f"{name}: {len(view) - HEADER.size - payload} stray bytes after the payload")
+    version, n_records = check_header(view[: HEADER.size], len(view), name)
+    allowed = _FLAGS_OF_VERSION[version]
     aligned = version in _ALIGNED_VERSIONS
     pos = HEADER.size
     for i in range(n_records):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlfs.errors import SourceError
-from dlfs.format.chunk import BLOCK_SIZE, HEADER, ChunkWriter, records_span
+from dlfs.format.chunk import BLOCK_SIZE, HEADER, ChunkBuffer, ChunkWriter, records_span
 from dlfs.format.index import IndexWriter
 from dlfs.ingest.source import FileReader, Source
 from dlfs.ingest.walk import Node, Tree
@@ -29,14 +29,14 @@ class Packed:
     number: int
     cid: bytes
     data: memoryview
-    buf: bytearray
+    buf: ChunkBuffer
 
 
 class Packer:
     """Fills chunks with the tree's files in inode order and records every extent in the index."""
 
     def __init__(self, source: Source, tree: Tree, writer: IndexWriter, chunk_size: int, compress: bool,
-                 pool: queue.Queue[bytearray], emit: Callable[[Packed], None],
+                 pool: queue.Queue[ChunkBuffer], emit: Callable[[Packed], None],
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.source = source
         self.tree = tree
