@@ -42,7 +42,7 @@ from botocore.config import Config
 
 from dlfs.errors import DlfsError, SourceError, UsageError
 from dlfs.format.index import NAME_MAX
-from dlfs.ingest.walk import Node, Selection, Tree, TreeBuilder
+from dlfs.ingest.walk import Node, PathClash, Selection, Tree, TreeBuilder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -539,18 +539,19 @@ class S3Prefix:
         why = _not_a_path(path)
         if why:
             raise SourceError(f"{self.url(key)} cannot be a path: {why}")
-        other = _file_in_the_way(builder, path, is_dir)
-        if other is not None:
-            raise SourceError(f"{self.url(key)} cannot be a path: {self.url(self.prefix + other.decode())} is an "
-                              "object too, and a file system cannot hold a file and a directory of one name")
         when = mtime_ns(obj["LastModified"])
-        if is_dir:
-            if obj["Size"]:
-                log.warning("%s: a key ending in / is a directory; its %d bytes are left out", self.url(key),
-                            obj["Size"])
-            builder.add(path, stat.S_IFDIR | 0o755, 0, when)
-            return None
-        return builder.add(path, stat.S_IFREG | 0o644, obj["Size"], when)
+        try:
+            if is_dir:
+                if obj["Size"]:
+                    log.warning("%s: a key ending in / is a directory; its %d bytes are left out", self.url(key),
+                                obj["Size"])
+                builder.add(path, stat.S_IFDIR | 0o755, 0, when)
+                return None
+            return builder.add(path, stat.S_IFREG | 0o644, obj["Size"], when)
+        except PathClash as clash:  # S3 lists `a` before `a/` and `a/b`: the later key is the one named
+            raise SourceError(f"{self.url(key)} cannot be a path: {self.url(self.prefix + clash.file.decode())} "
+                              "is an object too, and a file system cannot hold a file and a directory of one "
+                              "name") from None
 
     def files(self, tree: Tree) -> Iterator[tuple[Node, _S3Object]]:
         files = tree.files
@@ -590,22 +591,6 @@ def _not_a_path(path: bytes) -> str:
         if b"\0" in part:
             return "it holds a NUL byte"
     return ""
-
-
-def _file_in_the_way(builder: TreeBuilder, path: bytes, is_dir: bool) -> bytes | None:
-    """The path of a file already in the tree that `path` needs to be a directory (itself, for a
-    directory marker, or one above it); None if there is none. S3 lists `a` before `a/` and `a/b`, so
-    the later key is the one named."""
-    seen = builder.by_path.get(path)
-    if is_dir and seen is not None and not stat.S_ISDIR(seen.mode):
-        return path
-    parent = path
-    while b"/" in parent:
-        parent = parent.rpartition(b"/")[0]
-        seen = builder.by_path.get(parent)
-        if seen is not None:
-            return None if stat.S_ISDIR(seen.mode) else parent
-    return None
 
 
 def _page_size() -> int:

@@ -184,6 +184,14 @@ def walk(src: str | bytes, select: Selection | None = None) -> Tree:
     return Tree(root, nodes, skipped)
 
 
+class PathClash(SourceError):
+    """An entry that needs `file`, a file already in the tree, to be a directory."""
+
+    def __init__(self, message: str, file: bytes) -> None:
+        super().__init__(message)
+        self.file = file
+
+
 class TreeBuilder:
     """A Tree from entries named by path, as a bucket listing or an archive gives them (files in the
     order they will be read, which is the order they are packed in). The directories leading to an
@@ -231,8 +239,8 @@ class TreeBuilder:
         node = self.by_path.get(path)
         if node is not None:
             if not stat.S_ISDIR(node.mode):
-                raise SourceError(f"{self.where}: {os.fsdecode(path)} is a file and also a directory (of what "
-                                  "is listed under it): a file system cannot hold both")
+                raise PathClash(f"{self.where}: {os.fsdecode(path)} is a file and also a directory (of what "
+                                "is listed under it): a file system cannot hold both", path)
             return node
         parent_path, _, name = path.rpartition(b"/")
         return self._link(parent_path, name, Node(0, path, stat.S_IFDIR | 0o755, self.uid, self.gid, 0,
