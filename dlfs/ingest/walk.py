@@ -68,6 +68,20 @@ class Selection:
                 return True
         return False
 
+    def under_excluded(self, rel: bytes) -> bool:
+        """Whether a directory above `rel` is excluded (so nothing of it is in the tree)."""
+        return any(self.excluded(rel[:i], True) for i in range(len(rel)) if rel[i : i + 1] == b"/")
+
+    def leads(self) -> set[bytes]:
+        """The directories that lead to a listed path: walked, but only for what is listed below them."""
+        return {b"/".join(p.split(b"/")[:k]) for p in self.listed or () for k in range(1, p.count(b"/") + 1)}
+
+    def missing(self, found: set[bytes]) -> tuple[bytes | None, int]:
+        """The first listed path (by name) not `found`, and how many there are; under an excluded
+        directory is not missing: the exclusion wins, as for what it names itself."""
+        gone = sorted(p for p in (self.listed or frozenset()) - found if not self.under_excluded(p))
+        return (gone[0] if gone else None), len(gone)
+
 
 def read_list(lines: Iterable[bytes], root: str | bytes, what: str = "--files-from") -> frozenset[bytes]:
     """The paths of a file list (one a line; blank lines skipped), relative to the source `root`: an
@@ -107,8 +121,7 @@ def walk(src: str | bytes, select: Selection | None = None) -> Tree:
     """
     select = select or Selection()
     listed = select.listed
-    # The directories that lead to a listed path: walked, but only for what is listed below them.
-    leads = {b"/".join(p.split(b"/")[:k]) for p in listed or () for k in range(1, p.count(b"/") + 1)}
+    leads = select.leads()
     found: set[bytes] = set()
     root = os.fsencode(os.path.abspath(src))
     try:
@@ -173,14 +186,11 @@ def walk(src: str | bytes, select: Selection | None = None) -> Tree:
             nodes.append(n)
             d.children.append((e.name, n.ino))
         stack.extend(reversed(subdirs))
-    if listed is not None and len(found) < len(listed):
-        # Under an excluded directory is not missing: the exclusion wins, as for what it names itself.
-        missing = sorted(p for p in listed - found if not any(
-            select.excluded(p[:i], True) for i in range(len(p)) if p[i : i + 1] == b"/"))
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        if missing:
-            raise SourceError(f"--files-from names {_display(root, missing[0])}{more}, which is not in the "
-                              f"source (or lies under a symlink, which is not followed)")
+    first, count = select.missing(found)
+    if first is not None:
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        raise SourceError(f"--files-from names {_display(root, first)}{more}, which is not in the source (or lies "
+                          "under a symlink, which is not followed)")
     return Tree(root, nodes, skipped)
 
 
@@ -210,30 +220,21 @@ class TreeBuilder:
         self.names: dict[int, set[bytes]] = {1: set()}  # a directory's names so far, for duplicates
         self.found: set[bytes] = set()
         self.skipped: list[bytes] = []
-        # The directories that lead to a listed path.
-        self.leads = {b"/".join(p.split(b"/")[:k]) for p in self.select.listed or ()
-                      for k in range(1, p.count(b"/") + 1)}
-
-    def _excluded(self, path: bytes, is_dir: bool) -> bool:
-        """Whether `path`, or a directory above it, is excluded."""
-        parts = path.split(b"/")
-        return any(self.select.excluded(b"/".join(parts[:k]), True) for k in range(1, len(parts))) or \
-            self.select.excluded(path, is_dir)
+        self.leads = self.select.leads()
 
     def taken(self, path: bytes, is_dir: bool) -> bool:
         """Whether the selection takes `path` (relative, no leading /): listed, or under a listed path,
         or a directory leading to one; and neither it nor a directory above it excluded."""
         sel = self.select
-        if sel.excludes and self._excluded(path, is_dir):
-            return False
-        if sel.listed is None:
-            return True
-        parts = path.split(b"/")
-        for k in range(1, len(parts) + 1):
-            if (prefix := b"/".join(parts[:k])) in sel.listed:
-                self.found.add(prefix)
-                return True
-        return is_dir and path in self.leads
+        wanted = sel.listed is None
+        if not wanted:
+            parts = path.split(b"/")
+            for k in range(1, len(parts) + 1):
+                if (prefix := b"/".join(parts[:k])) in sel.listed:
+                    self.found.add(prefix)  # found even where excluded, as walk() counts it: not missing
+                    wanted = True
+            wanted = wanted or (is_dir and path in self.leads)
+        return wanted and not (sel.excludes and (sel.under_excluded(path) or sel.excluded(path, is_dir)))
 
     def _dir(self, path: bytes) -> Node:
         node = self.by_path.get(path)
@@ -300,13 +301,10 @@ class TreeBuilder:
 
     def finish(self) -> Tree:
         """The tree; a SourceError if a path of the selection's list was never seen."""
-        listed = self.select.listed
-        if listed is not None:
-            missing = sorted(p for p in listed - self.found - set(self.by_path) if not self._excluded(p, True))
-            if missing:
-                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-                raise SourceError(f"--files-from names {os.fsdecode(missing[0])}{more}, which is not in "
-                                  f"{self.where}")
+        first, count = self.select.missing(self.found)
+        if first is not None:
+            more = f" (and {count - 1} more)" if count > 1 else ""
+            raise SourceError(f"--files-from names {os.fsdecode(first)}{more}, which is not in {self.where}")
         self.names.clear()
         return Tree(os.fsencode(self.where), self.nodes, self.skipped)
 
