@@ -23,7 +23,6 @@ import random
 import re
 import resource
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dlfs.bench.baselines import DlfsNode, cpu_seconds  # noqa: E402
 from dlfs.ingest.s3 import S3Prefix  # noqa: E402
 from dlfs.units import parse_size  # noqa: E402
 
@@ -99,18 +99,19 @@ def on_cpus(cpus: set[int] | None) -> object:
 CLIENT_CPUS: set[int] | None = None  # with --pin: the CPUs of the node, the ingests and this process
 
 
+class PinnedNode(DlfsNode):
+    """The bench's node, on CLIENT_CPUS with --pin."""
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return ["taskset", "-c", ",".join(map(str, sorted(CLIENT_CPUS))), *argv] if CLIENT_CPUS else argv
+
+
 def dlfs(env: dict[str, str], *args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "dlfs", *args], env=env, capture_output=True, text=True,
                           timeout=3600, cwd=REPO, preexec_fn=on_cpus(CLIENT_CPUS))  # type: ignore[arg-type]
     if proc.returncode != 0:
         raise SystemExit(f"bench: `dlfs {' '.join(args)}` exited {proc.returncode}: {proc.stderr.strip()}")
     return proc.stdout
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ingest_rate(env: dict[str, str], src: str, nbytes: int, pids: dict[str, int], *extra: str) -> float:
@@ -189,17 +190,13 @@ def main() -> int:
               f"{parse_size(args.max_size) >> 20} MiB; filling {base} and s3://{BUCKET}/data ...", flush=True)
         fill(src, s3, files)
 
-        home.mkdir(mode=0o700)
-        with open(base / "node.log", "wb") as log:
-            node = subprocess.Popen([sys.executable, "-m", "dlfs", "node"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=REPO,
-                                    preexec_fn=on_cpus(CLIENT_CPUS))  # type: ignore[arg-type]
-        wait_until(lambda: subprocess.run([sys.executable, "-m", "dlfs", "status"], env=env, capture_output=True,
-                                          cwd=REPO).returncode == 0, "the dlfs node")
+        node = PinnedNode(home)
+        node.start()
+        assert node.proc is not None
 
         local, remote = [], []
         for rep in range(args.reps):
-            pids = {"node": node.pid, "moto": moto.pid}
+            pids = {"node": node.proc.pid, "moto": moto.pid}
             local.append(ingest_rate(env, str(src), nbytes, pids))
             remote.append(ingest_rate(env, f"s3://{BUCKET}/data", nbytes, pids, "--endpoint-url", endpoint))
             print(f"rep {rep + 1}: local tree {local[-1]:.0f} MB/s, S3 {remote[-1]:.0f} MB/s", flush=True)
@@ -217,11 +214,7 @@ def main() -> int:
         print(f"S3 ingest / reader alone:   {re_ / raw:7.2f}")
     finally:
         if node is not None:
-            node.send_signal(signal.SIGTERM)
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                node.kill()
+            node.stop()
         moto.terminate()
         moto.wait(timeout=10)
         if not args.dir:
