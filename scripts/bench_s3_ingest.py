@@ -12,6 +12,9 @@ no cluster), which is what moto, a Python server, can serve this client: where t
 ingest's rate, the server is the bottleneck and not the ingest.
 
     .venv/bin/python scripts/bench_s3_ingest.py --total 1G
+
+With --shards N the same files are also packed into N plain tar shards (WebDataset's layout), kept
+on disk and in the bucket, and `dlfs ingest --expand-tar` of each is timed the same way.
 """
 
 from __future__ import annotations
@@ -91,6 +94,26 @@ def fill(src: Path, s3: object, files: dict[str, int]) -> None:
         list(pool.map(one, files.items()))
 
 
+def make_shards(src: Path, out: Path, s3: object, n: int) -> int:
+    """The files under src in `n` plain tars (in path order, about equal bytes each), on disk under out
+    and in the bucket under shards/; their bytes in all."""
+    import tarfile
+
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    out.mkdir()
+    per = -(-len(files) // n)
+    total = 0
+    for k in range(n):
+        path = out / f"train-{k:06d}.tar"
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+            for p in files[k * per:(k + 1) * per]:
+                tf.add(p, str(p.relative_to(src)))
+        with open(path, "rb") as f:
+            s3.put_object(Bucket=BUCKET, Key=f"shards/{path.name}", Body=f)  # type: ignore[attr-defined]
+        total += path.stat().st_size
+    return total
+
+
 def on_cpus(cpus: set[int] | None) -> object:
     """A preexec_fn that runs the child on `cpus` (None: wherever it likes)."""
     return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
@@ -151,6 +174,7 @@ def main() -> int:
     ap.add_argument("--max-size", default="10M", help="biggest file (default 10M)")
     ap.add_argument("--reps", type=int, default=2, help="ingests each way (default 2)")
     ap.add_argument("--pin", action="store_true", help="moto on CPU 0, the node and the ingests on the others")
+    ap.add_argument("--shards", type=int, default=0, help="also time --expand-tar of N tar shards of the files")
     ap.add_argument("--dir", help="scratch directory (default: a temporary one, removed after)")
     args = ap.parse_args()
 
@@ -189,17 +213,24 @@ def main() -> int:
         print(f"{len(files)} files, {nbytes / 1e6:.0f} MB, {parse_size(args.min_size) >> 10} KiB to "
               f"{parse_size(args.max_size) >> 20} MiB; filling {base} and s3://{BUCKET}/data ...", flush=True)
         fill(src, s3, files)
+        if args.shards:
+            make_shards(src, base / "shards", s3, args.shards)
 
         node = PinnedNode(home)
         node.start()
         assert node.proc is not None
 
-        local, remote = [], []
+        local, remote, tars, s3tars = [], [], [], []
         for rep in range(args.reps):
             pids = {"node": node.proc.pid, "moto": moto.pid}
             local.append(ingest_rate(env, str(src), nbytes, pids))
             remote.append(ingest_rate(env, f"s3://{BUCKET}/data", nbytes, pids, "--endpoint-url", endpoint))
             print(f"rep {rep + 1}: local tree {local[-1]:.0f} MB/s, S3 {remote[-1]:.0f} MB/s", flush=True)
+            if args.shards:
+                tars.append(ingest_rate(env, str(base / "shards"), nbytes, pids, "--expand-tar"))
+                s3tars.append(ingest_rate(env, f"s3://{BUCKET}/shards/", nbytes, pids, "--expand-tar",
+                                          "--endpoint-url", endpoint))
+                print(f"rep {rep + 1}: local shards {tars[-1]:.0f} MB/s, S3 shards {s3tars[-1]:.0f} MB/s", flush=True)
         if CLIENT_CPUS is not None:
             os.sched_setaffinity(0, CLIENT_CPUS)
         raw = reader_rate(endpoint, nbytes)
@@ -212,6 +243,11 @@ def main() -> int:
         print(f"ratio S3 / local:           {re_ / lo:7.2f}")
         print(f"dlfs S3 reader alone (moto): {raw:6.0f} MB/s: moto serving this client, no packing or storing")
         print(f"S3 ingest / reader alone:   {re_ / raw:7.2f}")
+        if args.shards:
+            ta, st = statistics.median(tars), statistics.median(s3tars)
+            print(f"{args.shards} tar shards on disk:     {ta:7.0f} MB/s of files (median of {args.reps})")
+            print(f"{args.shards} tar shards in S3:       {st:7.0f} MB/s of files (median of {args.reps})")
+            print(f"ratio S3 shards / local:    {st / ta:7.2f};  S3 shards / local tree: {st / lo:.2f}")
     finally:
         if node is not None:
             node.stop()

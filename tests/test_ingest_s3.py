@@ -27,6 +27,8 @@ from s3server import FAULTS, FlakyProxy, MotoServer, aws_env
 
 from dlfs.errors import SourceError, UsageError
 from dlfs.ingest.s3 import S3Prefix, mtime_ns, parse_url
+from dlfs.ingest.s3file import GAP, member_ranges
+from dlfs.ingest.tar import TarShards
 from dlfs.ingest.walk import Selection
 
 BUCKET = "bucket"
@@ -427,3 +429,111 @@ def test_times_are_exact() -> None:
     from datetime import UTC, datetime
 
     assert mtime_ns(datetime(2024, 2, 29, 23, 59, 58, 123000, tzinfo=UTC)) == 1709251198_123000000
+
+
+# --- tar shards in a bucket ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shards(moto: MotoServer, made: None, scratch: Path) -> Path:
+    """shards/ in the bucket and on disk: a plain (pax) tar, a gzip and a zstd one, a zip, and a plain tar
+    of 400 small members; beside them an object that is no shard and one in a deeper prefix."""
+    from test_ingest_tar import source_tree, tar_shard, zip_shard
+
+    local = scratch / "shards"
+    local.mkdir()
+    tar_shard(source_tree(scratch / "t1", "1"), local / "train-000000.tar", "--format=pax")
+    tar_shard(source_tree(scratch / "t2", "2"), local / "train-000001.tar.gz")
+    tar_shard(source_tree(scratch / "t3", "3"), local / "train-000002.tar.zst")
+    zip_shard(source_tree(scratch / "t4", "4"), local / "train-000003.zip")
+    small = scratch / "t5"
+    rng = random.Random(11)
+    for i in range(400):
+        (small / f"{i % 7}").mkdir(parents=True, exist_ok=True)
+        (small / f"{i % 7}/{i:04d}.jpg").write_bytes(rng.randbytes(rng.randint(0, 60_000)))
+    tar_shard(small, local / "train-000004.tar")
+    put_all(moto.client(), {f"shards/{p.name}": p.read_bytes() for p in local.iterdir()} |
+            {"shards/README.txt": b"not a shard", "shards/old/train-000009.tar": b""})
+    return local
+
+
+@pytest.mark.timeout(120)
+def test_shards_in_a_bucket_read_as_the_same_shards_on_disk(moto: MotoServer, shards: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    from test_ingest_tar import read_all
+
+    here = read_all(TarShards([str(shards)]))
+    assert len(here) == 4 * 5 + 1 + 400  # five files a tree (a tar's hard link is one; a zip's a copy), and the small
+    there = TarShards([f"s3://{BUCKET}/shards/"], endpoint_url=moto.url)
+    assert read_all(there) == here
+    assert "skipping 2 entries of s3://bucket/shards/ that are not shards" in caplog.text
+    # The same tree: names, kinds, sizes, links, members' owners and times (the top and the shard folders
+    # are the user's and the objects' own).
+    tree_here, tree_there = TarShards([str(shards)]).walk(None), there.walk(None)
+    def shape(tree: Any) -> list[tuple[Any, ...]]:
+        return [(n.path, n.mode, n.size, n.nlink, n.target) + ((n.uid, n.gid, n.mtime_ns) if b"/" in n.path else ())
+                for n in tree.nodes]
+    assert shape(tree_there) == shape(tree_here)
+    # One shard by name; a selection; an s3:// and a local shard in one ingest.
+    one = TarShards([f"s3://{BUCKET}/shards/train-000002.tar.zst"], endpoint_url=moto.url)
+    assert read_all(one) == {k: v for k, v in here.items() if k.startswith("train-000002/")}
+    select = Selection(None, ("*.jpg", "big*"))
+    assert read_all(TarShards([f"s3://{BUCKET}/shards"], endpoint_url=moto.url), select) == \
+        read_all(TarShards([str(shards)]), select)
+    mixed = TarShards([str(shards / "train-000000.tar"), f"s3://{BUCKET}/shards/train-000004.tar"],
+                      endpoint_url=moto.url)
+    assert read_all(mixed) == {k: v for k, v in here.items() if k.startswith(("train-000000/", "train-000004/"))}
+
+
+@pytest.mark.timeout(60)
+def test_shards_in_a_bucket_that_fail_say_so(moto: MotoServer, shards: Path) -> None:
+    def walk(*srcs: str) -> None:
+        TarShards(list(srcs), endpoint_url=moto.url).walk(None)
+
+    with pytest.raises(SourceError, match=f"^cannot read s3://{BUCKET}/shards/nope.tar: no such object$"):
+        walk(f"s3://{BUCKET}/shards/nope.tar")
+    with pytest.raises(SourceError, match=f"^s3://{BUCKET}/nothing/ holds no shards"):
+        walk(f"s3://{BUCKET}/nothing")
+    with pytest.raises(SourceError, match="is not a tar or zip file"):
+        walk(f"s3://{BUCKET}/shards/old/train-000009.tar")
+    with pytest.raises(UsageError, match=r"^the shards of one ingest are in one bucket \(a, bucket given\)$"):
+        walk(f"s3://{BUCKET}/shards/", "s3://a/x.tar")
+    with pytest.raises(SourceError, match="is named twice"):
+        walk(f"s3://{BUCKET}/shards/", f"s3://{BUCKET}/shards/train-000000.tar")
+    # Rewritten after the listing: every GET carries the listed ETag.
+    s3 = moto.client()
+    s3.put_object(Bucket=BUCKET, Key="rewritten/a.tar", Body=(shards / "train-000000.tar").read_bytes())
+    src = TarShards([f"s3://{BUCKET}/rewritten/"], endpoint_url=moto.url)
+    tree = src.walk(None)
+    s3.put_object(Bucket=BUCKET, Key="rewritten/a.tar", Body=(shards / "train-000004.tar").read_bytes())
+    with pytest.raises(SourceError, match=f"^s3://{BUCKET}/rewritten/a.tar changed while being ingested"):
+        for node, f in src.files(tree):
+            f.readinto(memoryview(bytearray(node.size + 1)))
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_shards_in_a_bucket_mount_as_tar_x_makes_them(s3node: Node, moto: MotoServer, shards: Path,
+                                                      scratch: Path) -> None:
+    from test_ingest_tar import extract, snapshot
+
+    proc = s3node.run("ingest", "--expand-tar", f"s3://{BUCKET}/shards/", "--name", "s3shards", "--endpoint-url",
+                      moto.url)
+    assert proc.stdout.startswith("ingested s3shards version 1: 421 files, "), proc.stdout
+    tars = sorted(p for p in shards.iterdir() if not p.name.endswith(".zip"))
+    ref = extract(tars, scratch / "shards-x")
+    mnt = s3node.mount("s3shards", scratch / "mnt-shards")
+    try:
+        got = {k: v for k, v in snapshot(mnt).items() if not k.startswith("train-000003")}
+        want = snapshot(ref)
+        # tar -x gives a shard's folder the time of its ./ member, or now; dlfs the member's, or the object's.
+        folders = {p.name.split(".")[0] for p in tars}
+        assert {k: v for k, v in got.items() if k not in folders} == {k: v for k, v in want.items() if k not in folders}
+        assert (mnt / "train-000003/a/b/x4.txt").read_bytes() == b"x" * 1000 + b"4"
+    finally:
+        s3node.umount(mnt)
+
+
+def test_members_close_together_are_one_get() -> None:
+    assert member_ranges([]) == []
+    assert member_ranges([(512, 10), (1536, 0), (2048, 100)]) == [(512, 1636)]  # a header between: one GET
+    assert member_ranges([(0, 10), (10 + GAP, 5)]) == [(0, 10), (10 + GAP, 5)]  # far apart: two
+    assert member_ranges([(0, 20)], range_size=8) == [(0, 8), (8, 8), (16, 4)]  # none over range_size

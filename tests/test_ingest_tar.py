@@ -381,8 +381,8 @@ def test_finding_shards(tmp_path: Path) -> None:
         find_shards([str(d / "sub")])
     with pytest.raises(SourceError, match="cannot read .*/nope: No such file or directory"):
         find_shards([str(tmp_path / "nope")])
-    with pytest.raises(UsageError, match=r"s3:// shards are not supported yet"):
-        TarShards(["s3://bucket/shards/"])
+    with pytest.raises(UsageError, match=r"^--endpoint-url goes with s3:// shards$"):
+        TarShards([str(d)], endpoint_url="http://127.0.0.1:9")
 
 
 def crafted(path: Path, *members: tuple[tarfile.TarInfo, bytes]) -> Path:

@@ -382,6 +382,8 @@ class ReadAhead:
         rng = self.ahead[0]
         deadline = time.monotonic() + RANGE_DEADLINE
         while not rng.done.wait(1.0):
+            if self.stop.is_set():  # closed: the fetch threads are gone, the range will never come
+                raise SourceError(f"s3://{self.client.bucket}/{rng.key}: the read was stopped")
             if time.monotonic() > deadline:
                 raise SourceError(f"s3://{self.client.bucket}/{rng.key}: no answer within {RANGE_DEADLINE:.0f} s; "
                                   "nothing was published")

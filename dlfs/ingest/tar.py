@@ -28,12 +28,17 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import IO, Any, Protocol, TypeVar
+from functools import partial
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dlfs.errors import SourceError, UsageError
 from dlfs.format.index import NAME_MAX
 from dlfs.ingest.source import FileReader
 from dlfs.ingest.walk import Node, Selection, Tree, TreeBuilder
+
+if TYPE_CHECKING:  # boto3 is imported only where a bucket is read
+    from dlfs.ingest.s3 import ReadAhead, S3Client
+    from dlfs.ingest.s3file import S3Object
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,7 @@ class Member:
     size: int
     mtime_ns: int
     target: bytes = b""
+    offset: int = 0  # where its bytes start in the tar stream (a plain tar in a bucket is read from there)
 
 
 @dataclass(slots=True)
@@ -74,6 +80,7 @@ class Wanted:
     name: bytes
     size: int
     node: Node
+    offset: int = 0
 
 
 @dataclass
@@ -86,21 +93,28 @@ class Shard:
     uid: int = 0
     gid: int = 0
     wanted: list[Wanted] = field(default_factory=list)
+    obj: S3Object | None = None  # a shard in a bucket (its `path` is then its s3:// URL)
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # a bucket's shard: the GETs that read it
 
 
 class TarShards:
     """Tar (plain, gzip, zstd) and zip shards: the files named, and the shards in the directories named
-    (files ending in one of SHARD_SUFFIXES, by name; anything else there is skipped with a warning)."""
+    (files ending in one of SHARD_SUFFIXES, by name; anything else there is skipped with a warning);
+    in a bucket, an s3:// URL ending in one of those names one object, any other the shards directly
+    under that prefix. The shards in buckets are all in one bucket."""
 
     def __init__(self, srcs: Sequence[str], flatten: bool = False, endpoint_url: str | None = None,
                  threads: int | None = None) -> None:
         if not srcs:
             raise UsageError("--expand-tar needs at least one shard")
         remote = [s for s in srcs if s.startswith("s3://")]
+        self.client: S3Client | None = None
         if remote:
-            raise UsageError(f"s3:// shards are not supported yet ({remote[0]}): --expand-tar takes local shard "
-                             "files and directories of shards")
-        if endpoint_url:
+            from dlfs.ingest.s3 import S3Client
+            from dlfs.ingest.s3file import one_bucket
+
+            self.client = S3Client(one_bucket(remote), endpoint_url)
+        elif endpoint_url:
             raise UsageError("--endpoint-url goes with s3:// shards")
         self.srcs = list(srcs)
         self.where = srcs[0] if len(srcs) == 1 else f"{srcs[0]} and {len(srcs) - 1} more"
@@ -111,12 +125,15 @@ class TarShards:
 
     # --- listing ------------------------------------------------------------------------------
     def walk(self, select: Selection | None) -> Tree:
-        shards = find_shards(self.srcs, self.flatten)
-        try:
-            top = os.stat(self.srcs[0])
-        except OSError as exc:
-            raise SourceError(f"cannot read {self.srcs[0]}: {exc.strerror}") from None
-        b = TreeBuilder(self.where, select, top.st_uid, top.st_gid, top.st_mtime_ns)
+        shards = find_shards(self.srcs, self.flatten, self.client)
+        if shards[0].obj is not None:  # the top directory is the user's, as of now (an s3:// tree's is too)
+            b = TreeBuilder(self.where, select, os.getuid(), os.getgid(), time.time_ns())
+        else:
+            try:
+                top = os.stat(self.srcs[0])
+            except OSError as exc:
+                raise SourceError(f"cannot read {self.srcs[0]}: {exc.strerror}") from None
+            b = TreeBuilder(self.where, select, top.st_uid, top.st_gid, top.st_mtime_ns)
         # A shard whose folder the selection leaves out is not even opened.
         shards = [s for s in shards if self.flatten or b.taken(s.folder, True)]
         firsts: list[int] = []  # each listed shard's first inode, to name the shard of a clash (--flatten)
@@ -134,19 +151,58 @@ class TarShards:
     def files(self, tree: Tree) -> Iterator[tuple[Node, FileReader]]:
         if tree is not self._tree:
             raise ValueError("files() reads the tree that walk() returned")
+        ahead = self._bucket_reads()
+        try:
+            for shard in self.shards:
+                if not shard.wanted:
+                    continue
+                if shard.codec == "zip":
+                    yield from _read_zip(shard)
+                elif shard.obj is not None:
+                    assert ahead is not None
+                    yield from _read_s3_tar(shard, ahead)
+                else:
+                    yield from _read_tar(shard)
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    def _bucket_reads(self) -> ReadAhead | None:
+        """One read-ahead for the tars in the bucket, in the order they are read: each plain tar's wanted
+        members (as listed: its ETag keeps them where they were), all of a compressed one."""
+        from dlfs.ingest.s3 import WINDOW_BYTES, ReadAhead
+        from dlfs.ingest.s3file import member_ranges, object_ranges, plan
+
+        work = []
         for shard in self.shards:
-            if shard.wanted:
-                yield from (_read_zip if shard.codec == "zip" else _read_tar)(shard)
+            if shard.obj is None or not shard.wanted or shard.codec == "zip":
+                continue
+            shard.ranges = (member_ranges([(w.offset, w.size) for w in shard.wanted]) if shard.codec == "tar" else
+                            object_ranges(shard.size))
+            work.append((shard.obj, shard.ranges))
+        total = sum(n for _, ranges in work for _, n in ranges)
+        if self.client is None or not total:
+            return None
+        return ReadAhead(self.client, plan(work), min(WINDOW_BYTES, total))
 
 
-def find_shards(srcs: Sequence[str], flatten: bool = False) -> list[Shard]:
+def find_shards(srcs: Sequence[str], flatten: bool = False, client: S3Client | None = None) -> list[Shard]:
     """The shards `srcs` name, in order: each file named (whatever its name), and the shard files of each
     directory named (not below it), sorted by name; what else a directory holds is skipped with a
-    warning. A shard named twice, or (without `flatten`) two shards that would have one folder, are a
-    SourceError."""
+    warning; likewise for s3:// URLs through `client`. A shard named twice, or (without `flatten`) two
+    shards that would have one folder, are a SourceError."""
     found: list[str] = []
+    objects: dict[str, S3Object] = {}
     seen: dict[tuple[int, int], str] = {}
     for src in srcs:
+        if src.startswith("s3://"):
+            assert client is not None
+            for obj in _bucket_shards(client, src):
+                if obj.url in objects:
+                    raise SourceError(f"{obj.url} is named twice")
+                objects[obj.url] = obj
+                found.append(obj.url)
+            continue
         try:
             st = os.stat(src)
         except OSError as exc:
@@ -171,8 +227,19 @@ def find_shards(srcs: Sequence[str], flatten: bool = False) -> list[Shard]:
             raise SourceError(f"{by_folder[folder]} and {path} would both be the folder {stem} (each shard's "
                               "members go in a folder named for it; --flatten puts them at the top instead)")
         by_folder[folder] = path
-        shards.append(Shard(path, folder))
+        shards.append(Shard(path, folder, obj=objects.get(path)))
     return shards
+
+
+def _bucket_shards(client: S3Client, url: str) -> list[S3Object]:
+    from dlfs.ingest.s3 import _page_size
+    from dlfs.ingest.s3file import head, list_shards, split_url
+
+    _, key = split_url(url)
+    if key.endswith(SHARD_SUFFIXES) and not key.endswith("/"):
+        return [head(client, key)]
+    prefix = key.rstrip("/")
+    return list_shards(client, prefix + "/" if prefix else "", SHARD_SUFFIXES, _page_size())
 
 
 def _shards_in(directory: str) -> list[tuple[str, os.stat_result]]:
@@ -238,6 +305,8 @@ class _Stopped(Exception):
 
 def list_shard(shard: Shard, stop: threading.Event) -> tuple[Shard, list[Member]]:
     """Every member of `shard`, in shard order; fills in its codec and what it was when listed."""
+    if shard.obj is not None:
+        return shard, _list_s3(shard, shard.obj, stop)
     try:
         f = open(shard.path, "rb", buffering=0)
     except OSError as exc:
@@ -246,19 +315,43 @@ def list_shard(shard: Shard, stop: threading.Event) -> tuple[Shard, list[Member]
         st = os.fstat(f.fileno())
         shard.size, shard.mtime_ns, shard.uid, shard.gid = st.st_size, st.st_mtime_ns, st.st_uid, st.st_gid
         shard.codec = _codec(shard.path, f)
-        if shard.codec == "zip":
-            return shard, _list_zip(shard, f)
-        stream = _open_stream(shard, f, "")
-        members: list[Member] = []
-        for info in _tar_members(shard, stream, ""):
-            if stop.is_set():
-                raise _Stopped()
-            members.append(_tar_member(shard, len(members), info))
-        stream.drain()  # a gzip or zstd stream must end as it should: a truncated one is caught here
-        return shard, members
+        return shard, _members(shard, f, stop)
 
 
-def _codec(path: str, f: io.RawIOBase) -> str:
+def _members(shard: Shard, f: Any, stop: threading.Event) -> list[Member]:
+    """The members of `shard` (its codec known), read from `f` at its start."""
+    if shard.codec == "zip":
+        return _list_zip(shard, f)
+    stream = _open_stream(shard, f, "")
+    members: list[Member] = []
+    for info in _tar_members(shard, stream, ""):
+        if stop.is_set():
+            raise _Stopped()
+        members.append(_tar_member(shard, len(members), info))
+    stream.drain()  # a gzip or zstd stream must end as it should: a truncated one is caught here
+    return members
+
+
+def _list_s3(shard: Shard, obj: S3Object, stop: threading.Event) -> list[Member]:
+    """A shard in a bucket, listed: a plain tar by its headers and a zip by its central directory (a block
+    at a time), a compressed tar read whole (it has no other way to its headers)."""
+    from dlfs.ingest.s3 import ReadAhead
+    from dlfs.ingest.s3file import LIST_CONNECTIONS, LIST_WINDOW, S3Blocks, S3Stream, object_ranges, plan
+
+    shard.size, shard.mtime_ns, shard.uid, shard.gid = obj.size, obj.mtime_ns, os.getuid(), os.getgid()
+    with S3Blocks(obj) as blocks:
+        shard.codec = _codec(shard.path, blocks)
+        if shard.codec in ("tar", "zip"):
+            return _members(shard, blocks, stop)
+    ranges = object_ranges(obj.size)
+    ahead = ReadAhead(obj.client, plan([(obj, ranges)]), min(LIST_WINDOW, obj.size), LIST_CONNECTIONS)
+    try:
+        return _members(shard, S3Stream(ahead, obj, ranges), stop)
+    finally:
+        ahead.close()
+
+
+def _codec(path: str, f: Any) -> str:
     """What the shard is, by its first bytes (its name may say otherwise)."""
     head = f.read(10) or b""
     f.seek(0)
@@ -351,7 +444,7 @@ def _add_shard(b: TreeBuilder, shard: Shard, members: list[Member], flatten: boo
         if node is not None:
             nodes[m.index] = node
             if m.kind == REG:
-                shard.wanted.append(Wanted(m.index, m.name, m.size, node))
+                shard.wanted.append(Wanted(m.index, m.name, m.size, node, m.offset))
 
 
 def _check_clash(b: TreeBuilder, path: bytes, is_dir: bool, shard: Shard, shard_of: Callable[[int], Shard]) -> None:
@@ -617,7 +710,8 @@ def _tar_member(shard: Shard, index: int, info: tarfile.TarInfo) -> Member:
         kind = OTHER
         mode = perm | (stat.S_IFCHR if info.ischr() else stat.S_IFBLK if info.isblk() else
                        stat.S_IFIFO if info.isfifo() else 0)
-    return Member(index, name, kind, mode, info.uid, info.gid, info.size if kind == REG else 0, mtime_ns)
+    return Member(index, name, kind, mode, info.uid, info.gid, info.size if kind == REG else 0, mtime_ns,
+                  offset=info.offset_data)
 
 
 def _tar_mtime(info: tarfile.TarInfo) -> int:
@@ -631,8 +725,13 @@ def _tar_mtime(info: tarfile.TarInfo) -> int:
     return int(info.mtime) * 1_000_000_000
 
 
-def _open_again(shard: Shard) -> io.RawIOBase:
-    """The shard opened to be read, if it is still as it was listed."""
+def _open_again(shard: Shard) -> Any:
+    """The shard opened to be read, if it is still as it was listed (one in a bucket: every GET of it
+    checks its ETag)."""
+    if shard.obj is not None:
+        from dlfs.ingest.s3file import S3Blocks
+
+        return S3Blocks(shard.obj)
     try:
         f = open(shard.path, "rb", buffering=0)  # the caller closes it
     except OSError as exc:
@@ -645,7 +744,9 @@ def _open_again(shard: Shard) -> io.RawIOBase:
     return f
 
 
-def _check_unchanged(shard: Shard, f: io.RawIOBase) -> None:
+def _check_unchanged(shard: Shard, f: Any) -> None:
+    if shard.obj is not None:
+        return  # its ETag was checked by every GET
     st = os.fstat(f.fileno())
     if (st.st_size, st.st_mtime_ns) != (shard.size, shard.mtime_ns):
         raise SourceError(f"{shard.path} changed while being ingested (modified after it was listed){NOTHING}")
@@ -660,23 +761,49 @@ def _read_tar(shard: Shard) -> Iterator[tuple[Node, FileReader]]:
     with _open_again(shard) as f:
         stream = _open_stream(shard, f, NOTHING, ahead=True)
         try:
-            wanted = iter(shard.wanted)
-            want: Wanted | None = next(wanted)
-            for index, info in enumerate(_tar_members(shard, stream, NOTHING)):
-                assert want is not None
-                if index < want.index:
-                    continue
-                if _member_path(shard, info.name) != want.name or not info.isreg() or info.size != want.size:
-                    raise _changed(shard, want.name)
-                yield want.node, _TarMember(stream, want.size, f"{shard.path}: {info.name}")
-                want = next(wanted, None)
-                if want is None:
-                    break
-            if want is not None:
-                raise _changed(shard, want.name)
+            yield from _wanted_in(shard, stream)
         finally:
             stream.close()
         _check_unchanged(shard, f)
+
+
+def _wanted_in(shard: Shard, stream: _TarStream) -> Iterator[tuple[Node, FileReader]]:
+    """The wanted members, found by reading the tar's headers again (each must be as listed)."""
+    wanted = iter(shard.wanted)
+    want: Wanted | None = next(wanted)
+    for index, info in enumerate(_tar_members(shard, stream, NOTHING)):
+        assert want is not None
+        if index < want.index:
+            continue
+        if _member_path(shard, info.name) != want.name or not info.isreg() or info.size != want.size:
+            raise _changed(shard, want.name)
+        yield want.node, _TarMember(stream, want.size, f"{shard.path}: {info.name}")
+        want = next(wanted, None)
+        if want is None:
+            return
+    if want is not None:
+        raise _changed(shard, want.name)
+
+
+def _read_s3_tar(shard: Shard, ahead: ReadAhead) -> Iterator[tuple[Node, FileReader]]:
+    """The wanted members of a tar in a bucket, from its ranges in `ahead`: a plain tar's from where the
+    listing found them (every GET has the listed ETag, so they are still there), a compressed one's by
+    decompressing it again, in this thread (the read-ahead already overlaps the network)."""
+    from dlfs.ingest.s3file import S3Stream
+
+    assert shard.obj is not None
+    stream = S3Stream(ahead, shard.obj, shard.ranges)
+    read = False
+    try:
+        if shard.codec == "tar":
+            for want in shard.wanted:
+                stream.seek(want.offset)
+                yield want.node, _TarMember(stream, want.size, f"{shard.path}: {os.fsdecode(want.name)}")
+        else:
+            yield from _wanted_in(shard, _Inflated(_inflate(shard, stream, NOTHING)))  # type: ignore[arg-type]
+        read = True
+    finally:
+        stream.close(rest=read)  # what is left of its ranges is let go: the next shard's come next
 
 
 class _TarMember:
@@ -796,12 +923,14 @@ def _read_zip(shard: Shard) -> Iterator[tuple[Node, FileReader]]:
                 name = f"{shard.path}: {zi.filename}"
                 reader: FileReader
                 if zi.compress_type == zipfile.ZIP_STORED:
-                    head = os.pread(f.fileno(), _LOCAL_HEADER.size, zi.header_offset)
+                    pread = f.pread if shard.obj is not None else partial(_pread_fd, f.fileno())
+                    head = bytearray(_LOCAL_HEADER.size)
+                    del head[pread(memoryview(head), zi.header_offset):]
                     if len(head) < _LOCAL_HEADER.size or not head.startswith(b"PK\x03\x04"):
                         raise _changed(shard, want.name)
                     name_len, extra_len = _LOCAL_HEADER.unpack(head)[-2:]
                     start = zi.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-                    reader = _StoredZipMember(f.fileno(), start, zi.file_size, zi.CRC, name)
+                    reader = _StoredZipMember(pread, start, zi.file_size, zi.CRC, name)
                 else:
                     try:
                         reader = _ZipMember(zf.open(zi), zi.file_size, name)
@@ -811,11 +940,15 @@ def _read_zip(shard: Shard) -> Iterator[tuple[Node, FileReader]]:
         _check_unchanged(shard, f)
 
 
+def _pread_fd(fd: int, view: memoryview, pos: int) -> int:
+    return os.preadv(fd, [view], pos)
+
+
 class _StoredZipMember:
     """A member stored as is: read from its place in the file, its CRC checked at the end."""
 
-    def __init__(self, fd: int, start: int, size: int, crc: int, name: str) -> None:
-        self.fd, self.pos, self.left, self.crc, self.name = fd, start, size, crc, name
+    def __init__(self, pread: Callable[[memoryview, int], int], start: int, size: int, crc: int, name: str) -> None:
+        self.pread, self.pos, self.left, self.crc, self.name = pread, start, size, crc, name
         self.got = 0
 
     def readinto(self, buf: memoryview) -> int:
@@ -823,7 +956,7 @@ class _StoredZipMember:
             return 0
         view = buf[: self.left] if len(buf) > self.left else buf
         try:
-            n = os.preadv(self.fd, [view], self.pos)
+            n = self.pread(view, self.pos)
         except OSError as exc:
             raise SourceError(f"cannot read {self.name}: {exc.strerror}{NOTHING}") from None
         if not n:
