@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <xxhash.h>
@@ -306,6 +307,7 @@ void dlfs_local_fds_init(struct dlfs_local_fds *l)
     for (int i = 0; i < DLFS_LOCAL_FDS; i++) {
         l->chunk[i] = -1;
         l->fd[i] = -1;
+        l->ino[i] = l->dev[i] = l->checked[i] = 0;
     }
     l->next = 0;
 }
@@ -382,30 +384,85 @@ static void sums_forget(struct dlfs_sums *s, uint64_t ext)
     pthread_mutex_unlock(&s->lock);
 }
 
-/* This machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is not here. */
+static uint64_t coarse_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Slot i emptied (its file closed): the next look at its chunk opens the path again. */
+static void local_forget(struct dlfs_local_fds *l, int i)
+{
+    if (l->fd[i] >= 0)
+        close(l->fd[i]);
+    l->chunk[i] = -1;
+    l->fd[i] = -1;
+}
+
+/* This machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is not here.
+ * A kept descriptor (or a kept "not here") is trusted for DLFS_LOCAL_RECHECK_NS, then checked against
+ * the path: gone, replaced (another inode) or arrived, it is opened again. */
 static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
 {
+    static const char hex[] = "0123456789abcdef";
+    int slot = -1;
     for (int i = 0; i < DLFS_LOCAL_FDS; i++)
-        if (l->chunk[i] == (int64_t)ci)
-            return l->fd[i];
+        if (l->chunk[i] == (int64_t)ci) {
+            slot = i;
+            break;
+        }
+    uint64_t now = coarse_ns();
+    if (slot >= 0 && now - l->checked[slot] < DLFS_LOCAL_RECHECK_NS)
+        return l->fd[slot];
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, ci);
     if (!id)
         return -1;
     char path[3 + 2 * DLFS_CHUNK_ID + 1];
-    for (int i = 0; i < DLFS_CHUNK_ID; i++)
-        snprintf(path + 3 + 2 * i, 3, "%02x", id[i]);
+    for (int i = 0; i < DLFS_CHUNK_ID; i++) {
+        path[3 + 2 * i] = hex[id[i] >> 4];
+        path[4 + 2 * i] = hex[id[i] & 15];
+    }
+    path[3 + 2 * DLFS_CHUNK_ID] = 0;
     path[0] = path[3];
     path[1] = path[4];
     path[2] = '/';
+    if (slot >= 0) {
+        struct stat st;
+        int here = fstatat(sv->local_dir, path, &st, 0) == 0;
+        if (here ? l->fd[slot] >= 0 && (uint64_t)st.st_ino == l->ino[slot] && (uint64_t)st.st_dev == l->dev[slot]
+                 : l->fd[slot] < 0) {
+            l->checked[slot] = now; /* as it was */
+            return l->fd[slot];
+        }
+        local_forget(l, slot);
+    } else {
+        slot = (int)(l->next++ % DLFS_LOCAL_FDS);
+        local_forget(l, slot);
+    }
     int fd = openat(sv->local_dir, path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd >= 0 && fstat(fd, &st) < 0) {
+        close(fd);
+        fd = -1;
+    }
     if (fd >= 0) /* reads here are of one record or a few blocks: read-ahead through the chunk would be waste */
         posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
-    unsigned slot = l->next++ % DLFS_LOCAL_FDS;
-    if (l->fd[slot] >= 0)
-        close(l->fd[slot]);
     l->chunk[slot] = (int64_t)ci;
-    l->fd[slot] = fd; /* -1 remembered too: a chunk held elsewhere is asked once */
+    l->fd[slot] = fd; /* -1 remembered too: a chunk held elsewhere is asked once a recheck */
+    l->ino[slot] = fd >= 0 ? (uint64_t)st.st_ino : 0;
+    l->dev[slot] = fd >= 0 ? (uint64_t)st.st_dev : 0;
+    l->checked[slot] = now;
     return fd;
+}
+
+/* A chunk file whose bytes failed their check: closed, so that the next read looks at the path again
+ * (a repaired chunk is a new file) rather than at this inode. */
+static void local_failed(struct dlfs_local_fds *l, uint64_t ci)
+{
+    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
+        if (l->chunk[i] == (int64_t)ci)
+            local_forget(l, i);
 }
 
 #ifndef RWF_DONTCACHE
@@ -473,6 +530,7 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
     if (record_sums(sv, fd, ext, e, first, n, sums, c) < 0 ||
         pread_all(fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
         c->block_failures++;
+        local_failed(&rp->local, e->chunk);
         return -1;
     }
     for (uint64_t b = 0; b < n; b++) {
@@ -480,6 +538,7 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
         if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
             c->block_failures++; /* Python reads it again, from the replicas, and says which block */
             sums_forget(sv->sums, ext);
+            local_failed(&rp->local, e->chunk);
             return -1;
         }
     }
@@ -507,6 +566,7 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
     if (pread_all(fd, rp->scratch, e->stored_len, (off_t)e->offset) < 0 ||
         XXH3_64bits(rp->scratch, e->stored_len) != e->checksum) {
         c->record_failures++; /* Python reads it again, from the replicas, and says what is wrong */
+        local_failed(&rp->local, e->chunk);
         return -1;
     }
     c->record_reads++;

@@ -38,10 +38,16 @@ struct dlfs_counters {
 
 #define DLFS_SUMS_KEPT 1024 /* records whose block sums the engine keeps: 8 KiB for a 4 MiB record */
 
-/* A serving thread's open chunk files (this machine's own), by chunk number. */
+#define DLFS_LOCAL_RECHECK_NS 1000000000ull /* a kept chunk file is checked against its path this often */
+
+/* A serving thread's open chunk files (this machine's own), by chunk number. Each is checked against
+ * its path at most every DLFS_LOCAL_RECHECK_NS: repair replaces a chunk file (a new inode under the
+ * same name) and an admin may delete one, and neither must be read from its old inode for longer. */
 struct dlfs_local_fds {
     int64_t chunk[DLFS_LOCAL_FDS]; /* -1: empty; the fd is -1 for a chunk that is not here */
     int fd[DLFS_LOCAL_FDS];
+    uint64_t ino[DLFS_LOCAL_FDS], dev[DLFS_LOCAL_FDS]; /* of the file the fd is (0 when it is -1) */
+    uint64_t checked[DLFS_LOCAL_FDS]; /* CLOCK_MONOTONIC_COARSE ns of the last look at the path */
     unsigned next;
 };
 

@@ -12,17 +12,25 @@ import os
 import random
 import re
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import Node, needs_fuse, run_dlfs, running_cluster, start_node_process, wait_for_node
+import trio
+from conftest import Node, mount_stats, needs_fuse, run_dlfs, running_cluster, start_node_process, wait_for_node
 from etcdlab import local_etcd
 
+from dlfs.bench.baselines import drop_caches
 from dlfs.cli import main
+from dlfs.client.cluster import ClusterClient
+from dlfs.client.local import RECHECK
+from dlfs.config import load_cluster
 from dlfs.errors import CorruptData
 from dlfs.format.chunk import HEADER, RECORD, verify_chunk
+from dlfs.format.chunk import HEADER as CHUNK_HEADER
+from dlfs.tasks import open_nursery
 
 UNDER_REPLICATED = re.compile(r"chunks with fewer than 2 healthy replicas: (\d+)")
 
@@ -262,3 +270,110 @@ def test_status_and_repair_with_node_roles(tmp_path: Path) -> None:
         assert proc.returncode == 5, proc
         assert proc.stdout.count("only 1 of 2 good copies (not enough reachable data nodes)") == len(ids), proc.stdout
         assert "copied chunk" not in proc.stdout
+
+
+def served(node: Node, of: Node, cid: str) -> bytes:
+    """What `of`'s data daemon sends of chunk `cid` (all of it), asked by `node`'s client."""
+    size = chunk_files(of)[cid].stat().st_size if cid in chunk_files(of) else CHUNK_HEADER.size
+
+    async def ask() -> bytes:
+        async with open_nursery() as nursery:
+            client = ClusterClient(load_cluster(str(node.cluster), node.home), nursery)
+            data = await client.read_from(client.cluster.node(of.name), bytes.fromhex(cid), 0, size, timeout=10)
+            nursery.cancel_scope.cancel()
+        return bytes(data)
+
+    return trio.run(ask)
+
+
+@needs_fuse
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_a_repaired_replica_is_read_from_its_new_file(cluster: tuple[list[Node], Path, set[str]], tmp_path: Path,
+                                                      engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk file spoiled and deleted by hand, then repaired: neither its data daemon nor a mount on its
+    machine (its native engine's reads of chunk files, or Python's) reads the old inode through a
+    descriptor kept from before (issue 25's first fault)."""
+    if engine == "python":
+        monkeypatch.setenv("DLFS_NO_NATIVE", "1")
+    nodes, src, _ = cluster
+    n1, n2, _ = nodes
+    both = sorted(set(chunk_files(n1)) & set(chunk_files(n2)))
+    assert both
+    mnt = n1.mount("data", tmp_path / "mnt")
+    try:
+        # Both keep descriptors: the daemon of the chunks it served, the mount of the files it read.
+        for cid in both:
+            assert served(n1, n1, cid) == chunk_files(n1)[cid].read_bytes()
+        for path in src.rglob("*.bin"):
+            assert (mnt / path.relative_to(src)).read_bytes() == path.read_bytes()
+        for cid in both:
+            flip_a_byte(chunk_files(n1)[cid])
+            chunk_files(n1)[cid].unlink()
+        fixed = n1.run("repair")
+        assert sorted(re.findall(r"^copied chunk ([0-9a-f]{32}) from n2 to n1$", fixed.stdout, re.M)) == both, \
+            fixed.stdout
+        assert n1.run("verify", "data").returncode == 0
+        n2.stop()  # n1's copies are the only ones of these chunks now
+        for cid in both:
+            assert served(n1, n1, cid) == chunk_files(n1)[cid].read_bytes(), cid
+        drop_caches()  # the mount's pages too: read again, from its chunk files
+        time.sleep(RECHECK)  # how long a mount may trust what it found of a chunk file
+        for path in src.rglob("*.bin"):
+            assert (mnt / path.relative_to(src)).read_bytes() == path.read_bytes(), path
+        time.sleep(1.5)  # the mount publishes its counters once a second
+        failed = {k: v for k, v in mount_stats(n1.home, mnt)["engine"].items() if k.endswith("_failures") and v}
+        assert not failed, failed
+        # Not even a fallback to the daemon: the mount's own reads of the chunk files found the new ones.
+        log = n1.mount_log("data").read_text()
+        assert "reading it from the replicas" not in log and "mismatch" not in log, log
+    finally:
+        n1.umount(mnt)
+
+
+@pytest.mark.timeout(30)
+def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LocalChunks keeps descriptors, and trusts them (or that a chunk is absent) for RECHECK seconds at
+    most: then a file replaced (repair), deleted or arrived is seen; a file whose bytes failed their
+    check is passed over until it is replaced."""
+    import dlfs.client.local as local
+
+    monkeypatch.setattr(local, "RECHECK", 0.2)
+    cid = bytes.fromhex("ab" + "00" * 15)
+    path = tmp_path / "chunks" / "ab" / cid.hex()
+    path.parent.mkdir(parents=True)
+    chunks = local.LocalChunks(tmp_path / "chunks", "n1")
+
+    async def read() -> bytes | None:
+        got = await chunks.read_ranges(cid, [(0, 8192)], memoryview(bytearray(1 << 16)))
+        return None if got is None else bytes(got[0][:4])
+
+    async def main() -> None:
+        assert await read() is None  # not here (yet)
+        path.write_bytes(b"A" * 65536)
+        assert await read() is None  # absent, as of less than RECHECK ago
+        time.sleep(0.25)
+        assert await read() == b"AAAA"  # arrived
+        with open(path, "r+b") as f:
+            f.write(b"ZZZZ")  # spoiled in place ...
+        path.unlink()
+        path.write_bytes(b"B" * 65536)  # ... deleted, and replaced by repair
+        drop_caches()
+        assert await read() == b"ZZZZ"  # within RECHECK the kept descriptor is trusted
+        time.sleep(0.25)
+        assert await read() == b"BBBB"
+        chunks.failed(cid)  # its bytes failed their check: not read again while it is this file
+        time.sleep(0.25)
+        assert await read() is None
+        path.unlink()
+        path.write_bytes(b"C" * 65536)
+        time.sleep(0.25)
+        assert await read() == b"CCCC"  # a new file: read again
+        path.unlink()
+        time.sleep(0.25)
+        assert await read() is None  # deleted by hand: the replicas', not the old inode's
+
+    try:
+        trio.run(main)
+    finally:
+        chunks.close()

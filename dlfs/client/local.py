@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 OPEN_FILES = 256
+RECHECK = 1.0  # seconds a kept descriptor (or a chunk found absent) is trusted before its path is looked at again
 THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker thread: not on the event loop
 DIRECT_MIN = 256 << 10  # windows this big go from the disk straight to their slab (O_DIRECT)
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of offset, length and memory (a page covers every device's)
@@ -185,26 +187,81 @@ class LocalChunks:
         self.disk = DiskQueue()
         self._fds: OrderedDict[bytes, int] = OrderedDict()
         self._direct_fds: OrderedDict[bytes, int] = OrderedDict()
-        self._absent: set[bytes] = set()
+        # cid -> (st_dev, st_ino or 0 for absent, when last looked at): what the path named then.
+        self._seen: dict[bytes, tuple[int, int, float]] = {}
+        self._bad: dict[bytes, tuple[int, int]] = {}  # chunk files whose bytes failed their check: skipped
         self.direct = True  # O_DIRECT works on this file system (until it says otherwise)
         self.reads = self.bytes = self.fallbacks = self.direct_reads = 0
 
+    def _current(self, cid: bytes) -> bool:
+        """Whether what is kept of chunk `cid` (a descriptor, or that it is absent) still holds: trusted
+        for RECHECK seconds, then checked against the path (repair replaces a chunk file with a new inode,
+        an admin may delete one, an ingest or a peer may bring one); if not, it is dropped."""
+        seen = self._seen.get(cid)
+        if seen is None:
+            return False
+        now = time.monotonic()
+        if now - seen[2] < RECHECK:
+            return True
+        try:
+            st = os.stat(chunk_path(self.chunk_dir, cid))
+            dev_ino = (st.st_dev, st.st_ino)
+        except OSError:
+            dev_ino = (0, 0)
+        if dev_ino == seen[:2]:
+            self._seen[cid] = (*dev_ino, now)
+            return True
+        self.forget(cid)
+        return False
+
+    def forget(self, cid: bytes) -> None:
+        """Close what is kept of chunk `cid`: the next read opens its path again."""
+        self._seen.pop(cid, None)
+        for fds in (self._fds, self._direct_fds):
+            fd = fds.pop(cid, None)
+            if fd is not None:
+                os.close(fd)
+
+    def failed(self, cid: bytes) -> None:
+        """The chunk file's bytes failed their check: its replicas are read instead until the file is
+        replaced (by repair: another inode), so that a corrupt file costs one warning, not one a read."""
+        seen = self._seen.get(cid)
+        if seen is not None and seen[1]:
+            self._bad[cid] = seen[:2]
+        self.forget(cid)
+
     def _fd(self, cid: bytes) -> int | None:
-        fd = self._fds.get(cid)
-        if fd is not None:
-            self._fds.move_to_end(cid)
-            return fd
-        if cid in self._absent:
-            return None
+        if self._current(cid):
+            fd = self._fds.get(cid)
+            if fd is not None:
+                self._fds.move_to_end(cid)
+                return fd
+            if self._seen[cid][1] == 0:
+                return None  # held elsewhere, as of less than RECHECK ago
         try:
             fd = os.open(chunk_path(self.chunk_dir, cid), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            self._absent.add(cid)  # held elsewhere: asked once
+            self._seen[cid] = (0, 0, time.monotonic())  # held elsewhere: asked again after RECHECK
             return None
+        st = os.fstat(fd)
+        if self._bad.get(cid) == (st.st_dev, st.st_ino):  # still the file that failed its check
+            os.close(fd)
+            self._seen[cid] = (0, 0, time.monotonic())
+            return None
+        self._bad.pop(cid, None)
+        self._seen[cid] = (st.st_dev, st.st_ino, time.monotonic())
         self._fds[cid] = fd
         if len(self._fds) > OPEN_FILES:
-            os.close(self._fds.popitem(last=False)[1])
+            old, oldfd = self._fds.popitem(last=False)
+            os.close(oldfd)
+            self._drop_direct(old)
+            self._seen.pop(old, None)
         return fd
+
+    def _drop_direct(self, cid: bytes) -> None:
+        fd = self._direct_fds.pop(cid, None)
+        if fd is not None:
+            os.close(fd)
 
     def _direct_fd(self, cid: bytes) -> int | None:
         fd = self._direct_fds.get(cid)
@@ -217,6 +274,10 @@ class LocalChunks:
             if exc.errno == errno.EINVAL:
                 self.direct = False
                 log.info("no O_DIRECT on %s: windows are read through the page cache", self.chunk_dir)
+            return None
+        st, seen = os.fstat(fd), self._seen.get(cid)
+        if seen is None or (st.st_dev, st.st_ino) != seen[:2]:  # replaced since _fd opened it: not the same bytes
+            os.close(fd)
             return None
         self._direct_fds[cid] = fd
         if len(self._direct_fds) > OPEN_FILES:

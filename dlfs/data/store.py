@@ -37,6 +37,17 @@ def chunk_path(chunk_dir: Path, cid: bytes) -> Path:
     return chunk_dir / h[:2] / h
 
 
+def _pread_whole(fd: int) -> bytes:
+    size, got, pieces = os.fstat(fd).st_size, 0, []
+    while got < size:
+        piece = os.pread(fd, size - got, got)
+        if not piece:
+            break  # shorter than it said: the check that follows says so
+        pieces.append(piece)
+        got += len(piece)
+    return b"".join(pieces)
+
+
 class ChunkStore:
     """Chunk files on local disk. Thread-safe: the service calls it from worker threads."""
 
@@ -48,7 +59,7 @@ class ChunkStore:
         private_dirs(self.tmp_dir)
         for leftover in self.tmp_dir.iterdir():  # half-written chunks of a daemon that died
             leftover.unlink(missing_ok=True)
-        self._fds: OrderedDict[bytes, int] = OrderedDict()
+        self._fds: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()  # cid -> (fd, st_dev, st_ino)
         self._open_files = open_files
         self._lock = threading.Lock()
         self.count, self.bytes = 0, 0
@@ -134,6 +145,7 @@ class ChunkStore:
                 os.rename(tmp, path)
                 self.count += 1
                 self.bytes += size
+            self._forget(cid)  # a descriptor kept of a file deleted by hand is of the old inode
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise self._failed(cid, exc) from None
@@ -148,25 +160,35 @@ class ChunkStore:
         """A descriptor of the chunk file that the caller owns and closes.
 
         A duplicate of the cached one: eviction or deletion may close the cached one while the
-        caller reads, and its number may be reused at once by another chunk's file.
+        caller reads, and its number may be reused at once by another chunk's file. The cached one
+        is trusted only while the path still names its inode (a stat, cheap beside the read): a chunk
+        file deleted or replaced by hand is never read from its old inode.
         """
-        with self._lock:
-            fd = self._fds.get(cid)
-            if fd is not None:
-                self._fds.move_to_end(cid)
-                return os.dup(fd)
+        path = self.path(cid)
         try:
-            fd = os.open(self.path(cid), os.O_RDONLY)
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._forget(cid)
+            raise NotFound(f"chunk {cid.hex()} is not on this node") from None
+        with self._lock:
+            kept = self._fds.get(cid)
+            if kept is not None and kept[1:] == (st.st_dev, st.st_ino):
+                self._fds.move_to_end(cid)
+                return os.dup(kept[0])
+        self._forget(cid)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise NotFound(f"chunk {cid.hex()} is not on this node") from None
+        st = os.fstat(fd)
         with self._lock:
             if cid in self._fds:  # another thread opened it meanwhile
                 os.close(fd)
-                return os.dup(self._fds[cid])
-            self._fds[cid] = fd
+                return os.dup(self._fds[cid][0])
+            self._fds[cid] = (fd, st.st_dev, st.st_ino)
             while len(self._fds) > self._open_files:
                 _, old = self._fds.popitem(last=False)
-                os.close(old)
+                os.close(old[0])
             return os.dup(fd)
 
     def open_range(self, cid: bytes, offset: int, length: int) -> FileRange:
@@ -184,9 +206,9 @@ class ChunkStore:
 
     def _forget(self, cid: bytes) -> None:
         with self._lock:
-            fd = self._fds.pop(cid, None)
-        if fd is not None:
-            os.close(fd)
+            kept = self._fds.pop(cid, None)
+        if kept is not None:
+            os.close(kept[0])
 
     def has(self, cid: bytes) -> bool:
         return self.path(cid).exists()
@@ -215,13 +237,19 @@ class ChunkStore:
         return out
 
     def verify(self, cid: bytes) -> str | None:
-        """None if the chunk is whole and matches its id, else why not."""
+        """None if the chunk is whole and matches its id, else why not: read as readers are served (`_fd`)."""
         try:
-            data = self.path(cid).read_bytes()
-        except FileNotFoundError:
+            fd = self._fd(cid)
+        except NotFound:
             return "missing"
         except OSError as exc:
             return f"unreadable: {exc.strerror}"
+        try:
+            data = _pread_whole(fd)  # at offsets: a dup shares its file position with the kept descriptor
+        except OSError as exc:
+            return f"unreadable: {exc.strerror}"
+        finally:
+            os.close(fd)
         try:
             verify_chunk(data, cid)
         except CorruptData as exc:
@@ -235,7 +263,7 @@ class ChunkStore:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd, _, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
 
