@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import signal
@@ -17,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from dlfs import __version__
+from dlfs.client.replicas import RETRY_TIMEOUT
 from dlfs.config import ROLES, check_dataset_name, home_dir, load_cluster, parse_cluster_file
 from dlfs.errors import CommandFailed, Conflict, DlfsError, MountError, Unreachable, UsageError
 from dlfs.private import UMASK as PRIVATE_UMASK
 from dlfs.private import private_dirs
 from dlfs.procs import give_freed_memory_back
 from dlfs.tasks import leaves, open_nursery
-from dlfs.units import human_bytes, human_duration, parse_size
+from dlfs.units import human_bytes, human_duration, iso_time, parse_size
 from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 
 if TYPE_CHECKING:
@@ -48,6 +50,17 @@ def _positive_int(text: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a number of seconds, 0 or more."""
+    try:
+        n = float(text)
+    except ValueError:
+        n = -1.0
+    if not 0 <= n < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), got {text!r}")
     return n
 
 
@@ -279,6 +292,12 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
     _setup_logging(args)
     rows = reply(DatasetList, trio.run(_meta_call, args, Msg.LIST_DATASETS), Msg.LIST_DATASETS, META_DAEMON).datasets
+    if args.json:  # the fields are documented in the README ("datasets --json"): keep them stable
+        print(json.dumps({"datasets": [
+            {"name": v.name, "version": v.version, "files": v.files, "bytes": v.bytes, "chunks": v.chunks,
+             "chunk_size": v.chunk_size, "index_bytes": v.index_size, "created": iso_time(v.created),
+             "created_unix": v.created} for v in rows]}, indent=2))
+        return 0
     if not rows:
         print("no datasets (add one with `dlfs ingest SRC --name NAME`)")
         return 0
@@ -290,7 +309,8 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from dlfs.fuse.mount import local_mounts, parse_dataset_ref
+    from dlfs.fuse.mount import parse_dataset_ref
+    from dlfs.fuse.records import DETACHED, LIVE, mount_states
     from dlfs.wire.messages import META_DAEMON, Removed, reply
     from dlfs.wire.protocol import Msg
 
@@ -299,10 +319,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if _cluster(args).etcd is None:
         # Embedded: removal frees the chunks at once, and a mount of the version would fail every read
         # it has not cached. (A cluster's mounts hold leases in etcd, which keep their chunks.)
-        for label, mountpoint in local_mounts(home_dir(args.home)):
+        for here in mount_states(home_dir(args.home)):
+            label, mountpoint = here.record.dataset, here.record.mountpoint
             mounted_name, _, mounted_version = label.rpartition("@")
-            if mounted_name == name and (version is None or mounted_version == str(version)):
+            if mounted_name != name or (version is not None and mounted_version != str(version)):
+                continue
+            if here.state == LIVE:
                 raise Conflict(f"{label} is mounted at {mountpoint}; unmount it first (dlfs umount {mountpoint})")
+            if here.state == DETACHED:  # still serving files held open since `umount --lazy`
+                raise Conflict(f"{label} is still read through its mount detached from {mountpoint} (process "
+                               f"{here.record.pid}); remove it once that process ends (`dlfs mounts` shows it)")
     out = reply(Removed, trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version}), Msg.REMOVE,
                 META_DAEMON)
     versions = ", ".join(str(v.version) for v in out.removed)
@@ -332,6 +358,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
     from dlfs.client.repair import census
+    from dlfs.fuse.records import mount_states
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
@@ -362,6 +389,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     rows, health = trio.run(gather)
     control = trio.run(_control_view, cluster) if cluster.etcd is not None else None
+    mounts_here = mount_states(home)
+    if args.json:
+        return _status_json(cluster, rows, health, control, mounts_here)
     down = 0
     print(f"cluster: {cluster.source}")
     if control is not None:
@@ -400,6 +430,54 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"mounts (holding leases in etcd): {len(mounts)}")
         for m in mounts:
             print(f"  {m.name}@{m.version} on {m.node} at {m.mountpoint}")
+    print(f"mounts on this machine from {home}: {len(mounts_here)}")
+    for state in mounts_here:
+        r = state.record
+        print(f"  {r.dataset} at {r.mountpoint}: pid {r.pid}, {state.state}" +
+              (f" ({state.problem})" if state.problem else f", since {_local_time(r.started)}, log {r.log or '(its stderr)'}"))
+    if down:
+        print(f"{down} of {len(rows)} nodes are down", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _status_json(cluster: Any, rows: list[tuple[str, dict[str, Any]]], health: Any, control: dict[str, Any] | None,
+                 mounts_here: Any) -> int:
+    """`dlfs status --json`: what status prints, as one object (README: "status --json")."""
+    leases = control["nodes"] if control is not None else None
+    nodes = []
+    for name, res in rows:
+        spec = cluster.node(name)
+        failed = [r for r in res.values() if isinstance(r, str)]
+        no_lease = leases is not None and name not in leases
+        meta, data = res.get("meta"), res.get("data")
+        nodes.append({
+            "name": name, "roles": sorted(spec.roles),
+            "meta": str(spec.meta) if "meta" in spec.roles else None,
+            "data": str(spec.data) if "data" in spec.roles else None,
+            "state": "down" if failed or no_lease else "up",
+            "error": failed[0] if failed else ("no live lease in etcd" if no_lease else None),
+            "lease": None if leases is None else name in leases,
+            "datasets": {k: meta[k] for k in ("datasets", "versions", "ingests")} if isinstance(meta, dict) else None,
+            "chunks": {k: data[k] for k in ("chunks", "bytes", "disk_free", "disk_total", "root")}
+            if isinstance(data, dict) else None,
+        })
+    census = None
+    if health is not None:
+        census = {"error": health.error or None, "replicas": cluster.replicas,
+                  "versions": [{"name": v.name, "version": v.version, "files": v.files, "bytes": v.bytes,
+                                "chunks": v.chunks} for v in health.versions],
+                  "short": [{"chunk": cid.hex(), "nodes": health.short[cid], "in": health.chunks[cid].label()}
+                            for cid in sorted(health.short)]}
+    etcd = None
+    if control is not None:
+        etcd = {"state": control["etcd"], "nodes": sorted(leases) if leases is not None else None,
+                "mounts": None if control["mounts"] is None else
+                [{"dataset": f"{m.name}@{m.version}", "node": m.node, "mountpoint": m.mountpoint, "pid": m.pid}
+                 for m in control["mounts"]]}
+    down = sum(n["state"] == "down" for n in nodes)
+    print(json.dumps({"cluster": str(cluster.source), "nodes": nodes, "down": down, "census": census, "etcd": etcd,
+                      "mounts": [m.as_json() for m in mounts_here]}, indent=2))
     if down:
         print(f"{down} of {len(rows)} nodes are down", file=sys.stderr)
         return 3
@@ -619,17 +697,21 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def cmd_mount(args: argparse.Namespace) -> int:
     from dlfs.cgroup import memory_limit
     from dlfs.client.cache import auto_cache_size
-    from dlfs.fuse.mount import MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.fuse.mount import MOUNT_PROCESS_NAME, MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.procs import set_title
     from dlfs.sdnotify import notify
 
     home = home_dir(args.home)
-    name, version = parse_dataset_ref(args.dataset)
     mountpoint = Path(args.mountpoint).absolute()
-    check_mountpoint(mountpoint)
+    if args.foreground:  # `ps` names the mount from the start (its version once it is known)
+        set_title(f"dlfs mount {args.dataset} {mountpoint}", MOUNT_PROCESS_NAME)
+    name, version = parse_dataset_ref(args.dataset)
+    check_mountpoint(mountpoint, args.nonempty, home)
     limit = memory_limit()
     cache_size = auto_cache_size(limit) if args.cache_size == "auto" else parse_size(args.cache_size)
     readahead = parse_size(args.readahead)
     metrics = _metrics_address(args)
+    cache_dir, cache_dir_size = _cache_dir_options(args)
     # Here, not in the background process: its errors would reach the user only through its log.
     cluster = _cluster(args)
     if not args.foreground:
@@ -642,7 +724,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         log.warning("--cache-size %s is over half the memory cgroup's limit (%s): the cache's pages cannot be "
                     "reclaimed, so the readers may be OOM-killed", human_bytes(cache_size), human_bytes(limit.effective))
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
-                        args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit)
+                        args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit,
+                        log_file=Path(args.log_file).absolute() if args.log_file else None,
+                        cache_dir=cache_dir, cache_dir_size=cache_dir_size, retry_timeout=args.retry_timeout)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -662,14 +746,31 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | None]:
+    """--cache-dir (made and checked here, where an error reaches the user) and --cache-dir-size."""
+    from dlfs.client.diskcache import check_cache_dir
+
+    size = parse_size(args.cache_dir_size) if args.cache_dir_size else None
+    if size is not None and size < 1 << 20:
+        raise UsageError("--cache-dir-size must be at least 1M")
+    if not args.cache_dir:
+        if size is not None:
+            raise UsageError("--cache-dir-size needs --cache-dir")
+        return None, None
+    return check_cache_dir(Path(args.cache_dir).absolute()), size
+
+
 def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoint: Path) -> int:
     """Start `dlfs mount --foreground` detached, and return once it reports the mount ready."""
-    logs = private_dirs(home / "logs")
-    log_path = Path(args.log_file) if args.log_file else logs / f"mount-{name}.log"
+    from dlfs.fuse.records import mount_log
+
+    log_path = Path(args.log_file) if args.log_file else mount_log(home, args.dataset, mountpoint)
+    private_dirs(log_path.parent)
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "dlfs", "--home", str(home), "mount", "--foreground", "--ready-fd", str(wfd),
            "--cache-size", args.cache_size, "--readahead", args.readahead, "--log-file", str(log_path),
-           "--threads", str(args.threads), "--io-uring", args.io_uring, args.dataset, str(mountpoint)]
+           "--threads", str(args.threads), "--io-uring", args.io_uring, f"--retry-timeout={args.retry_timeout:g}",
+           args.dataset, str(mountpoint)]
     if args.cluster:
         cmd[3:3] = ["--cluster", args.cluster]
     if args.transport:
@@ -682,6 +783,12 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
         cmd.insert(cmd.index("--foreground") + 1, "--no-allow-other")
     if not args.short_circuit:
         cmd.insert(cmd.index("--foreground") + 1, "--no-short-circuit")
+    if args.nonempty:
+        cmd.insert(cmd.index("--foreground") + 1, "--nonempty")
+    if args.cache_dir:
+        cmd.insert(cmd.index("--foreground") + 1, f"--cache-dir={Path(args.cache_dir).absolute()}")
+    if args.cache_dir_size:
+        cmd.insert(cmd.index("--foreground") + 1, f"--cache-dir-size={args.cache_dir_size}")
     with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(wfd,),
                                 start_new_session=True)
@@ -701,12 +808,105 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
     raise MountError(f"mount process exited ({rc}) before the mount was ready; see {log_path}")
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from dlfs.client.cluster import ClusterClient
+    from dlfs.client.diskcache import DiskCache
+    from dlfs.fuse.mount import parse_dataset_ref
+    from dlfs.fuse.records import mount_states
+    from dlfs.warmup import parse_rate, warmup
+
+    _setup_logging(args)
+    name, version = parse_dataset_ref(args.dataset)
+    home = home_dir(args.home)
+    rate = parse_rate(args.rate) if args.rate else None
+    readahead = parse_size(args.readahead)
+    cache_dir, cache_dir_size = _cache_dir_options(args)
+    if cache_dir is None:  # the disk cache of this machine's mounts, where they agree on one
+        dirs = {m.record.cache_dir for m in mount_states(home, clean=False) if m.record.cache_dir}
+        if len(dirs) > 1:
+            raise UsageError(f"this machine's mounts use {len(dirs)} disk caches ({', '.join(sorted(dirs))}): name "
+                             "one with --cache-dir")
+        cache_dir = Path(dirs.pop()) if dirs else None
+    cluster = _cluster(args)
+    _check_transport(cluster, "warmup")
+    disk = DiskCache(cache_dir, cache_dir_size) if cache_dir is not None else None
+
+    async def run(progress: _ProgressBar) -> Any:
+        def tell(event: str, files: int, nbytes: int) -> None:
+            (progress.start if event == "start" else progress.advance)(files, nbytes)
+
+        async with open_nursery() as nursery:
+            client = ClusterClient(cluster, nursery)
+            report = await warmup(client, home, name, version, args.paths, disk, readahead, rate, tell,
+                                  args.short_circuit)
+            nursery.cancel_scope.cancel()
+        return report
+
+    try:
+        with _ProgressBar.display(transient=False) as bar:
+            report = trio.run(run, _ProgressBar(bar, f"warmup {args.dataset}", "files"))
+    finally:
+        if disk is not None:
+            disk.close()
+    moved = report.fetched + report.page_cached
+    speed = f" at {human_bytes(moved / report.seconds)}/s" if report.seconds > 0 and moved else ""
+    parts = [f"fetched {human_bytes(report.fetched)} into {disk.root}" if disk is not None else "",
+             f"{human_bytes(report.cached)} already there" if report.cached else "",
+             f"read {human_bytes(report.page_cached)} of this node's chunks into the page cache" if report.page_cached else "",
+             f"left {human_bytes(report.skipped)} held elsewhere (no --cache-dir)" if report.skipped else ""]
+    print(f"warmed {report.label}: {report.files} files, {human_bytes(report.bytes)} in {report.windows} windows; "
+          f"{', '.join(p for p in parts if p)}; {report.seconds:.1f} s{speed}")
+    return 0
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.fuse.mount import unmount
 
     _setup_logging(args)
-    unmount(home_dir(args.home), Path(args.mountpoint))
-    print(f"unmounted {Path(args.mountpoint).absolute()}")
+    mountpoint = Path(args.mountpoint).absolute()
+    users = unmount(home_dir(args.home), mountpoint, lazy=args.lazy)
+    if users:
+        print(f"detached {mountpoint}; its mount process ends when the last of these closes its files there: "
+              + ", ".join(h.describe() for h in users))
+    else:
+        print(f"unmounted {mountpoint}")
+    return 0
+
+
+def _local_time(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "?"
+
+
+def _mount_rows(states: Any) -> list[str]:
+    """`dlfs mounts`' table: one row per mount, then a line for each that is not live."""
+    from dlfs.fuse.records import LIVE
+
+    head = ("DATASET", "MOUNTPOINT", "PID", "STATE", "CACHE", "SINCE", "LOG")
+    rows = [head]
+    for m in states:
+        r = m.record
+        cache = human_bytes(r.cache_size) if r.cache_size else "?"
+        if r.cache_dir:
+            cache += f" + disk {r.cache_dir}" + (f" ({human_bytes(r.cache_dir_size)})" if r.cache_dir_size else "")
+        rows.append((r.dataset, r.mountpoint, str(r.pid), m.state, cache, _local_time(r.started), r.log or "(its stderr)"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    out += [f"{m.record.dataset} at {m.record.mountpoint}: {m.state}: {m.problem}" for m in states if m.state != LIVE]
+    return out
+
+
+def cmd_mounts(args: argparse.Namespace) -> int:
+    from dlfs.fuse.records import mount_states
+
+    _setup_logging(args)
+    home = home_dir(args.home)
+    states = mount_states(home)
+    if args.json:
+        print(json.dumps({"home": str(home), "mounts": [m.as_json() for m in states]}, indent=2))
+    elif not states:
+        print(f"no mounts from {home} on this machine (mount one with `dlfs mount NAME MOUNTPOINT`)")
+    else:
+        print("\n".join(_mount_rows(states)))
     return 0
 
 
@@ -714,7 +914,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from dlfs.stats import show
 
     _setup_logging(args)
-    return show(home_dir(args.home), Path(args.mountpoint).absolute(), args.interval, args.watch, args.count)
+    return show(home_dir(args.home), Path(args.mountpoint).absolute(), args.interval, args.watch, args.count,
+                args.json)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -805,6 +1006,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0  # not reached: exec replaced this process
 
 
+# --- csi ----------------------------------------------------------------------------------------
+def cmd_csi(args: argparse.Namespace) -> int:
+    import socket
+
+    from dlfs.csi.server import run_plugin
+
+    _setup_logging(args, "INFO")
+    home = home_dir(args.home)
+    state = Path(args.state) if args.state else home / "csi"
+    run_plugin(home, args.cluster or os.environ.get("DLFS_CLUSTER"), args.endpoint, args.node_id or socket.gethostname(),
+               state.absolute(), args.mount_timeout)
+    return 0
+
+
 # --- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     def common_options(default: Any) -> argparse.ArgumentParser:
@@ -887,7 +1102,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "path from SRC, else against each name at any depth; a trailing / matches "
                          "directories only, e.g. --exclude '*.tmp' --exclude .git/")
 
-    add("datasets", cmd_datasets, "List datasets: version, files, bytes, chunks.")
+    sp = add("datasets", cmd_datasets, "List datasets: version, files, bytes, chunks.")
+    sp.add_argument("--json", action="store_true", help="print them as one JSON object (fields: README)")
 
     sp = add("rm", cmd_rm, "Remove a dataset (or NAME@VERSION, one version) and free its chunks.")
     sp.add_argument("name", metavar="NAME[@VERSION]")
@@ -915,12 +1131,49 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where the "
                          "kernel has it, turning /sys/module/fuse/parameters/enable_uring on as root; on fails in "
                          "one line where it cannot (default auto)")
+    sp.add_argument("--nonempty", action="store_true",
+                    help="mount onto a directory that has entries (the mount hides them until it ends); without it, "
+                         "such a mountpoint is refused")
+    sp.add_argument("--cache-dir", metavar="DIR",
+                    help="keep verified chunk data fetched over the network on local disk here (made 0700), shared "
+                         "by every mount and `dlfs warmup` naming it, kept across remounts; reads try memory, then "
+                         "it, then the data nodes")
+    sp.add_argument("--cache-dir-size", metavar="SIZE",
+                    help="most bytes the --cache-dir holds, least recently read out first (kept with it: the last "
+                         "size given holds for all its users; default: use the file system but leave 10%% free)")
+    sp.add_argument("--retry-timeout", type=_seconds, default=RETRY_TIMEOUT, metavar="SECONDS",
+                    help="how long a read waits for a replica of its data to answer again (a node restarting, a "
+                         "whole cluster restarting) before it fails with EIO; 0: fail at once (default %(default)g)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    sp = add("warmup", cmd_warmup, "Fill the node's disk cache (--cache-dir) with a dataset version, or the files under "
+             "some of its paths, as a mount would fetch them; on a data node, its own chunks go into the page cache.",
+             moves_chunks=True)
+    sp.add_argument("dataset", metavar="NAME[@VERSION]", help="dataset to warm (default: its newest version)")
+    sp.add_argument("paths", nargs="*", metavar="PATH", help="files or directories of the dataset (default: all of it)")
+    sp.add_argument("--cache-dir", metavar="DIR",
+                    help="the disk cache to fill (default: the one this machine's mounts use)")
+    sp.add_argument("--cache-dir-size", metavar="SIZE", help="as `dlfs mount --cache-dir-size`")
+    sp.add_argument("--rate", metavar="LIMIT", help="most bytes a second it may read or fetch, e.g. 500MB/s "
+                    "(binary units; default: as fast as it goes)")
+    sp.add_argument("--readahead", default="4M", metavar="SIZE",
+                    help="the mounts' --readahead: windows are cut as theirs are (default 4M)")
+    sp.add_argument("--no-short-circuit", dest="short_circuit", action="store_false",
+                    help="fetch the chunks this machine's node holds into the disk cache too, as for mounts with "
+                         "--no-short-circuit (default: read them into the page cache)")
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")
 
-    sp = add("umount", cmd_umount, "Unmount a dlfs mount and wait for its process to finish.")
+    sp = add("umount", cmd_umount, "Unmount a dlfs mount and wait for its process to finish; a busy one is refused, "
+             "naming the processes using it.")
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+    sp.add_argument("--lazy", action="store_true",
+                    help="detach it now even if busy (fusermount3 -u -z): processes with files open there keep "
+                         "reading them, and the mount process ends when the last is closed")
+
+    sp = add("mounts", cmd_mounts, "List this machine's mounts made from this state directory: dataset@version, "
+             "mountpoint, pid, state, cache, since, log file.")
+    sp.add_argument("--json", action="store_true", help="print them as one JSON object")
 
     sp = add("stats", cmd_stats, "Show a mount's reads/s, MB/s, cache hit rate, bytes fetched by node and errors; "
              "--watch keeps the view live.")
@@ -929,8 +1182,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
                     help="seconds between views; rates are over this interval (default 1; the mount updates once a second)")
     sp.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N views")
+    sp.add_argument("--json", action="store_true",
+                    help="print each view as one JSON object on a line of its own (JSON Lines with --watch)")
 
-    add("status", cmd_status, "Show the node's (or cluster's) state; exits non-zero when a node is unreachable.")
+    sp = add("status", cmd_status, "Show the node's (or cluster's) state and this machine's mounts; exits non-zero "
+             "when a node is unreachable.")
+    sp.add_argument("--json", action="store_true", help="print everything as one JSON object")
 
     sp = add("verify", cmd_verify, "Read and check every replica of every chunk of a dataset; exits 5 if any is bad, "
              "missing or short of the cluster's replicas.", moves_chunks=True)
@@ -980,6 +1237,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the command and its arguments (after --, nothing is read as dlfs's own option)")
     sp.add_argument("--print-preload", action="store_true",
                     help="print the library's path and exit (for LD_PRELOAD where no wrapper can be used)")
+
+    sp = add("csi", cmd_csi, "Serve the Kubernetes CSI node plugin (Identity and Node services) on a Unix socket "
+             "until SIGTERM: NodePublishVolume shows a dataset version read-only in a pod, the pods of this node "
+             "that ask for one version sharing one mount.")
+    sp.add_argument("--endpoint", default="unix:///csi/csi.sock", metavar="unix:///PATH",
+                    help="the socket to serve (default unix:///csi/csi.sock, the node-driver-registrar's)")
+    sp.add_argument("--node-id", metavar="NAME", help="this node's id for NodeGetInfo (default: the host name)")
+    sp.add_argument("--state", metavar="DIR",
+                    help="where the shared mounts go, one per dataset version (default $DLFS_HOME/csi)")
+    sp.add_argument("--mount-timeout", type=float, default=120.0, metavar="SECONDS",
+                    help="how long a new mount may take to be ready (default 120)")
     return p
 
 

@@ -25,6 +25,9 @@ and, for more than one node, the etcd cluster that keeps the control state (dlfs
     cert_file = "etcd-client.pem"
     key_file = "etcd-client-key.pem"
     lease_ttl = 10               # optional: seconds a node's or mount's lease outlives its last keepalive
+
+Every key, its type and its range are in clusterfile.py's schema: a key it does not know, a wrong
+type or a value out of range anywhere in the file is one line (exit 2) naming the key, never ignored.
 """
 
 from __future__ import annotations
@@ -33,20 +36,17 @@ import json
 import os
 import re
 import socket
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlfs import clusterfile
+from dlfs.clusterfile import DATA_PORT, META_PORT  # noqa: F401 (where a node listens by default)
 from dlfs.errors import Unreachable, UsageError
 from dlfs.private import private_dirs, write_private
 from dlfs.procs import running
 from dlfs.transport.base import Address
 from dlfs.wire.auth import read_key, write_key
 from dlfs.wire.messages import DATASET_NAME
-
-META_PORT = 7420
-DATA_PORT = 7421
-TRANSPORTS = ("auto", "tcp", "rdma")
 
 
 def home_dir(explicit: str | None = None) -> Path:
@@ -118,13 +118,6 @@ class Cluster:
         return [n for n in self.nodes if "meta" in n.roles]
 
 
-def check_transport(value: object, where: str) -> str:
-    """A transport setting, or a UsageError naming where the bad one came from."""
-    if value not in TRANSPORTS:
-        raise UsageError(f"{where}: transport = {value!r} (use auto, tcp or rdma)")
-    return str(value)
-
-
 def key_path(home: Path) -> Path:
     return home / "cluster.key"
 
@@ -191,88 +184,25 @@ def load_cluster(cluster_file: str | None, home: Path) -> Cluster:
 
 
 def parse_cluster_file(path: Path) -> Cluster:
-    """Read and check a cluster file; every mistake is one line naming the file."""
-    try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"cluster file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"cluster file {path} is not valid TOML: {exc}") from None
-    raw_nodes = doc.get("node")
-    if not isinstance(raw_nodes, list) or not raw_nodes:
-        raise UsageError(f"cluster file {path} lists no [[node]] entries")
-    nodes = []
-    for i, n in enumerate(raw_nodes):
-        if not isinstance(n, dict) or not isinstance(n.get("name"), str) or not isinstance(n.get("address"), str):
-            raise UsageError(f"cluster file {path}: node {i + 1} needs a name and an address")
-        host = n["address"]
-        role = n.get("role", "both")
-        if role not in ROLES:
-            raise UsageError(f"cluster file {path}: node {n['name']} has role {role!r} (use data, meta or both)")
-        nodes.append(NodeSpec(
-            n["name"],
-            Address(host, int(n.get("meta_port", doc.get("meta_port", META_PORT)))),
-            Address(host, int(n.get("data_port", doc.get("data_port", DATA_PORT)))),
-            ROLES[role],
-        ))
-    names = [n.name for n in nodes]
-    if len(set(names)) != len(names):
-        raise UsageError(f"cluster file {path}: node names are not unique")
+    """Read and check a cluster file (clusterfile.py's schema); every mistake is one line naming the file."""
+    spec, doc = clusterfile.read(path)
+    nodes = [NodeSpec(n.name, Address(n.address, n.meta_port or spec.meta_port),
+                      Address(n.address, n.data_port or spec.data_port), ROLES[n.role]) for n in spec.node]
     n_data = sum("data" in n.roles for n in nodes)
-    if not n_data or not any("meta" in n.roles for n in nodes):
-        raise UsageError(f"cluster file {path}: needs at least one data node and one metadata node")
-    replicas = int(doc.get("replicas", min(2, n_data)))
-    if not 1 <= replicas <= n_data:
-        raise UsageError(f"cluster file {path}: replicas = {replicas}, but there are {n_data} data nodes")
-    key_file = doc.get("key_file")
-    if not isinstance(key_file, str):
-        raise UsageError(f"cluster file {path} needs key_file = \"...\"")
-    key_file = str((path.parent / key_file).resolve())
+    key_file = str((path.parent / spec.key_file).resolve())
     key = read_key(Path(key_file))
-    transport = check_transport(doc.get("transport", "auto"), f"cluster file {path}")
-    device, port = doc.get("rdma_device"), doc.get("rdma_port")
-    if device is not None and not isinstance(device, str):
-        raise UsageError(f"cluster file {path}: rdma_device must be a device name such as \"mlx5_0\"")
-    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 255):
-        raise UsageError(f"cluster file {path}: rdma_port must be a port number from 1 to 255")
-    etcd = _etcd_section(path, doc.get("etcd"))
-    if etcd is None and len(nodes) > 1:
-        raise UsageError(f"cluster file {path} has {len(nodes)} nodes but no [etcd] section: a cluster of more than "
-                         'one node keeps its catalog in etcd (endpoints = ["http://HOST:2379", ...])')
-    local = _local_node(nodes)
-    return Cluster(nodes, key, replicas, str(path), local=local, extra=doc, transport=transport,
-                   rdma_device=device, rdma_port=port, key_file=key_file, etcd=etcd)
+    etcd = None
+    if spec.etcd is not None:
+        e = spec.etcd
 
+        def beside(name: str) -> str | None:  # TLS files are relative to the cluster file
+            return str((path.parent / name).absolute()) if name else None
 
-def _etcd_section(path: Path, raw: object) -> EtcdConfig | None:
-    if raw is None:
-        return None
-    where = f"cluster file {path}: [etcd]"
-    if not isinstance(raw, dict):
-        raise UsageError(f"{where} must be a table")
-    unknown = set(raw) - {"endpoints", "prefix", "ca_file", "cert_file", "key_file", "lease_ttl"}
-    if unknown:
-        raise UsageError(f"{where} has unknown keys: {', '.join(sorted(unknown))}")
-    endpoints = raw.get("endpoints")
-    if (not isinstance(endpoints, list) or not endpoints
-            or not all(isinstance(e, str) and re.fullmatch(r"https?://[^/\s]+/?", e) for e in endpoints)):
-        raise UsageError(f'{where} needs endpoints = ["http://HOST:PORT", ...] (got {endpoints!r})')
-    prefix = raw.get("prefix", "/dlfs/")
-    if not isinstance(prefix, str) or not prefix:
-        raise UsageError(f"{where}: prefix must be a non-empty string")
-    files: dict[str, str | None] = {}
-    for k in ("ca_file", "cert_file", "key_file"):
-        v = raw.get(k)
-        if v is not None and not isinstance(v, str):
-            raise UsageError(f"{where}: {k} must be a path")
-        files[k] = str((path.parent / v).absolute()) if v else None
-    if bool(files["cert_file"]) != bool(files["key_file"]):
-        raise UsageError(f"{where}: cert_file and key_file go together")
-    ttl = raw.get("lease_ttl", 10)
-    if not isinstance(ttl, int) or not 2 <= ttl <= 3600:
-        raise UsageError(f"{where}: lease_ttl must be whole seconds from 2 to 3600")
-    return EtcdConfig(tuple(e.rstrip("/") for e in endpoints), prefix if prefix.endswith("/") else prefix + "/",
-                      files["ca_file"], files["cert_file"], files["key_file"], ttl)
+        etcd = EtcdConfig(tuple(u.rstrip("/") for u in e.endpoints), e.prefix if e.prefix.endswith("/") else e.prefix + "/",
+                          beside(e.ca_file), beside(e.cert_file), beside(e.key_file), e.lease_ttl)
+    return Cluster(nodes, key, spec.replicas or min(2, n_data), str(path), local=_local_node(nodes), extra=doc,
+                   transport=spec.transport, rdma_device=spec.rdma_device, rdma_port=spec.rdma_port,
+                   key_file=key_file, etcd=etcd)
 
 
 def _local_node(nodes: list[NodeSpec]) -> str | None:

@@ -12,12 +12,14 @@ the bytes where they lie. Files not cached yet are fetched by the mount, a batch
 handed over pinned. A view's bytes never change while it lives: its pin is released when the view
 is released (the `with` block, `view.release()`) or dropped, and the mount reuses no pinned slab.
 
-Files that are not on a dlfs mount, or a mount this process may not attach to, are read with plain
-open() instead (same results, as read-only memoryviews of bytes), so code written against
-dlfs.direct runs anywhere. Errors are the ones open() raises: FileNotFoundError,
-IsADirectoryError, NotADirectoryError, PermissionError, and OSError(EIO) for data no replica has
-intact. After fork() a reader attaches anew in the child (each process has its own pins), and so it
-does after a request cut short (a timeout): the views made before stay valid either way.
+`connect` takes the mount point or any directory or file inside the mount. Files that are not on a
+dlfs mount, or on a mount this process may not attach to, are read with plain open() instead (same
+results, as read-only memoryviews of bytes), so code written against dlfs.direct runs anywhere; the
+reader's `.reason` says why, and so does a log line (a warning when the path is on a dlfs mount).
+Errors are the ones open() raises: FileNotFoundError, IsADirectoryError, NotADirectoryError,
+PermissionError, and OSError(EIO) for data no replica has intact. After fork() a reader attaches
+anew in the child (each process has its own pins), and so it does after a request cut short (a
+timeout): the views made before stay valid either way.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, TypeVar
 from dlfs.errors import DlfsError, ProtocolError, error_from_status
 from dlfs.format.index import Index
 from dlfs.native import native
+from dlfs.procmounts import mount_of
 from dlfs.wire.messages import Attached, DirectAnswer, reply
 from dlfs.wire.protocol import (
     DIRECT_BATCH,
@@ -52,7 +55,9 @@ from dlfs.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
-CONTROL_XATTR = "user.dlfs.control"
+CONTROL_XATTR = "user.dlfs.control"  # on the mount's root only (dlfs/fuse/ops.py)
+MOUNT_TYPE = "fuse.dlfs"  # what /proc/self/mounts says of a dlfs mount (subtype=dlfs, dlfs/fuse/mount.py)
+ROOT_INO = 1  # the inode number of a dlfs mount's root
 BIG_RECORD = DIRECT_REQUEST_BYTES  # files with a record bigger than a request can ask are read through the kernel
 TIMEOUT = 120.0  # seconds a request may wait for the mount (it fails over replicas meanwhile)
 Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
@@ -71,8 +76,8 @@ class PlainReader:
 
     direct = False
 
-    def __init__(self, root: Path | None = None, reason: str = "not a dlfs mount") -> None:
-        self.root = root
+    def __init__(self, root: str, reason: str) -> None:
+        self.root = root  # the top of the file system the path given to connect() is on
         self.reason = reason
 
     def read(self, path: Path) -> memoryview:
@@ -95,24 +100,87 @@ class PlainReader:
         self.close()
 
 
-def connect(mountpoint: Path) -> DirectReader | PlainReader:
-    """A reader for the files under `mountpoint`: a DirectReader if it is a dlfs mount this process
-    may attach to, else a PlainReader (the reason is logged and kept as `.reason`)."""
-    root = os.path.abspath(os.fsdecode(mountpoint))
-    try:
-        control = os.getxattr(root, CONTROL_XATTR)
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            return PlainReader(root, f"{root} is not a dlfs mount")
-        raise  # ENOENT, ENOTCONN (a dead mount), EACCES: what open() would say too
+def connect(path: Path) -> DirectReader | PlainReader:
+    """A reader for the dlfs mount that `path` is on: the mount point, or any directory or file inside
+    it. A DirectReader if this process may attach to the mount; else a PlainReader, whose `.reason`
+    says why (logged too: a warning when the path is on a dlfs mount, info when it is not on one)."""
+    target = os.path.abspath(os.fsdecode(path))
+    os.stat(target)  # what open() would raise: ENOENT, ENOTCONN (a dead mount), EACCES
+    root, control = _find_control(target)
+    if control is None:
+        reason, on_dlfs = _why_no_control(target)
+        return _fallback(root, reason, on_dlfs)
     if native is None:
-        return PlainReader(root, "dlfs's C helper is not loaded (DLFS_NO_NATIVE, or not built)")
+        why = "DLFS_NO_NATIVE is set" if os.environ.get("DLFS_NO_NATIVE") else "not built: reinstall dlfs"
+        return _fallback(root, f"dlfs's C helper is not loaded in this process ({why})", True)
     try:
-        return DirectReader(root, os.fsdecode(control))
+        return DirectReader(root, control)
     except OSError as exc:
-        reason = f"cannot attach to the mount's control socket {os.fsdecode(control)}: {exc.strerror or exc}"
-        log.warning("dlfs.direct on %s: %s; reading through the mount instead", root, reason)
-        return PlainReader(root, reason)
+        reason = f"cannot attach to the mount's control socket {control}: {exc.strerror or exc}"
+        owner = _mount_owner(root)
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.ECONNRESET) and owner not in (None, os.getuid()):
+            reason += f" (the mount is uid {owner}'s: only that user and root may attach to it)"
+        return _fallback(root, reason, True)
+
+
+def _fallback(root: str, reason: str, on_dlfs: bool) -> PlainReader:
+    log.log(logging.WARNING if on_dlfs else logging.INFO, "dlfs.direct on %s: %s; reading with open() instead",
+            root, reason)
+    return PlainReader(root, reason)
+
+
+def _top(path: str) -> str:
+    """The highest directory above `path` (or `path` itself) on the same file system, by name."""
+    dev = os.stat(path).st_dev
+    while path != "/":
+        parent = os.path.dirname(path)
+        try:
+            if os.stat(parent).st_dev != dev:
+                break
+        except OSError:
+            break
+        path = parent
+    return path
+
+
+def _find_control(target: str) -> tuple[str, str | None]:
+    """The mount's root and its control socket, from the xattr on the root (None if there is none):
+    the root found by name first, then by the resolved path (`target` may be reached by a symlink
+    into the mount, whose name-wise top is not the mount's root)."""
+    tops = [_top(target)]
+    real = os.path.realpath(target)
+    if real != target:
+        tops.append(_top(real))
+    for top in tops:
+        try:
+            return top, os.fsdecode(os.getxattr(top, CONTROL_XATTR))
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise  # ENOTCONN (a dead mount), EACCES: what open() would say too
+    return tops[0], None
+
+
+def _why_no_control(target: str) -> tuple[str, bool]:
+    """Why `target` has no control socket above it, and whether it is on a dlfs mount at all."""
+    entry = mount_of(target)
+    if entry is None:
+        return f"not a dlfs mount: {target} is on no mount listed in /proc/self/mounts", False
+    if entry.fstype != MOUNT_TYPE:
+        return f"not a dlfs mount: {target} is on {entry.fstype} at {entry.point}", False
+    if os.stat(entry.point).st_ino != ROOT_INO:
+        return (f"{entry.point} is a bind mount of a directory inside the dlfs mount {entry.source}: "
+                "dlfs.direct attaches through the root of a mount (bind-mount the whole mount)"), True
+    return (f"the dlfs mount {entry.source} at {entry.point} has no control socket: it runs without dlfs's "
+            "C helper, so it has no shared cache"), True
+
+
+def _mount_owner(root: str) -> int | None:
+    """The uid that made the FUSE mount `root` is on (its user_id= option), if it says."""
+    entry = mount_of(root)
+    for opt in entry.options.split(",") if entry is not None else ():
+        if opt.startswith("user_id="):
+            return int(opt[len("user_id="):])
+    return None
 
 
 def _reply(kind: type[T], meta: dict[str, Any], msg: Msg, root: Path) -> T:
@@ -129,6 +197,7 @@ def _error(err: int, path: Path, what: str | None = None) -> OSError:
 
 class DirectReader:
     direct = True
+    reason = None  # a PlainReader's says why it is one
 
     def __init__(self, root: str, control: str) -> None:
         self.root = root

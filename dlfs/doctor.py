@@ -321,6 +321,7 @@ async def check_etcd(cluster: Cluster) -> list[Check]:
             text = f"etcd {st.get('version', '?')}, " + ("has a leader" if leader else "NO LEADER (quorum lost?)")
             rows.append(Check(f"etcd {endpoint}", PASS if leader else FAIL, text,
                               "" if leader else "bring a majority of the etcd members back up"))
+            rows.append(await _etcd_space(control, endpoint, st))
         if any(r.status == PASS for r in rows):
             try:
                 nodes = await control.nodes()
@@ -336,15 +337,32 @@ async def check_etcd(cluster: Cluster) -> list[Check]:
     return rows
 
 
-def _etcd_why(exc: Exception) -> str:
-    import httpx
+async def _etcd_space(control: Any, endpoint: str, st: dict[str, Any]) -> Check:
+    """etcd's alarms and its database against its quota: at the quota (NOSPACE) every ingest, rm,
+    gc and new mount stops until it is compacted, defragmented and disarmed."""
+    from dlfs.control.etcd import nospace_fix
 
-    if isinstance(exc, trio.TooSlowError | httpx.TimeoutException):
-        return "timed out"
-    if isinstance(exc, httpx.ConnectError):
-        return "connection refused (nothing listens there?)" if "refused" in str(exc).lower() or \
-            "all attempts" in str(exc) else f"cannot connect: {exc}"
-    return str(exc) or type(exc).__name__
+    label = f"etcd space {endpoint}"
+    try:
+        alarms, quota = await control.etcd.alarms(endpoint), await control.etcd.quota(endpoint)
+    except Exception as exc:  # an older etcd, a proxy without /metrics: the rest of the check stands
+        return Check(label, WARN, f"cannot read its alarms or quota: {_etcd_why(exc)}")
+    size = int(st.get("dbSize", 0))
+    text = f"database {human_bytes(size)}" + (f" of a {human_bytes(quota)} quota ({100 * size // quota}%)"
+                                              if quota else "")
+    fix = nospace_fix(endpoint, str(st.get("header", {}).get("revision", "REV")))
+    if alarms:
+        return Check(label, FAIL, f"{text}; alarm {', '.join(alarms)} raised", fix)
+    if quota and size > quota * 0.8:
+        return Check(label, WARN, text + " (over 80%)", fix)
+    return Check(label, PASS, text)
+
+
+def _etcd_why(exc: Exception) -> str:
+    from dlfs.control.etcd import why_failed
+
+    why = why_failed(exc)
+    return f"{why} (nothing listens there?)" if why == "connection refused" else why
 
 
 def check_state_dir(home: Path) -> Check:

@@ -93,6 +93,11 @@ class Conflict(DlfsError):
     errno = errno.EBUSY
 
 
+class OperationPending(Conflict):
+    """Another operation on the same volume or path is still running (the CSI plugin's ABORTED: the
+    caller retries later)."""
+
+
 class MountError(DlfsError):
     """The mount could not be set up or torn down."""
 

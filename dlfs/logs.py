@@ -12,6 +12,9 @@ import sys
 from dlfs.errors import UsageError
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s%(context)s: %(message)s"
+# Libraries that log each request at INFO: etcd's client (httpx) would write a line per lease
+# keepalive, every couple of seconds, in every node and mount log. Their failures reach dlfs as errors.
+QUIET = ("httpx", "httpcore")
 _context = ""
 
 
@@ -35,3 +38,5 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
         raise UsageError(f"cannot write the log file {log_file}: {exc.strerror or exc}") from None
     handler.setFormatter(OneLineFormatter(FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -220,6 +220,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                     nursery.start_soon(meta_service.expire_idle, name="dlfs-ingest-expiry")
                     if meta_service.follower is not None:
                         nursery.start_soon(meta_service.follower.run, name="dlfs-catalog-follower")
+                        nursery.start_soon(meta_service.upkeep, name="dlfs-control-upkeep")
                 if lease is not None:
                     # Membership: the node is alive in etcd while this lease is; etcd being down delays
                     # it (logged) but never stops the node serving chunks and indexes.

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import NamedTuple
 
 
 def _unescape(field: str) -> str:
@@ -21,9 +23,9 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mount_points() -> list[str]:
-    """Every mount point in the table, in its order."""
-    with open("/proc/self/mounts") as f:
+def mount_points(pid: int | None = None) -> list[str]:
+    """Every mount point in the table (of process `pid`'s mount namespace, else this one's), in its order."""
+    with open(f"/proc/{pid or 'self'}/mounts") as f:
         return [_unescape(line.split()[1]) for line in f]
 
 
@@ -43,3 +45,24 @@ def mounts_under(base: Path) -> list[Path]:
 def is_mount_point(path: Path) -> bool:
     """Whether something is mounted at `path`, alive or dead."""
     return str(path.absolute()) in mount_points()
+
+
+class MountEntry(NamedTuple):
+    source: str
+    point: str
+    fstype: str
+    options: str
+
+
+def mount_of(path: str) -> MountEntry | None:
+    """The mount that `path` (resolved) lies on: the innermost entry of the table above it, the last one
+    mounted where several share a point."""
+    real = os.path.realpath(path)
+    best: MountEntry | None = None
+    with open("/proc/self/mounts") as f:
+        for fields in map(str.split, f):
+            entry = MountEntry(_unescape(fields[0]), _unescape(fields[1]), fields[2], fields[3])
+            inside = real == entry.point or real.startswith(entry.point.rstrip("/") + "/")
+            if inside and (best is None or len(entry.point) >= len(best.point)):
+                best = entry
+    return best

@@ -1,7 +1,8 @@
 """`dlfs stats MOUNTPOINT`: a top-like view of one mount, from the counters it publishes.
 
 The mount replaces its stats file once a second (fuse/stats.py); rates are the difference of two
-of its samples divided by the time between them, as the mount itself measured it.
+of its samples divided by the time between them, as the mount itself measured it. `--json` prints
+the same figures as one StatsView object (one a line with --watch: JSON Lines), for scripts.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from msgspec import Struct
+
 from dlfs.errors import NotFound, UsageError
 from dlfs.fuse.stats import STATS_FORMAT, stats_file
 from dlfs.procs import running
-from dlfs.units import human_bytes
+from dlfs.units import human_bytes, iso_time
 
 NEW_SAMPLE_WAIT = 3.0  # the mount writes every second; a little more for a busy machine
 
@@ -161,8 +165,132 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
-def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int | None) -> int:
-    """Print one view (rates over `interval`), or with `watch` refresh it until Ctrl-C or `count` views."""
+# --- --json: the view as data; these Structs are its documented schema (README: dlfs stats --json) ---
+class IntervalFigures(Struct, frozen=True):
+    """What happened between the two samples a view compares."""
+
+    seconds: float
+    reads_per_second: float
+    read_bytes_per_second: float
+    read_latency_mean_seconds: float | None  # reads that went to Python (misses); None: there were none
+    cache_hit_rate: float | None  # 0..1; None: nothing was looked up
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    fetched_bytes_per_second: float
+    read_errors: int
+    failovers: int
+    checksum_failures: int
+
+
+class TotalFigures(Struct, frozen=True):
+    """Counts since the mount started."""
+
+    reads: int
+    read_bytes: int
+    read_latency_mean_seconds: float | None
+    cache_hit_rate: float | None
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    cache_bytes: int  # file data the cache holds now
+    cache_capacity: int
+    fetches: int
+    fetched_bytes: int
+    read_errors: int
+    failovers: int
+    checksum_failures: int
+
+
+class EngineFigures(Struct, frozen=True):
+    """The native engine: requests it answered in C, and those it forwarded to Python."""
+
+    requests: int
+    answered: int
+    forwarded: int
+    threads: int
+    io_uring: str  # off, registering or serving (or why it stopped)
+
+
+class DirectFigures(Struct, frozen=True):
+    """dlfs.direct readers of the mount (files read in place cost no request)."""
+
+    clients: int
+    requests: int
+    files_fetched: int
+
+
+class NodeFigures(Struct, frozen=True):
+    """Bytes fetched from one node (`local`: this machine's chunk files)."""
+
+    node: str
+    bytes_per_second: float
+    bytes: int
+    fetches: int
+    share: float  # of all bytes fetched since mounted, 0..1
+
+
+class StatsView(Struct, frozen=True):
+    """One `dlfs stats --json` line."""
+
+    dataset: str  # NAME@VERSION
+    mountpoint: str
+    pid: int
+    started: str  # ISO-8601, UTC
+    started_unix: float
+    time: str  # when the newer sample was taken
+    time_unix: float
+    uptime_seconds: float
+    metrics: str | None  # HOST:PORT of the mount's Prometheus endpoint, if it serves one
+    interval: IntervalFigures
+    total: TotalFigures
+    engine: EngineFigures | None
+    direct: DirectFigures | None
+    failing_nodes: list[str]
+    nodes: list[NodeFigures]  # most bytes first
+
+
+def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
+    """The figures render() shows, as data."""
+    r = rates(prev, cur)
+    looked = cur["cache_hits"] + cur["cache_misses"]
+    n_reads, lat_sum = _hist(cur["read_seconds"])
+    eng = cur.get("engine") or {}
+    total = cur["fetched_bytes"] or 1
+    return StatsView(
+        dataset=cur["dataset"], mountpoint=cur["mountpoint"], pid=cur["pid"],
+        started=iso_time(cur["started"]), started_unix=cur["started"], time=iso_time(cur["time"]),
+        time_unix=cur["time"], uptime_seconds=round(cur["time"] - cur["started"], 3), metrics=cur.get("metrics"),
+        interval=IntervalFigures(
+            seconds=r.seconds, reads_per_second=r.reads, read_bytes_per_second=r.read_bytes,
+            read_latency_mean_seconds=r.latency, cache_hit_rate=r.hit_rate, cache_hits=r.hits, cache_misses=r.misses,
+            cache_evictions=r.evictions, fetched_bytes_per_second=r.fetched_bytes, read_errors=r.errors,
+            failovers=r.failovers, checksum_failures=r.checksum_failures),
+        total=TotalFigures(
+            reads=cur["reads"], read_bytes=cur["read_bytes"],
+            read_latency_mean_seconds=lat_sum / n_reads if n_reads else None,
+            cache_hit_rate=cur["cache_hits"] / looked if looked else None, cache_hits=cur["cache_hits"],
+            cache_misses=cur["cache_misses"], cache_evictions=cur["cache_evictions"], cache_bytes=cur["cache_bytes"],
+            cache_capacity=cur["cache_capacity"], fetches=cur["fetches"], fetched_bytes=cur["fetched_bytes"],
+            read_errors=cur["read_errors"], failovers=cur["failovers"], checksum_failures=cur["checksum_failures"]),
+        engine=EngineFigures(eng["requests"], eng["answered"], eng["forwarded"], eng["threads"],
+                             str(eng["io_uring"])) if eng else None,
+        direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
+                             cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
+        failing_nodes=list(cur["failing_nodes"]),
+        nodes=[NodeFigures(name, r.node_bytes.get(name, 0.0), n["bytes"], n["fetches"], n["bytes"] / total)
+               for name, n in sorted(cur["by_node"].items(), key=lambda kv: -kv[1]["bytes"])])
+
+
+def _print_json(prev: dict[str, Any], cur: dict[str, Any]) -> None:
+    sys.stdout.write(msgspec.json.encode(view(prev, cur)).decode() + "\n")
+    sys.stdout.flush()  # a line as soon as it is known: a pipe's reader acts on each
+
+
+def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int | None,
+         as_json: bool = False) -> int:
+    """Print one view (rates over `interval`), or with `watch` refresh it until Ctrl-C or `count` views;
+    `as_json`: each view one StatsView JSON object on a line of its own."""
     from rich.console import Console
     from rich.live import Live
 
@@ -173,11 +301,15 @@ def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int 
     console = Console()
     prev = read_sample(home, mountpoint)
     if not watch:
-        console.print(render(prev, next_sample(home, mountpoint, prev, interval)))
+        cur = next_sample(home, mountpoint, prev, interval)
+        if as_json:
+            _print_json(prev, cur)
+        else:
+            console.print(render(prev, cur))
         return 0
     shown = 0
     try:
-        if console.is_terminal:
+        if console.is_terminal and not as_json:
             with Live(console=console, auto_refresh=False) as live:
                 while count is None or shown < count:
                     cur = next_sample(home, mountpoint, prev, interval)
@@ -186,9 +318,12 @@ def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int 
         else:  # a log or a pipe: one view after the other, like vmstat
             while count is None or shown < count:
                 cur = next_sample(home, mountpoint, prev, interval)
-                console.print(render(prev, cur))
-                console.print()
-                sys.stdout.flush()
+                if as_json:
+                    _print_json(prev, cur)
+                else:
+                    console.print(render(prev, cur))
+                    console.print()
+                    sys.stdout.flush()
                 prev, shown = cur, shown + 1
     except KeyboardInterrupt:
         pass  # Ctrl-C is how a watch ends

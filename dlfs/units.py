@@ -1,7 +1,8 @@
-"""Human sizes: parse "8M", "16MiB", "1g"; print 1.5 GB."""
+"""Human sizes: parse "8M", "16MiB", "1g"; print 1.5 GB; times for --json output."""
 
 from __future__ import annotations
 
+import datetime
 import re
 
 from dlfs.errors import UsageError
@@ -34,3 +35,9 @@ def human_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60} s"
     return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def iso_time(unix: float) -> str:
+    """A moment for --json output: ISO-8601 in local time with its UTC offset, to the second
+    (2026-12-04T10:30:00+01:00); the exact value goes beside it as unix seconds."""
+    return datetime.datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")

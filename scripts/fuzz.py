@@ -95,7 +95,7 @@ def hostile_mounts(node: Node, base: Path, meta: Target, limit: int) -> tuple[in
             gone = exc.errno == errno.ENOTCONN
         if gone:
             problems.append(f"{name}: its mount died while read")
-        problems += [f"{name}: {line}" for line in log_problems({node.mount_log(name): 0})[:3]]
+        problems += [f"{name}: {line}" for line in log_problems({node.mount_log(name, mnt): 0})[:3]]
         if node.run("umount", mnt, check=False).returncode != 0:
             force_unmount(mnt)
     return mounted, refused, problems

@@ -79,6 +79,7 @@ class Node:
     mounts: list[Path] = field(default_factory=list)
     cluster: Path | None = None  # the cluster file, for a node of a cluster (not the embedded one)
     name: str | None = None
+    last_mount: dict[str, Path] = field(default_factory=dict)  # dataset as mounted -> its latest mountpoint
 
     @property
     def env(self) -> dict[str, str]:
@@ -96,6 +97,7 @@ class Node:
     def mount(self, name: str, mountpoint: Path, *extra: str) -> Path:
         mountpoint.mkdir(parents=True, exist_ok=True)
         self.mounts.append(mountpoint)
+        self.last_mount[name] = mountpoint
         self.run("mount", name, mountpoint, *extra)
         assert os.path.ismount(mountpoint)
         return mountpoint
@@ -104,8 +106,12 @@ class Node:
         self.run("umount", mountpoint)
         assert not os.path.ismount(mountpoint)
 
-    def mount_log(self, name: str) -> Path:
-        return self.home / "logs" / f"mount-{name}.log"
+    def mount_log(self, name: str, mountpoint: Path | None = None) -> Path:
+        """The log of the mount of `name` at `mountpoint` (default: the latest mount() of it; one file per
+        mount); before any, a path that does not exist yet."""
+        from dlfs.fuse.records import mount_log
+
+        return mount_log(self.home, name, mountpoint or self.last_mount.get(name, self.home / "not-mounted-yet"))
 
     def node_log(self) -> str:
         return self.log.read_text(errors="replace")

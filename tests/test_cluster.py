@@ -31,6 +31,7 @@ from netlab import Host, NetLab, netns_available
 
 from dlfs.config import DATA_PORT, META_PORT
 from dlfs.format.chunk import HEADER, RECORD
+from dlfs.fuse.records import mount_log
 
 NODES = ["n1", "n2", "n3", "n4"]
 CLIENT = "c1"  # a compute-only client: in no cluster file
@@ -184,8 +185,8 @@ class NetCluster:
                                                         timeout=30).returncode != 0:
                 force_unmount(mountpoint)
 
-    def mount_log(self, host: str, dataset: str) -> Path:
-        return self.homes[host] / "logs" / f"mount-{dataset}.log"
+    def mount_log(self, host: str, dataset: str, mountpoint: Path) -> Path:
+        return mount_log(self.homes[host], dataset, mountpoint)
 
     def close(self) -> None:
         """Unmount everything under base, stop every process this cluster started."""
@@ -371,7 +372,7 @@ def test_reads_survive_a_data_node_killed_mid_epoch(cluster: NetCluster, dataset
             assert n2.proc is not None
             n2.proc.send_signal(signal.SIGKILL)
 
-    log = cluster.mount_log("n3", dataset.name)
+    log = cluster.mount_log("n3", dataset.name, cluster.base / "mnt-epoch-kill")
     try:
         with cluster.mounted("n3", dataset.name, cluster.base / "mnt-epoch-kill") as mnt:
             seen = log.stat().st_size
@@ -460,7 +461,7 @@ def test_corrupt_replica_is_skipped_reported_and_repaired(cluster: NetCluster, d
         f.seek(pos)
         f.write(bytes([byte[0] ^ 0xFF]))
 
-    log = cluster.mount_log("n3", dataset.name)
+    log = cluster.mount_log("n3", dataset.name, cluster.base / "mnt-corrupt")
     seen = log.stat().st_size if log.exists() else 0
     with cluster.mounted("n3", dataset.name, cluster.base / "mnt-corrupt") as mnt:
         problems = read_problems(mnt, dataset.files, seed=2)

@@ -13,6 +13,7 @@ from etcdlab import EtcdCluster, etcd_available, free_ports, local_etcd
 
 from dlfs.config import EtcdConfig, parse_cluster_file
 from dlfs.control.etcd import EtcdUnavailable
+from dlfs.control.pins import PinPublisher
 from dlfs.control.plane import ControlPlane, Lease
 from dlfs.errors import Conflict, NotFound, UsageError
 from dlfs.meta.catalog import VersionInfo
@@ -81,7 +82,7 @@ async def test_a_commit_whose_session_lost_its_lease_is_refused(control: Control
     with pytest.raises(Conflict, match="lost its lease"):
         await control.allocate(info("ds"), "n1", "s1")
     with pytest.raises(Conflict, match="run the ingest again"):
-        await control.pin("s1", 1, [b"x" * 16], lease)
+        await control.clear_to_pin("s1")
     await control.aclose()
 
 
@@ -107,28 +108,53 @@ async def test_removal_reports_mounts_and_refuses_new_ones(control: ControlPlane
 
 
 async def test_pins_wait_for_a_collection_and_it_sees_them(control: ControlPlane) -> None:
-    lease = await session(control, "s1")
-    await control.pin("s1", 1, [b"a" * 16, b"b" * 16], lease)
+    """A daemon's pins reach etcd only when a collection takes the gc lock (one key per session), and a
+    pin asked for during the collection waits for it to end."""
+    await session(control, "s1")
+    held: dict[str, set[bytes]] = {"s1": set()}
+    board = PinPublisher(control, "n1", lambda: held)
+    lease = await control.etcd.grant(30)
     pinned_at = 0.0
     async with trio.open_nursery() as n:
+        n.start_soon(board.run)
+        await board.pin("s1", [b"a" * 16, b"b" * 16], held["s1"])
+        assert (await control.snapshot()).pins == set()  # nothing written per chunk
         async with control.gc_lock("n1", lease):
+            assert (await control.snapshot()).pins == {b"a" * 16, b"b" * 16}  # published for this collection
             with pytest.raises(Conflict, match="already running on n1"):
                 async with control.gc_lock("n2", lease):
                     pass
 
             async def pin_late() -> None:
                 nonlocal pinned_at
-                await control.pin("s1", 2, [b"c" * 16], lease)
+                await board.pin("s1", [b"c" * 16], held["s1"])
                 pinned_at = trio.current_time()
 
             n.start_soon(pin_late)
             await trio.sleep(0.6)
-            assert (await control.snapshot()).pins == {b"a" * 16, b"b" * 16}  # the late pin waits
+            assert held["s1"] == {b"a" * 16, b"b" * 16}  # the late pin waits
             released_at = trio.current_time()
+        while not pinned_at:  # taken once the collection ended
+            await trio.sleep(0.05)
+        async with control.gc_lock("n1", lease):  # the next collection sees the late pin
+            assert (await control.snapshot()).pins == {b"a" * 16, b"b" * 16, b"c" * 16}
+        n.cancel_scope.cancel()
     assert pinned_at >= released_at
-    assert (await control.snapshot()).pins == {b"a" * 16, b"b" * 16, b"c" * 16}
+    kvs, _ = await control.etcd.range(f"{control.p}pins/", prefix=True)
+    assert [kv.key for kv in kvs] == [control.pins_key("s1")]  # one key for the session
     assert await control.close_ingest("s1") == {b"a" * 16, b"b" * 16, b"c" * 16}  # for its abort to free
     assert (await control.snapshot()).pins == set()
+    await control.aclose()
+
+
+async def test_a_collection_waits_for_unpublished_pins_then_refuses(control: ControlPlane) -> None:
+    """A session whose daemon never publishes (cut off from etcd) makes a collection fail, not free its chunks."""
+    await session(control, "s1")
+    lease = await control.etcd.grant(30)
+    with pytest.raises(Conflict, match="1 ingest session.* on n1 did not publish their pins"):
+        async with control.gc_lock("n2", lease):
+            pass
+    assert (await control.gc_holder())[0] == 0  # the failed collection let go of the lock
     await control.aclose()
 
 
@@ -162,7 +188,7 @@ async def test_etcd_down_is_one_line_naming_the_endpoints() -> None:
 def test_a_cluster_of_several_nodes_needs_etcd(tmp_path: Path) -> None:
     (tmp_path / "k").write_text("ab" * 32)
     (tmp_path / "k").chmod(0o600)  # a key others can read is refused
-    nodes = '[[node]]\nname = "a"\naddress = "127.0.0.1"\n[[node]]\nname = "b"\naddress = "127.0.0.1"\n'
+    nodes = '[[node]]\nname = "a"\naddress = "127.0.0.1"\n[[node]]\nname = "b"\naddress = "127.0.0.2"\n'
     path = tmp_path / "c.toml"
     path.write_text('key_file = "k"\n' + nodes)
     with pytest.raises(UsageError, match=r"has 2 nodes but no \[etcd\] section"):

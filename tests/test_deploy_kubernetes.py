@@ -1,6 +1,8 @@
-"""deploy/kubernetes: every manifest parses and holds what the deployment needs; the containers'
-commands are valid dlfs invocations, and run here as the kubelet would run them they serve a mount;
-the etcd StatefulSet's members, run here with its arguments, form the cluster the ConfigMap names."""
+"""deploy/kubernetes: every manifest validates against the Kubernetes API's schemas
+(kubernetes-validate) and holds what the deployment needs; the containers' commands are valid dlfs
+invocations, and run here as the kubelet would run them they serve the node and publish a dataset
+into a pod through the CSI socket the registrar names; the etcd StatefulSet's members, run here with
+its arguments, form the cluster the ConfigMap names."""
 
 from __future__ import annotations
 
@@ -19,18 +21,22 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import kubernetes_validate
 import pytest
 import yaml
 from conftest import REPO, _free_ports, force_unmount, mounts_under, needs_fuse, run_dlfs
 
-from dlfs.cli import build_parser, cmd_mount, cmd_node, cmd_umount
+from dlfs.cli import build_parser, cmd_csi, cmd_node
 from dlfs.config import parse_cluster_file
+from dlfs.csi import DRIVER_NAME
+from dlfs.csi.server import socket_path
+from dlfs.csi.volumes import VolumeSpec
 from dlfs.errors import UsageError
-from dlfs.fuse.mount import mount_record
 from dlfs.wire.auth import read_key
 
 K8S = REPO / "deploy" / "kubernetes"
 IMAGE = "dlfs:0.1.0"
+KUBERNETES = "1.30.0"  # the oldest release the manifests are for (the newest the validator knows is checked too)
 
 
 def manifests() -> dict[tuple[str, str], dict[str, Any]]:
@@ -81,10 +87,26 @@ def by_name(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return item
 
 
+
+def test_manifests_validate_against_the_kubernetes_schemas() -> None:
+    """Every object, as the API server would check it (strict: no field it does not know), on the oldest
+    release the manifests are meant for and on the newest the validator knows."""
+    for (kind, name), doc in manifests().items():
+        if kind == "Kustomization":
+            continue  # kustomize's own file, not an API object (test_kustomize_renders runs it)
+        for version in (KUBERNETES, kubernetes_validate.latest_version()):
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{kind} {name} on Kubernetes {version}: {exc.message} "
+                                     f"at {'.'.join(map(str, exc.path))}") from None
+
+
 def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
     docs = manifests()
     kinds = {kind for kind, _ in docs}
-    assert {"Namespace", "ConfigMap", "Secret", "DaemonSet", "Pod", "Kustomization", "Service", "StatefulSet"} <= kinds
+    assert {"Namespace", "ConfigMap", "Secret", "DaemonSet", "CSIDriver", "Job", "PersistentVolume",
+            "PersistentVolumeClaim", "Kustomization", "Service", "StatefulSet"} <= kinds
 
     # The ConfigMap's cluster file is one dlfs reads, and the Secret's placeholder is refused.
     cm, secret = docs[("ConfigMap", "dlfs-cluster")], docs[("Secret", "dlfs-key")]
@@ -97,15 +119,32 @@ def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not a hex key"):
         read_key(tmp_path / "placeholder.key")
 
-    ds = docs[("DaemonSet", "dlfs")]
-    assert ds["metadata"]["namespace"] == cm["metadata"]["namespace"] == secret["metadata"]["namespace"] == "dlfs"
-    pod = ds["spec"]["template"]["spec"]
-    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
-    assert pod["hostNetwork"] is True
+    ds, csi = docs[("DaemonSet", "dlfs")], docs[("DaemonSet", "dlfs-csi")]
+    for d in (ds, csi):
+        assert d["metadata"]["namespace"] == cm["metadata"]["namespace"] == secret["metadata"]["namespace"] == "dlfs"
+        assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        assert d["spec"]["template"]["spec"]["hostNetwork"] is True
+    pod, csi_pod = ds["spec"]["template"]["spec"], csi["spec"]["template"]["spec"]
+    assert ds["spec"]["selector"]["matchLabels"] != csi["spec"]["selector"]["matchLabels"]
+
+    # The data nodes' DaemonSet runs exactly on the cluster file's nodes, by the name `--name` gets;
+    # every other node runs only the CSI plugin (no affinity, every taint tolerated): compute-only.
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    named = []
+    for term in terms:
+        (field,) = term["matchFields"]
+        assert (field["key"], field["operator"]) == ("metadata.name", "In") and "matchExpressions" not in term
+        named += field["values"]
+    assert named == [n.name for n in cluster.nodes]
+    assert "affinity" not in csi_pod and "nodeSelector" not in csi_pod and csi_pod["tolerations"] == [{"operator": "Exists"}]
+    # Replacing the plugin ends the mounts it serves: only when its pod is deleted.
+    assert csi["spec"]["updateStrategy"] == {"type": "OnDelete"}
+
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
-    assert volumes["mnt"]["hostPath"]["path"] == "/mnt/dlfs"
-    assert volumes["state"]["hostPath"]["path"] == "/var/lib/dlfs"
+    csi_volumes = {v["name"]: v for v in csi_pod["volumes"]}
+    assert volumes["state"] == csi_volumes["state"] and volumes["state"]["hostPath"]["path"] == "/var/lib/dlfs"
+    assert volumes["config"] == csi_volumes["config"]
+    assert csi_volumes["fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
     sources = volumes["config"]["projected"]["sources"]
     (from_cm,) = [s["configMap"] for s in sources if "configMap" in s]
     secrets = {s["secret"]["name"]: s["secret"] for s in sources if "secret" in s}
@@ -121,43 +160,62 @@ def test_manifests_hold_the_deployment(tmp_path: Path) -> None:
     (client_key,) = re.findall(r'^\s*#\s*key_file = "([^"]+)"', cm["data"]["cluster.toml"], re.M)
     assert {i["path"]: i.get("mode") for i in tls["items"]}[client_key] == 0o400
 
-    node, mount = by_name(pod["containers"], "node"), by_name(pod["containers"], "mount")
-    for c in (node, mount):
+    (node,) = pod["containers"]
+    plugin, registrar = by_name(csi_pod["containers"], "plugin"), by_name(csi_pod["containers"], "registrar")
+    for c in (node, plugin):
         assert c["image"] == IMAGE
         env = container_env(c, "worker-1")
         assert env["DLFS_CLUSTER"] == "/etc/dlfs/cluster.toml" and env["DLFS_HOME"] == "/var/lib/dlfs"
         mounts = {m["name"]: m for m in c["volumeMounts"]}
         assert mounts["config"]["mountPath"] == "/etc/dlfs" and mounts["state"]["mountPath"] == "/var/lib/dlfs"
-    assert mount["securityContext"]["privileged"] is True
-    mnt_mount = by_name(mount["volumeMounts"], "mnt")
-    assert mnt_mount["mountPropagation"] == "Bidirectional" and mnt_mount["mountPath"] == "/mnt/dlfs"
-    assert by_name(mount["volumeMounts"], "fuse")["mountPath"] == "/dev/fuse"
+    assert plugin["securityContext"]["privileged"] is True
+    assert by_name(plugin["volumeMounts"], "fuse")["mountPath"] == "/dev/fuse"
+    # The kubelet's pod directories, at the same path inside (target paths are host paths), shared both ways.
+    pods = by_name(plugin["volumeMounts"], "pods")
+    assert pods["mountPropagation"] == "Bidirectional" and pods["mountPath"] == csi_volumes["pods"]["hostPath"]["path"]
 
     # The commands, as the kubelet expands them, through the real parser.
     args = dlfs_args([kube_expand(a, container_env(node, "worker-1")) for a in node["command"]])
     assert args.fn is cmd_node and args.name == "worker-1" and args.metrics == ":9420"
     assert cluster.node("worker-1").meta.port == node["livenessProbe"]["tcpSocket"]["port"]
     assert cluster.node("worker-1").data.port == node["readinessProbe"]["tcpSocket"]["port"]
-    shell, flag, script = mount["command"]
-    assert (shell, flag) == ("sh", "-c")
-    assert subprocess.run(["sh", "-n", "-c", script], timeout=10).returncode == 0
-    args = dlfs_args(exec_line(script, container_env(mount, "worker-1")))
-    assert args.fn is cmd_mount and args.foreground
-    assert (args.dataset, args.mountpoint, args.metrics) == ("imagenet", "/mnt/dlfs/imagenet", ":9421")
-    stop = dlfs_args(mount["lifecycle"]["preStop"]["exec"]["command"])
-    assert stop.fn is cmd_umount and stop.mountpoint == args.mountpoint
+    args = dlfs_args([kube_expand(a, container_env(plugin, "gpu-7")) for a in plugin["command"]])
+    assert args.fn is cmd_csi and args.node_id == "gpu-7"
+    sock = socket_path(args.endpoint)
 
-    # The training pod reads that mountpoint from the host, read-only, seeing later mounts too.
-    train = docs[("Pod", "train-imagenet")]["spec"]
-    (vol,) = train["volumes"]
-    assert vol["hostPath"]["path"] == args.mountpoint
-    (vm,) = train["containers"][0]["volumeMounts"]
-    assert vm["name"] == vol["name"] and vm["mountPropagation"] == "HostToContainer" and vm["readOnly"] is True
-    assert vm["mountPath"] in train["containers"][0]["command"]
+    # The registrar dials the plugin's socket in the shared plugin directory, and tells the kubelet
+    # where that directory is on the host: the kubelet's plugins/<driver name>.
+    plugin_dir = by_name(plugin["volumeMounts"], "plugin-dir")
+    assert by_name(registrar["volumeMounts"], "plugin-dir")["mountPath"] == plugin_dir["mountPath"] == str(sock.parent)
+    flags = dict(a[2:].split("=", 1) for a in registrar["args"])
+    assert flags["csi-address"] == str(sock)
+    host_dir = csi_volumes["plugin-dir"]["hostPath"]["path"]
+    assert host_dir == f"/var/lib/kubelet/plugins/{DRIVER_NAME}" and flags["kubelet-registration-path"] == f"{host_dir}/{sock.name}"
+    assert by_name(registrar["volumeMounts"], "registration-dir")["mountPath"] == "/registration"
+    assert csi_volumes["registration-dir"]["hostPath"]["path"] == "/var/lib/kubelet/plugins_registry"
+    assert registrar["image"].startswith("registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.")
+
+    driver = docs[("CSIDriver", DRIVER_NAME)]["spec"]
+    assert driver["attachRequired"] is False and driver["podInfoOnMount"] is True
+    assert sorted(driver["volumeLifecycleModes"]) == ["Ephemeral", "Persistent"]
+
+    # The training Job's inline volume and the PersistentVolume ask for what the plugin takes.
+    job = docs[("Job", "train-imagenet")]["spec"]["template"]["spec"]
+    (vol,) = job["volumes"]
+    assert vol["csi"]["driver"] == DRIVER_NAME and vol["csi"]["readOnly"] is True
+    spec = VolumeSpec.from_attributes({**vol["csi"]["volumeAttributes"], "csi.storage.k8s.io/ephemeral": "true"})
+    assert (spec.dataset, spec.version, spec.ephemeral) == ("imagenet", 3, True)
+    (vm,) = job["containers"][0]["volumeMounts"]
+    assert vm["name"] == vol["name"] and vm["readOnly"] is True and vm["mountPath"] in job["containers"][0]["command"]
+    pv, pvc = docs[("PersistentVolume", "dlfs-imagenet-3")]["spec"], docs[("PersistentVolumeClaim", "imagenet")]["spec"]
+    assert pv["csi"]["driver"] == DRIVER_NAME and pv["accessModes"] == pvc["accessModes"] == ["ReadOnlyMany"]
+    assert VolumeSpec.from_attributes(pv["csi"]["volumeAttributes"]).wanted == "imagenet@3"
+    assert pvc["volumeName"] == "dlfs-imagenet-3" and pv["storageClassName"] == pvc["storageClassName"] == ""
 
     kust = docs[("Kustomization", "kustomization")]
     assert all((K8S / r).exists() for r in kust["resources"]) and "secret.yaml" not in kust["resources"]
-    assert "etcd.yaml" in kust["resources"]
+    assert {"etcd.yaml", "daemonset.yaml", "csi-driver.yaml", "csi-plugin.yaml"} <= set(kust["resources"])
+    assert not {"training-job.yaml", "pv-example.yaml"} & set(kust["resources"])  # examples: the user's to apply
 
 
 def etcd_flags(container: dict[str, Any]) -> dict[str, str]:
@@ -283,6 +341,8 @@ def test_etcd_members_form_the_cluster_the_configmap_names(tmp_path: Path) -> No
                 proc.wait(timeout=10)
 
 
+
+
 def test_kustomize_renders() -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -290,7 +350,8 @@ def test_kustomize_renders() -> None:
     out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out.stdout))
-    assert kinds == ["ConfigMap", "DaemonSet", "Namespace", "Service", "StatefulSet"]
+    assert kinds == ["CSIDriver", "ConfigMap", "DaemonSet", "DaemonSet", "Namespace", "Service", "StatefulSet"]
+
 
 
 def test_dockerfile_builds_from_the_checkout() -> None:
@@ -307,23 +368,32 @@ def test_dockerfile_builds_from_the_checkout() -> None:
     assert lines[-1] == 'CMD ["dlfs", "node"]'
 
 
-def _record_pid(home: Path, mountpoint: Path) -> int | None:
-    try:
-        return int(json.loads(mount_record(home, mountpoint).read_text())["pid"])
-    except (OSError, ValueError, KeyError):
-        return None
+
+def _wait_for(what: str, done: Any, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{what}:\n{log.read_text()}"
+        time.sleep(0.1)
 
 
 @needs_fuse
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_containers_run_as_the_kubelet_runs_them(tmp_path: Path) -> None:
-    """The DaemonSet's two commands on this machine: the node named by spec.nodeName from the
-    projected cluster file and key, the mount script (also after its container was killed,
-    leaving a dead mount behind), and the preStop unmount."""
+    """The data node's command (named by spec.nodeName, from the projected cluster file and key) and the
+    CSI plugin's, on this machine with the hostPaths mapped to this test's directories; then, as the
+    kubelet, a dial of the socket the registrar registers and the training Job's inline volume
+    published into a pod's volume directory, read, and unpublished."""
+    import grpc
+
+    from dlfs.csi import csi_pb2 as pb
+    from dlfs.csi import csi_pb2_grpc as pb_grpc
+
     docs = manifests()
-    pod = docs[("DaemonSet", "dlfs")]["spec"]["template"]["spec"]
-    node_c, mount_c = by_name(pod["containers"], "node"), by_name(pod["containers"], "mount")
-    etc, home, host_mnt = tmp_path / "etc-dlfs", tmp_path / "state", tmp_path / "host-mnt"
+    node_c = docs[("DaemonSet", "dlfs")]["spec"]["template"]["spec"]["containers"][0]
+    csi_pod = docs[("DaemonSet", "dlfs-csi")]["spec"]["template"]["spec"]
+    plugin_c, registrar = by_name(csi_pod["containers"], "plugin"), by_name(csi_pod["containers"], "registrar")
+    plugin_host_dir = by_name(csi_pod["volumes"], "plugin-dir")["hostPath"]["path"]
+    etc, home, kubelet = tmp_path / "etc-dlfs", tmp_path / "state", tmp_path / "kubelet"
     etc.mkdir()
     meta, data, metrics = _free_ports(3)
     (etc / "cluster.toml").write_text(f'replicas = 1\nkey_file = "cluster.key"\n[[node]]\nname = "worker-1"\n'
@@ -331,9 +401,10 @@ def test_containers_run_as_the_kubelet_runs_them(tmp_path: Path) -> None:
     run_dlfs(tmp_path, "keygen", etc / "cluster.key")
     dlfs = str(Path(sys.executable).with_name("dlfs"))
 
-    def local(text: str) -> str:  # the container's paths, mapped to this test's directories
-        return (text.replace("/etc/dlfs", str(etc)).replace("/var/lib/dlfs", str(home))
-                .replace("/mnt/dlfs", str(host_mnt)).replace(":9420", f"127.0.0.1:{metrics}"))
+    def local(text: str) -> str:  # the containers' paths (hostPaths, as each container sees them), mapped here
+        return (text.replace(plugin_host_dir, str(kubelet / "plugin")).replace("/csi/", f"{kubelet / 'plugin'}/")
+                .replace("/var/lib/kubelet", str(kubelet)).replace("/etc/dlfs", str(etc))
+                .replace("/var/lib/dlfs", str(home)).replace(":9420", f"127.0.0.1:{metrics}"))
 
     def env_of(c: dict[str, Any]) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DLFS_")}
@@ -343,52 +414,53 @@ def test_containers_run_as_the_kubelet_runs_them(tmp_path: Path) -> None:
         return env
 
     node_env = env_of(node_c)
-    argv = [local(kube_expand(a, node_env)) for a in node_c["command"]]
     with open(tmp_path / "node.log", "wb") as log:
-        node = subprocess.Popen(argv, env=node_env, stdout=log, stderr=log)
-    mount_env = env_of(mount_c)
-    shell, flag, script = mount_c["command"]
-    script = local(script).replace(":9421", "127.0.0.1:0")
-    mnt = host_mnt / "imagenet"
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start_mount() -> subprocess.Popen[bytes]:
-        with open(tmp_path / "mount.log", "ab") as log:
-            proc = subprocess.Popen([shell, flag, script], env=mount_env, stdout=log, stderr=log)
-        procs.append(proc)
-        deadline = time.monotonic() + 30
-        while not (os.path.ismount(mnt) and _record_pid(home, mnt) == proc.pid):  # sh exec'd dlfs: same pid
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "mount.log").read_text()
-            time.sleep(0.05)
-        return proc
-
+        node = subprocess.Popen([local(kube_expand(a, node_env)) for a in node_c["command"]], env=node_env,
+                                stdout=log, stderr=log)
+    plugin_env = env_of(plugin_c)
+    plugin: subprocess.Popen[bytes] | None = None
     try:
-        deadline = time.monotonic() + 30
-        while run_dlfs(home, "--cluster", etc / "cluster.toml", "status", check=False, timeout=10).returncode:
-            assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "node.log").read_text()
-            time.sleep(0.1)
+        _wait_for("the node", lambda: run_dlfs(home, "--cluster", etc / "cluster.toml", "status", check=False,
+                                               timeout=10).returncode == 0, node, tmp_path / "node.log")
         src = tmp_path / "src"
         src.mkdir()
         (src / "n01440764.JPEG").write_bytes(os.urandom(120_000))
         run_dlfs(home, "--cluster", etc / "cluster.toml", "ingest", src, "--name", "imagenet")
+        for _ in range(2):  # versions 1..3: the Job asks for 3
+            (src / "n01440764.JPEG").write_bytes(os.urandom(120_000))
+            run_dlfs(home, "--cluster", etc / "cluster.toml", "ingest", src, "--name", "imagenet")
 
-        first = start_mount()
-        assert (mnt / "n01440764.JPEG").read_bytes() == (src / "n01440764.JPEG").read_bytes()
-        # A killed container leaves a dead FUSE mount; the restarted one clears it and mounts again.
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=10)
-        assert mounts_under(mnt) == [str(mnt)]  # dead, and still there: a plain dlfs mount would refuse it
-        second = start_mount()
-        assert (mnt / "n01440764.JPEG").read_bytes() == (src / "n01440764.JPEG").read_bytes()
-
-        stop = [local(a) for a in mount_c["lifecycle"]["preStop"]["exec"]["command"]]
-        done = subprocess.run(stop, env=mount_env, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert second.wait(timeout=30) == 0 and not os.path.ismount(mnt)
+        (kubelet / "pods").mkdir(parents=True)
+        with open(tmp_path / "plugin.log", "wb") as log:
+            plugin = subprocess.Popen([local(kube_expand(a, plugin_env)) for a in plugin_c["command"]],
+                                      env=plugin_env, stdout=log, stderr=log)
+        # What the kubelet dials: the path the registrar registers, on the host.
+        registered = Path(local(dict(a[2:].split("=", 1) for a in registrar["args"])["kubelet-registration-path"]))
+        _wait_for("the plugin's socket", registered.exists, plugin, tmp_path / "plugin.log")
+        with grpc.insecure_channel(f"unix://{registered}") as channel:
+            identity, csi_node = pb_grpc.IdentityStub(channel), pb_grpc.NodeStub(channel)
+            assert identity.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=10).name == DRIVER_NAME
+            assert csi_node.NodeGetInfo(pb.NodeGetInfoRequest(), timeout=10).node_id == "worker-1"
+            job = docs[("Job", "train-imagenet")]["spec"]["template"]["spec"]
+            (vol,) = job["volumes"]
+            target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / vol["name"] / "mount"
+            target.parent.mkdir(parents=True)
+            cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.AccessMode(
+                mode=pb.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER))  # what the kubelet sends inline volumes
+            context = {**vol["csi"]["volumeAttributes"], "csi.storage.k8s.io/ephemeral": "true",
+                       "csi.storage.k8s.io/pod.name": "train-imagenet-0", "csi.storage.k8s.io/pod.namespace": "default"}
+            csi_node.NodePublishVolume(pb.NodePublishVolumeRequest(
+                volume_id="csi-1", target_path=str(target), volume_capability=cap, readonly=vol["csi"]["readOnly"],
+                volume_context=context), timeout=120)
+            assert (target / "n01440764.JPEG").read_bytes() == (src / "n01440764.JPEG").read_bytes()
+            csi_node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id="csi-1", target_path=str(target)),
+                                         timeout=120)
+            assert not target.exists() and not mounts_under(tmp_path)
+        plugin.send_signal(signal.SIGTERM)
+        assert plugin.wait(timeout=30) == 0, (tmp_path / "plugin.log").read_text()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        if plugin is not None and plugin.poll() is None:
+            plugin.kill()
         force_unmount(tmp_path)
         node.send_signal(signal.SIGTERM)
         rc = node.wait(timeout=30)

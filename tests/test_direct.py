@@ -9,15 +9,18 @@ import errno
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Node, needs_fuse
+from conftest import Node, mounts_under, needs_fuse
 from damage import damaged_dataset
 from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
 
@@ -439,3 +442,128 @@ def test_populate_faults_in_a_range_and_checks_it() -> None:
         m.close()
     finally:
         os.close(fd)
+
+
+# --- connect() from anywhere inside a mount, and why it falls back --------------------------------
+def probe_connect(path: Path, env: dict[str, str] | None = None,
+                  user: tuple[int, int] | None = None) -> tuple[str, str]:
+    """connect(path) in a fresh process (another environment, another user): 'direct root reason'
+    and what it logged."""
+    code = ("import sys, dlfs.direct; r = dlfs.direct.connect(sys.argv[1]); "
+            "print(r.direct, r.root, r.reason, sep='\\n')")
+    argv = [sys.executable, "-c", code, str(path)]
+    if user is not None:
+        argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, proc.stderr
+
+
+def test_connect_from_a_subdirectory_or_a_file(edge: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """Any path inside the mount finds its root; reads are zero-copy and, warm, need no request."""
+    src, plain, _ = edge
+    deep = plain / os.fsdecode(MANY_DIR)
+    files = [deep / n for n in sorted(os.listdir(src / os.fsdecode(MANY_DIR)))[:30]]
+    (tmp_path / "link").symlink_to(deep)  # a symlink into the mount, from outside it
+    for where in (deep, files[0], plain / os.fsdecode(TEXT), tmp_path / "link"):
+        with dlfs.direct.connect(where) as r:
+            assert isinstance(r, DirectReader) and r.root == str(plain) and r.reason is None, where
+            r.read_many(files)
+            before = r.stats()["direct_requests"]
+            views = r.read_many(files)
+            assert [bytes(v) for v in views] == [(src / os.fsdecode(MANY_DIR) / f.name).read_bytes() for f in files]
+            assert all(isinstance(v.obj, native.Pin) for v in views)  # views of the shared cache itself
+            del views
+            assert r.stats()["direct_requests"] == before + 1  # the stats call alone
+            assert r.files_under(deep)[0][:2] == [f.name for f in files[:2]]
+
+
+def test_connect_off_dlfs_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"x")
+    caplog.set_level("INFO", logger="dlfs.direct")
+    for where in (tmp_path, tmp_path / "d", tmp_path / "d" / "f"):
+        r = dlfs.direct.connect(where)
+        assert isinstance(r, PlainReader) and not r.direct
+        assert r.reason.startswith(f"not a dlfs mount: {where} is on ") and r.reason in caplog.text
+        assert r.read(tmp_path / "d" / "f") == b"x"
+    assert {rec.levelname for rec in caplog.records} == {"INFO"}  # off dlfs is no cause for a warning
+
+
+def test_without_the_c_helper_it_says_so(edge: tuple[Path, Path, Path]) -> None:
+    _, plain, _ = edge
+    out, err = probe_connect(plain / "text", env={"DLFS_NO_NATIVE": "1"})
+    direct, root, reason = out.splitlines()
+    assert (direct, root) == ("False", str(plain))
+    assert reason == "dlfs's C helper is not loaded in this process (DLFS_NO_NATIVE is set)"
+    assert reason in err  # a warning, on stderr where logging is not set up
+
+
+def test_a_mount_without_a_shared_cache_says_so(tiny: tuple[Node, Path, dict[str, bytes]], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    node, _, want = tiny
+    monkeypatch.setenv("DLFS_NO_NATIVE", "1")  # the mount process runs without the C helper
+    mnt = node.mount("churn", tmp_path / "mnt-no-native")
+    monkeypatch.delenv("DLFS_NO_NATIVE")
+    try:
+        rel = sorted(want)[0]
+        r = dlfs.direct.connect(mnt / rel)
+        assert isinstance(r, PlainReader) and r.root == str(mnt)
+        assert r.reason == (f"the dlfs mount dlfs:churn@1 at {mnt} has no control socket: it runs without "
+                            "dlfs's C helper, so it has no shared cache")
+        assert r.read(mnt / rel) == want[rel]
+    finally:
+        node.umount(mnt)
+
+
+@pytest.fixture
+def reachable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A directory other users can reach (pytest's are root's alone); binds made in it are undone."""
+    path = Path(tempfile.mkdtemp(prefix="dlfs-direct-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for mnt in mounts_under(path):
+            subprocess.run(["umount", "-l", mnt], capture_output=True, check=False, timeout=30)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def bind(source: Path, target: Path) -> Path:
+    target.mkdir()
+    subprocess.run(["mount", "--bind", str(source), str(target)], check=True, capture_output=True, timeout=30)
+    return target
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to bind-mount")
+def test_bind_mounts_of_a_mount(edge: tuple[Path, Path, Path], reachable: Path,
+                                caplog: pytest.LogCaptureFixture) -> None:
+    """A bind of the whole mount (pods sharing one mount) reads direct; a bind of a directory inside
+    it cannot reach the root's control socket, and says so."""
+    src, plain, _ = edge
+    whole = bind(plain, reachable / "whole")
+    with dlfs.direct.connect(whole / "text") as r:
+        assert r.direct and r.root == str(whole)
+        assert r.read(whole / os.fsdecode(TEXT)) == (src / os.fsdecode(TEXT)).read_bytes()
+    part = bind(plain / "text", reachable / "part")
+    r = dlfs.direct.connect(part)
+    assert not r.direct and r.reason == (f"{part} is a bind mount of a directory inside the dlfs mount "
+                                         "dlfs:plain@1: dlfs.direct attaches through the root of a mount "
+                                         "(bind-mount the whole mount)")
+    assert [rec.levelname for rec in caplog.records if rec.name == "dlfs.direct"] == ["WARNING"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_another_user_is_told_whose_mount_it_is(edge: tuple[Path, Path, Path], reachable: Path) -> None:
+    """The control socket is the mount owner's: another user reads through the kernel, told why."""
+    from test_private import probe_ids
+
+    _, plain, _ = edge
+    whole = bind(plain, reachable / "whole")  # the mount's own directory is under root's private tmp
+    out, err = probe_connect(whole / "text", user=probe_ids())
+    direct, root, reason = out.splitlines()
+    assert (direct, root) == ("False", str(whole))
+    assert reason.startswith("cannot attach to the mount's control socket ")
+    assert reason.endswith(": Permission denied (the mount is uid 0's: only that user and root may attach to it)")
+    assert reason in err

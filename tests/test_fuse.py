@@ -265,7 +265,6 @@ def test_read_only(edge: Edge) -> None:
 def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
     # The native engine answers metadata, OPEN, IOCTL and the READs it finds in the shared cache; without
     # it (not built, or DLFS_NO_NATIVE) the Python handlers must give the same tree, bytes and errnos.
-    c_log = edge.node.mount_log(NAME).read_text()
     c_mnt = edge.node.mount(NAME, edge.base / "mnt-native")  # fresh: its reads reach the mount
     dev_mnt = edge.node.mount(NAME, edge.base / "mnt-dev-fuse", "--io-uring", "off")  # threads on /dev/fuse only
     monkeypatch.setenv("DLFS_NO_NATIVE", "1")
@@ -317,7 +316,7 @@ def test_python_path_matches_the_native_one(edge: Edge, monkeypatch: pytest.Monk
         edge.node.umount(py_mnt)
         edge.node.umount(dev_mnt)
         edge.node.umount(c_mnt)
-    log = edge.node.mount_log(NAME).read_text()[len(c_log):]
+    log = "".join(edge.node.mount_log(NAME, m).read_text() for m in (c_mnt, py_mnt))  # one log per mount
     assert "native threads serve the mount" in log and "served by Python alone" in log
 
 

@@ -21,6 +21,7 @@ from conftest import DLFS, HAVE_FUSE, REPO, dlfs_env, force_unmount, needs_fuse,
 
 import dlfs.direct
 from dlfs.errors import KeyExposed, UsageError
+from dlfs.fuse.records import mount_log as mount_log_path
 from dlfs.wire.auth import read_key, write_key
 
 PROBE = "dlfs-probe"
@@ -159,7 +160,7 @@ def test_a_looser_home_is_tightened_at_start_with_one_warning(base: Path) -> Non
             mnt = base / "mnt"
             mnt.mkdir()
             run_dlfs(home, "mount", "secret", mnt)
-            mount_log = (home / "logs" / "mount-secret.log").read_text()
+            mount_log = mount_log_path(home, "secret", mnt).read_text()
             assert mount_log.count(TIGHTENED) == 1 and f"tightened 0 files and 1 directories under {home}" in mount_log
             assert loose_entries(home) == []
             run_dlfs(home, "umount", mnt)

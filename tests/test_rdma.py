@@ -245,8 +245,8 @@ def test_cluster_file_transport_setting(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text(base)
     assert parse_cluster_file(tmp_path / "c.toml").transport == "auto"
     for bad, words in (('transport = "ib"', "transport = 'ib' (use auto, tcp or rdma)"),
-                       ("rdma_port = 0", "rdma_port must be a port number"),
-                       ("rdma_device = 3", "rdma_device must be a device name")):
+                       ("rdma_port = 0", "rdma_port = 0 (use a port number from 1 to 255)"),
+                       ("rdma_device = 3", 'rdma_device = 3 (use a device name such as "mlx5_0")')):
         (tmp_path / "c.toml").write_text(bad + "\n" + base)
         with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
             parse_cluster_file(tmp_path / "c.toml")

@@ -17,8 +17,9 @@ here, and a slab whose records are all consumed is free again. The cache therefo
 that has not been used yet, not a second copy of the page cache.
 
 One fetch pipeline (_from_sources): this machine's chunk files first (a window straight from the disk
-into its slab), then each replica over TCP or RDMA (into the slab too); checks, failover and the
-counts of what each node gave live there. Each chunk is cut into fixed windows of up to a slab; a miss
+into its slab), then the node's disk cache where the mount has one (dlfs/client/diskcache.py), then
+each replica over TCP or RDMA (into the slab too); checks, failover and the counts of what each node
+gave live there, and what a replica gave that passed is handed to the disk cache's writer. Each chunk is cut into fixed windows of up to a slab; a miss
 that is part of a stream (see read) fetches what of its window is not here yet (one request, one
 slab) and queues the rest of the chunk, and of the file, for background prefetch workers; a random
 read fetches what it asks: a small record alone, or the 4 KiB blocks of a big one.
@@ -27,7 +28,8 @@ Scan resistant (CoorDL's no-thrash idea): blocks stay resident until used; once 
 is full, misses fetch just their own record (no read-ahead, no prefetch) into a small LRU scratch
 area, so an epoch over a dataset larger than the cache costs one fetch per missed file while the
 resident part keeps hitting. Concurrent misses of one window share one fetch. A replica that is
-down, or whose bytes fail their checksum, is passed over for the next one.
+down, slow (the fetch is hedged to the next) or whose bytes fail their checksum is passed over for
+the next one, and a read that no replica answers waits for one up to a bound (dlfs/client/replicas.py).
 """
 
 from __future__ import annotations
@@ -42,16 +44,18 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from time import perf_counter
 from typing import Any, TypeVar
 
 import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.diskcache import SOURCE as DISK_CACHE
+from dlfs.client.diskcache import DiskCache
 from dlfs.client.local import DIRECT_ALIGN, THREAD_BYTES, LocalChunks, ticket
+from dlfs.client.replicas import Fetched, ReplicaReader
 from dlfs.counters import LatencyHistogram
-from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable
+from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.chunk import BLOCK_SIZE, FLAG_BLOCK_SUMS, FLAG_LZ4, block_range, decode_record, verify_blocks
 from dlfs.format.index import Extent, Index
 from dlfs.native import native
@@ -59,7 +63,6 @@ from dlfs.native import native
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
-FETCH_TIMEOUT = 10.0
 PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or a node) busy
 NO_SLAB = -1
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
@@ -103,6 +106,27 @@ def auto_cache_size(limit: MemoryLimit | None = None) -> int:
     return max(MIN_AUTO_CACHE, limit.effective // 4)
 
 
+def window_size(index: Index, readahead: int) -> int:
+    """Bytes of a chunk fetched per miss at most (a slab's worth). No fetch spans chunks: a window
+    bigger than the dataset's chunks would be memory never used."""
+    return max(min(readahead, index.totals.chunk_size or readahead), 64 << 10)
+
+
+def chunk_windows(index: Index, ci: int, window: int) -> list[int]:
+    """The first extent of each window of chunk `ci`, then its extents' end: records packed from the
+    chunk's start, each window at most `window` bytes (or one record). The mount fetches these, and
+    `dlfs warmup` the same ones, so that what it leaves on disk is what the mount asks for."""
+    chunk = index.chunk(ci)
+    starts, base = [], -1
+    for i in range(chunk.first_extent, chunk.first_extent + chunk.n_extents):
+        rec = index.extent(i).record
+        if base < 0 or rec.offset + rec.stored_len - base > window:
+            starts.append(i)
+            base = rec.offset
+    starts.append(chunk.first_extent + chunk.n_extents)
+    return starts
+
+
 @dataclass(slots=True)
 class Block:
     """One fetched range: its memory (a slab, or its own) and the records in it not yet consumed."""
@@ -116,12 +140,14 @@ class Block:
 
 class ChunkCache:
     def __init__(self, index: Index, client: ClusterClient, capacity: int = 2 << 30,
-                 readahead: int = 4 << 20, prefetch: bool = True) -> None:
+                 readahead: int = 4 << 20, prefetch: bool = True, retry_timeout: float = 0.0) -> None:
         self.index = index
         self.client = client
-        # No fetch spans chunks: a window bigger than the dataset's chunks would be memory never used.
+        # Replicas are raced (hedged) and, for a read that needs its bytes, waited for up to
+        # retry_timeout while none answers (a restart); read-ahead gives up after one round.
+        self.replicas = ReplicaReader(client, retry_timeout)
         # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk).
-        self.window = max(min(readahead, index.totals.chunk_size or readahead), 64 << 10)
+        self.window = window_size(index, readahead)
         self.slab_size = self.window + DIRECT_ALIGN * 2
         nslabs = max(capacity // self.slab_size, 4)
         self.capacity = nslabs * self.slab_size
@@ -167,6 +193,7 @@ class ChunkCache:
         self._inflight: dict[int, trio.Event] = {}
         self._prefetch = prefetch
         self.local: LocalChunks | None = None  # this machine's chunk files, read in place when set
+        self.disk: DiskCache | None = None  # the node's disk cache, read after `local`, filled from replicas
         # Which records the kernel was sent whole, as of the current *generation*: read-ahead passes
         # them over (the kernel keeps its pages) until the kernel asks again for one it was sent, which
         # shows it drops pages (memory pressure, a dataset bigger than memory): that starts a new
@@ -186,13 +213,22 @@ class ChunkCache:
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.stream_waits = 0  # reads that found their window still being fetched: the stream then deepens
         self.hits = self.misses = self.fetches = self.fetched_bytes = self.evictions = 0
-        self.prefetched_bytes = self.consumed = self.corrupt = 0
+        self.prefetched_bytes = self.consumed = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
         self.retired_pinned = 0  # slabs a dlfs.direct client still pinned when their records were dropped
-        self.failovers = 0  # fetches that moved on to another replica after one failed
         self.fetched_by_node: dict[str, int] = {}  # bytes
         self.fetches_by_node: dict[str, int] = {}
         self.fetch_seconds = LatencyHistogram()
+
+    @property
+    def failovers(self) -> int:
+        """Fetches that moved on to another replica after one failed."""
+        return self.replicas.failovers
+
+    @property
+    def corrupt(self) -> int:
+        """Replicas' bytes that failed their check."""
+        return self.replicas.corrupt
 
     def close(self) -> None:
         """Let go of the memfds (the mappings go with the last reference to them)."""
@@ -519,15 +555,7 @@ class ChunkCache:
         ci = self.index.extent(ext).chunk
         starts = self._windows.get(ci)
         if starts is None:
-            chunk = self.index.chunk(ci)
-            starts, base = [], -1
-            for i in range(chunk.first_extent, chunk.first_extent + chunk.n_extents):
-                rec = self.index.extent(i).record
-                if base < 0 or rec.offset + rec.stored_len - base > self.window:
-                    starts.append(i)
-                    base = rec.offset
-            starts.append(chunk.first_extent + chunk.n_extents)
-            self._windows[ci] = starts
+            starts = self._windows[ci] = chunk_windows(self.index, ci, self.window)
         k = bisect.bisect_right(starts, ext) - 1
         return starts[k], starts[k + 1]
 
@@ -539,14 +567,15 @@ class ChunkCache:
 
     async def _from_sources(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
                             check: Callable[[Sequence[Buffer], str], Awaitable[T]], urgent: bool = True,
-                            order: int | None = None) -> T:
+                            order: int | None = None, keep: bool = True) -> T:
         """Ranges (offset, length) of chunk `cid` from the first source whose bytes pass `check`: this
-        machine's chunk files first, then each replica (CorruptData from `check` moves on to the next;
-        so does a replica that is down). The first range lands in `into` where the source can put it
-        there. What a replica sent is counted as fetched from it (good or not), what this machine's
-        chunk files gave once it is good; CorruptData or Unreachable if no source has good bytes."""
-        errors: list[str] = []
-        corrupt = False
+        machine's chunk files first, then the disk cache, then each replica (CorruptData from `check`
+        moves on to the next; so does a replica that is down). The first range lands in `into` where the
+        source can put it there. What a replica sent is counted as fetched from it (good or not), what
+        this machine's chunk files or the disk cache gave once it is good; good bytes from a replica go
+        to the disk cache (`keep`), behind the read. The replicas are raced and, for an `urgent` read,
+        waited for through a restart (ReplicaReader). CorruptData or Unreachable if no source has good
+        bytes."""
         if self.local is not None:
             pieces = await self.local.read_ranges(cid, ranges, into, urgent, order)
             if pieces is not None:
@@ -555,31 +584,31 @@ class ChunkCache:
                     out = await check(local, self.local.node)
                 except CorruptData as exc:
                     self.local.fallbacks += 1  # counted there: a node's fetches are what it served well
+                    self.local.failed(cid)  # its replicas from now on, until repair replaces the file
                     log.warning("%s; reading it from the replicas", exc)
                 else:
                     self._count_fetch(self.local.node, sum(len(p) for p in local))
                     return out
-        for spec in self.client.replicas(cid):
-            if errors:
-                self.failovers += 1
-            t0 = perf_counter()
-            try:
-                got = [await self.client.read_from(spec, cid, off, n, timeout=FETCH_TIMEOUT, into=into if i == 0 else None)
-                       for i, (off, n) in enumerate(ranges)]
-            except (Unreachable, NotFound, CorruptData) as exc:
-                errors.append(f"{spec.name}: {exc}")
-                continue
-            self.fetch_seconds.observe(perf_counter() - t0)
-            self._count_fetch(spec.name, sum(len(p) for p in got))
-            try:
-                return await check(got, spec.name)
-            except CorruptData as exc:
-                self.corrupt += 1
-                corrupt = True
-                log.warning("%s; trying the next replica", exc)
-                errors.append(str(exc))
-        cls = CorruptData if corrupt else Unreachable
-        raise cls(f"chunk {cid.hex()}: no replica has good bytes ({'; '.join(errors)})")
+        if self.disk is not None:
+            held = await self.disk.read(cid, ranges, into, urgent, order)
+            if held is not None:
+                try:
+                    out = await check(held, DISK_CACHE)
+                except CorruptData as exc:
+                    self.disk.drop(cid)
+                    log.warning("%s; dropped from the disk cache, reading it from the replicas", exc)
+                else:
+                    self._count_fetch(DISK_CACHE, sum(len(p) for p in held))
+                    return out
+        out, got = await self.replicas.read(cid, ranges, into, check, self._fetched, retry=urgent)
+        if self.disk is not None and keep:  # copied now: the slab is reused once its records are read
+            self.disk.put(cid, ranges, got)
+        return out
+
+    def _fetched(self, f: Fetched) -> None:
+        """A replica's bytes arrived (checked next): counted as fetched from it, good or not."""
+        self.fetch_seconds.observe(f.seconds)
+        self._count_fetch(f.node, sum(len(p) for p in f.got))
 
     async def _fetch(self, run: list[int], need: int | None, direct: bool = False,
                      order: int | None = None) -> bytes | memoryview | None:
@@ -650,8 +679,9 @@ class ChunkCache:
 
         self.misses += 1
         self.block_reads += 1
+        # Not kept on disk: random blocks of big files are rarely read twice, and would each be an entry.
         return await self._from_sources(cid, [(rng.data_offset, rng.data_len), (rng.sums_offset, rng.sums_len)],
-                                        None, check)
+                                        None, check, keep=False)
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,
@@ -779,9 +809,11 @@ class ChunkCache:
                "cached_bytes": self._resident_size + self._scratch_size, "corrupt": self.corrupt,
                "retired_slabs": len(self._retired), "retired_pinned": self.retired_pinned,
                "own_bytes": self._own_size, "given_back_bytes": self.given_back,
-               "tcp_fallbacks": self.client.tcp_fallbacks}
+               "tcp_fallbacks": self.client.tcp_fallbacks, **self.replicas.stats()}
         if self.client.rdma is not None:
             out.update(self.client.rdma.stats())
         if self.local is not None:
             out.update(self.local.stats())
+        if self.disk is not None:
+            out.update(self.disk.stats())
         return out

@@ -18,10 +18,14 @@ from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, Connection, Response, connect
 
 log = logging.getLogger(__name__)
-SUSPECT_MIN = 1.0
-SUSPECT_MAX = 60.0
+# A failing node is probed again after a back-off that grows per round of failures, from SUSPECT_MIN
+# to SUSPECT_MAX: short, so that a node back from a restart is read from again within a second or two.
+SUSPECT_MIN = 0.25
+SUSPECT_MAX = 2.0
 CONNECT_TIMEOUT = 5.0
-PROBE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 2.0  # a PING is answered in well under a millisecond by a daemon that runs
+PROBE_EVERY = 0.25
+FULL_RETRY = 30.0  # seconds writes pass over a data node that said its disk is full, before asking it again
 
 
 def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
@@ -33,16 +37,24 @@ def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
 
 @dataclass
 class Health:
-    """A node that failed is suspect until `until`; each failure doubles the wait (to a bound)."""
+    """A node that failed is suspect (not probed) until `until`. Failures while it is suspect belong to
+    the round that made it so (many fetches in flight fail together when a node goes): the back-off
+    doubles (to a bound) once per round, not once per failed fetch."""
 
     until: float = 0.0
     backoff: float = 0.0
     failures: int = 0
+    rounds: int = 0
 
-    def fail(self, now: float) -> None:
+    def fail(self, now: float) -> bool:
+        """Note a failure; True if it began a new round."""
         self.failures += 1
+        if now < self.until:
+            return False
+        self.rounds += 1
         self.backoff = min(max(self.backoff * 2, SUSPECT_MIN), SUSPECT_MAX)
         self.until = now + self.backoff
+        return True
 
     def suspect(self, now: float) -> bool:
         return now < self.until
@@ -60,8 +72,10 @@ class ClusterClient:
         self._conns: dict[tuple[str, str], Connection] = {}
         self._locks: dict[tuple[str, str], trio.Lock] = {}
         self.health: dict[str, Health] = {}
+        self._answer = trio.Event()  # set (and replaced) whenever a failing node answers again
         self.rdma: RangeReader | None = None  # set by client.transport.chunk_transport when RDMA is used
         self.tcp_fallbacks = 0  # reads RDMA could not serve, read over TCP instead
+        self._full: dict[str, tuple[float, str]] = {}  # data node -> (until when writes pass it over, why)
 
     async def _hold(self, spec: NodeSpec, service: str,
                     task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED) -> None:
@@ -102,14 +116,31 @@ class ClusterClient:
         except Unreachable:
             self._failed(spec)
             raise
-        if spec.name in self.health:
-            del self.health[spec.name]
+        self._answered(spec.name)
         return reply
 
-    def _failed(self, spec: NodeSpec) -> None:
+    def _failed(self, spec: NodeSpec, why: str = "") -> None:
         h = self.health.setdefault(spec.name, Health())
-        h.fail(trio.current_time())
-        log.info("node %s is suspect for %.0f s (failure %d)", spec.name, h.backoff, h.failures)
+        if h.fail(trio.current_time()):
+            log.info("node %s is failing%s: read last, probed in %.2f s (round %d, %d failures)", spec.name, why,
+                     h.backoff, h.rounds, h.failures)
+
+    def _answered(self, name: str) -> None:
+        h = self.health.pop(name, None)
+        if h is not None:
+            log.info("node %s answers again (after %d failures)", name, h.failures)
+            self._answer.set()
+            self._answer = trio.Event()
+
+    def lagged(self, spec: NodeSpec, other: float) -> None:
+        """A fetch from `spec` was beaten by a hedge to another replica (which answered in `other`
+        seconds): read it last until it answers a probe, as if it had failed."""
+        self._failed(spec, f" (another replica answered in {other * 1e3:.0f} ms while it did not)")
+
+    async def wait_answer(self, timeout: float) -> None:
+        """Until a failing node answers again (a probe or a read), or `timeout` seconds."""
+        with trio.move_on_after(max(timeout, 0.0)):
+            await self._answer.wait()
 
     async def read_from(self, spec: NodeSpec, cid: bytes, offset: int, length: int,
                         timeout: float = CALL_TIMEOUT, into: memoryview | None = None) -> bytes | bytearray | memoryview:
@@ -127,7 +158,7 @@ class ClusterClient:
                 self._failed(spec)
                 raise
             else:
-                self.health.pop(spec.name, None)
+                self._answered(spec.name)
                 return data
         _, data = await self.call(spec, "data", Msg.READ_RANGE, {"id": cid, "offset": offset, "length": length},
                                   timeout=timeout, into=into)
@@ -142,19 +173,45 @@ class ClusterClient:
         while another replica can serve (the prober finds out when it is back)."""
         return name in self.health
 
-    async def probe_failing(self, interval: float = 1.0) -> None:
-        """Run for the client's life: ping each failing data node once its back-off has passed; an
-        answer clears it (in call), silence doubles its back-off. Bounded: one ping at a time."""
-        while True:
-            await trio.sleep(interval)
-            for name in list(self.health):
-                if self.suspect(name) or name not in {n.name for n in self.cluster.data_nodes}:
-                    continue
-                try:
-                    await self.call(self.cluster.node(name), "data", Msg.PING, timeout=PROBE_TIMEOUT)
-                    log.info("node %s answers again", name)
-                except DlfsError:
-                    pass
+    async def probe_failing(self, interval: float = PROBE_EVERY) -> None:
+        """Run for the client's life: ping each failing data node once its back-off has passed, each in
+        a task of its own (a silent node holds up no other's probe; one ping per node at a time). An
+        answer clears it (in call) and wakes the reads waiting for a replica; silence starts its next
+        back-off round."""
+        probing: set[str] = set()
+
+        async def probe(spec: NodeSpec) -> None:
+            try:
+                await self.call(spec, "data", Msg.PING, timeout=PROBE_TIMEOUT)
+            except DlfsError:
+                pass
+            finally:
+                probing.discard(spec.name)
+
+        async with open_nursery() as nursery:
+            while True:
+                await trio.sleep(interval)
+                data = {n.name: n for n in self.cluster.data_nodes}
+                for name in list(self.health):
+                    if name in probing or name not in data or self.suspect(name):
+                        continue
+                    probing.add(name)
+                    nursery.start_soon(probe, data[name], name=f"dlfs-probe {name}")
+
+    def mark_full(self, name: str, why: str) -> bool:
+        """Pass data node `name` over for chunk writes for FULL_RETRY (its disk is full); True if it was
+        not so marked already (the caller then says so, once)."""
+        fresh = self.full(name) is None
+        self._full[name] = (trio.current_time() + FULL_RETRY, why)
+        return fresh
+
+    def full(self, name: str) -> str | None:
+        """Why chunk writes pass data node `name` over now (its disk was full), or None."""
+        entry = self._full.get(name)
+        if entry is not None and trio.current_time() >= entry[0]:
+            del self._full[name]  # time to ask it again: room may have been made
+            entry = None
+        return entry[1] if entry is not None else None
 
     def meta_nodes(self) -> list[NodeSpec]:
         """Metadata daemons: this machine's first, suspect ones last."""
@@ -189,13 +246,8 @@ class ClusterClient:
 
         async def ask(spec: NodeSpec) -> None:
             try:
-                for i in range(0, len(ids), 20000):
-                    want = ids[i : i + 20000]
-                    meta, _ = await self.call(spec, "data", Msg.HAS_CHUNKS, {"ids": want}, timeout=30)
-                    missing = set(reply(Missing, meta, Msg.HAS_CHUNKS, spec.name).missing)
-                    for c in want:
-                        if c not in missing:
-                            held[c].append(spec.name)
+                for c in await self._held(spec, ids):
+                    held[c].append(spec.name)
             except Unreachable as exc:
                 log.warning("data daemon on %s: %s", spec.name, exc)
                 down.append(spec.name)
@@ -212,21 +264,34 @@ class ClusterClient:
 
     async def sweep(self, live: set[bytes], only: set[bytes] | None = None) -> tuple[int, list[str]]:
         """Delete every stored chunk (of `only`, where given) that no dataset and no ingest holds;
-        returns how many, and the data nodes that could not be swept."""
-        freed = 0
+        returns how many chunks went (each once, however many of its replicas were deleted), and the
+        data nodes that could not be swept."""
+        gone: set[bytes] = set()
         skipped: list[str] = []
         for spec in self.cluster.data_nodes:
             try:
                 if only is None:
                     meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
                     ids = [bytes(data[i : i + 16]) for i in range(0, len(data), 16)]
-                else:  # deleting a chunk a node does not hold does nothing: no list needed
-                    ids = sorted(only)
+                else:  # those of `only` it holds: what it deletes is then what it held
+                    ids = await self._held(spec, sorted(only - live))
                 dead = [c for c in ids if c not in live]
                 for i in range(0, len(dead), 20000):
-                    meta, _ = await self.call(spec, "data", Msg.DELETE_CHUNKS, {"ids": dead[i : i + 20000]})
-                    freed += reply(Deleted, meta, Msg.DELETE_CHUNKS, spec.name).deleted
+                    batch = dead[i : i + 20000]
+                    meta, _ = await self.call(spec, "data", Msg.DELETE_CHUNKS, {"ids": batch})
+                    if reply(Deleted, meta, Msg.DELETE_CHUNKS, spec.name).deleted:
+                        gone.update(batch)  # listed or found there a moment ago, under the gc lock
             except Unreachable as exc:
                 log.warning("garbage collection skipped %s: %s", spec.name, exc)
                 skipped.append(spec.name)
-        return freed, skipped
+        return len(gone), skipped
+
+    async def _held(self, spec: NodeSpec, ids: list[bytes]) -> list[bytes]:
+        """Those of `ids` that data node `spec` stores."""
+        held: list[bytes] = []
+        for i in range(0, len(ids), 20000):
+            want = ids[i : i + 20000]
+            meta, _ = await self.call(spec, "data", Msg.HAS_CHUNKS, {"ids": want}, timeout=30)
+            missing = set(reply(Missing, meta, Msg.HAS_CHUNKS, spec.name).missing)
+            held += [c for c in want if c not in missing]
+        return held

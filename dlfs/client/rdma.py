@@ -167,20 +167,28 @@ class Link:
         posted = 0
         with trio.move_on_after(timeout) as deadline:
             try:
-                while posted < len(pieces):
-                    await self.slots.acquire()
-                    batch = [pieces[posted]]
-                    while posted + len(batch) < len(pieces) and len(batch) < BATCH and self.slots.value > 0:
-                        self.slots.acquire_nowait()
-                        batch.append(pieces[posted + len(batch)])
-                    self._post(read, batch, region, offset)
-                    posted += len(batch)
-            finally:
-                # Pieces never posted will never complete: the read is done when the posted ones are.
-                read.remaining -= len(pieces) - posted
-                if posted < len(pieces) and read.remaining == 0 and not read.done.is_set():
-                    self._finish(read)
-            await read.done.wait()
+                try:
+                    while posted < len(pieces):
+                        await self.slots.acquire()
+                        batch = [pieces[posted]]
+                        while posted + len(batch) < len(pieces) and len(batch) < BATCH and self.slots.value > 0:
+                            self.slots.acquire_nowait()
+                            batch.append(pieces[posted + len(batch)])
+                        self._post(read, batch, region, offset)
+                        posted += len(batch)
+                finally:
+                    # Pieces never posted will never complete: the read is done when the posted ones are.
+                    read.remaining -= len(pieces) - posted
+                    if posted < len(pieces) and read.remaining == 0 and not read.done.is_set():
+                        self._finish(read)
+                await read.done.wait()
+            except trio.Cancelled:
+                # Timed out, or cancelled from outside (a hedged fetch won elsewhere), with READs still
+                # posted: they would land in memory the caller reuses, so the queue pair goes first.
+                if not read.done.is_set():
+                    self.reader.fail(self, f"no completion within {timeout:g} s" if deadline.cancel_called
+                                     else "a read was cancelled with RDMA READs in flight")
+                raise
         if deadline.cancelled_caught:
             self.reader.fail(self, f"no completion within {timeout:g} s")
             raise RdmaFailure(f"RDMA READ from {self.node} timed out")

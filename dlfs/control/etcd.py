@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 import httpx
 import trio
 
-from dlfs.errors import ControlUnavailable, Unreachable
+from dlfs.errors import ControlUnavailable, StorageFull, Unreachable
 
 log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = 5.0  # seconds one request waits, over all endpoints; etcd without a leader answers within about this
@@ -35,6 +36,20 @@ class EtcdUnavailable(ControlUnavailable):
 
 class EtcdRefused(Unreachable):
     """etcd answered with an error that another endpoint would repeat (a bad request)."""
+
+
+class EtcdFull(StorageFull):
+    """etcd's NOSPACE alarm is raised: it takes no write until its space is freed and the alarm disarmed."""
+
+
+NOSPACE = "database space exceeded"  # etcd's words for a write refused under its NOSPACE alarm
+
+
+def nospace_fix(endpoints: str, revision: int | str = "REV") -> str:
+    """What to run to free a full etcd (one line): compact, defragment, disarm the alarm."""
+    e = f"ETCDCTL_API=3 etcdctl --endpoints={endpoints}"
+    return (f"{e} compact {revision} && {e} defrag && {e} alarm disarm; if it fills again, raise its "
+            "--quota-backend-bytes (dlfs compacts its history after every gc)")
 
 
 def _b64(raw: str | bytes) -> str:
@@ -178,10 +193,12 @@ class Etcd:
                         raise EtcdRefused(f"etcd at {endpoint}: reply of {len(r.content)} bytes to {path} is too big")
                     doc = r.json() if r.content else {}
                 except (httpx.HTTPError, OSError, ValueError, trio.TooSlowError) as exc:
-                    errors[endpoint] = _why(exc)
+                    errors[endpoint] = why_failed(exc)
                     continue
                 if r.status_code != 200 or "error" in doc:
                     message = str(doc.get("error") or doc.get("message") or f"HTTP {r.status_code}")
+                    if NOSPACE in message:
+                        raise await self._full()
                     if _retryable(message, r.status_code):
                         errors[endpoint] = message
                         continue
@@ -191,6 +208,16 @@ class Etcd:
             # Every endpoint failed this round: a pause (refusals come back at once), then longer attempts.
             await trio.sleep(min(ROUND_PAUSE, max(0.0, deadline - trio.current_time())))
             attempt *= 2
+
+    async def _full(self) -> EtcdFull:
+        """The one line for a write refused under NOSPACE, with the revision to compact to (reads still work)."""
+        endpoints = ",".join(self.endpoints)
+        try:
+            _, revision = await self.range("\0")
+        except ControlUnavailable:
+            revision = 0
+        return EtcdFull(f"etcd's database is full (NOSPACE alarm at {self.describe()}): no ingest, rm, gc or "
+                        f"new mount works until it is freed: {nospace_fix(endpoints, revision or 'REV')}")
 
     # --- keys -----------------------------------------------------------------------------------------
     async def range(self, key: str, prefix: bool = False, revision: int = 0) -> tuple[list[KV], int]:
@@ -220,6 +247,16 @@ class Etcd:
             if "response_range" in r:
                 out.ranges.append([KV.of(kv) for kv in r["response_range"].get("kvs", [])])
         return out
+
+    async def compact(self, revision: int) -> bool:
+        """Drop the history before `revision`; False if it is compacted that far already."""
+        try:
+            await self.call("kv/compaction", {"revision": str(revision)})
+        except EtcdRefused as exc:
+            if "compacted" in str(exc) or "future revision" in str(exc):
+                return False
+            raise
+        return True
 
     # --- leases ---------------------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
@@ -279,15 +316,59 @@ class Etcd:
             raise EtcdRefused(str(doc.get("error") or f"HTTP {r.status_code}"))
         return dict(doc)
 
+    async def alarms(self, endpoint: str) -> list[str]:
+        """The cluster's raised alarms (NOSPACE, CORRUPT), as one endpoint reports them."""
+        with trio.fail_after(self.timeout + 1):
+            r = await self._client().post(f"{endpoint}/v3/maintenance/alarm", json={"action": "GET"})
+        doc = r.json()
+        if r.status_code != 200 or "error" in doc:
+            raise EtcdRefused(str(doc.get("error") or f"HTTP {r.status_code}"))
+        return sorted({str(a.get("alarm", "?")) for a in doc.get("alarms") or []})
 
-def _why(exc: BaseException) -> str:
+    async def quota(self, endpoint: str) -> int:
+        """The member's backend quota in bytes (its /metrics), 0 where it does not say."""
+        with trio.fail_after(self.timeout + 1):
+            r = await self._client().get(f"{endpoint}/metrics")
+        for line in r.text.splitlines() if r.status_code == 200 else []:
+            if line.startswith("etcd_server_quota_backend_bytes "):
+                return int(float(line.split()[1]))
+        return 0
+
+
+def why_failed(exc: BaseException) -> str:
+    """Why a request to an etcd endpoint failed, in a few words: "connection refused" (nothing listens
+    there), "network is unreachable", "no route to host", "timed out", ..."""
     if isinstance(exc, trio.TooSlowError | httpx.TimeoutException):
         return "timed out"
     if isinstance(exc, httpx.ConnectError):
-        text = str(exc)
-        # httpx under trio says "all attempts to connect ... failed" for a refused connection
-        return "connection refused" if "refused" in text.lower() or "all attempts" in text else (text or "cannot connect")
+        # httpx under trio says "all attempts to connect to H:P failed" whatever the cause: the
+        # cause is in the attempts' own errors, underneath.
+        causes = sorted({_strerror(e).lower() for e in _os_errors(exc)})
+        return "; ".join(causes) or str(exc) or "cannot connect"
     return str(exc) or type(exc).__name__
+
+
+def _strerror(e: OSError) -> str:
+    """An OSError's own words ("Connection refused"), without the "Error connecting to ..." around them."""
+    return os.strerror(e.errno) if e.errno is not None and e.errno > 0 else e.strerror or str(e)
+
+
+def _os_errors(exc: BaseException) -> list[OSError]:
+    """The OSErrors with an errno beneath `exc`: its causes, and each attempt of an exception group."""
+    found: list[OSError] = []
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            found.append(e)
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo += [e.__cause__, e.__context__]
+    return found
 
 
 def _retryable(message: str, status: int) -> bool:

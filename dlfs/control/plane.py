@@ -7,14 +7,22 @@ Keys, under the cluster file's prefix (default /dlfs/):
     nodes/<name>                  a node's daemons and pid, bound to the node's lease
     mounts/<name>/<v>/<lease>     a mount of name@v, bound to the mount's own lease
     ingests/<session>             an open ingest, bound to its metadata daemon's node lease
-    pins/<session>/<seq>          chunk ids (16 bytes each) an open ingest holds, same lease
+    pins/<session>                the chunks an open ingest holds, as its metadata daemon published
+                                  them for a collection: the gc lock's revision (8 bytes), then the
+                                  chunk ids (16 bytes each); same lease
     gc                            the one collection in progress, bound to its node's lease
 
 Every decision that two nodes could race is one etcd transaction: a version number is taken only
 if its key is absent (two ingests of one name always get two numbers); a mount is recorded only if
-its version's key is unchanged since it was read live (a removal in between makes it fail); a pin
-is written only while no collection holds the gc lock (so a collection's snapshot, one read at one
-revision, sees every chunk anything needs).
+its version's key is unchanged since it was read live (a removal in between makes it fail).
+
+Pins cost etcd one key per ingest session, written only when a collection asks: an ingest's metadata
+daemon keeps its pins in memory and takes a new one only after reading that no collection holds the
+gc lock; a collection takes the lock, then waits until every session opened before it has published
+its pins stamped with the lock's revision (dlfs/control/pins.py publishes them). So its snapshot, one
+read at one revision, sees every chunk anything needs, and an ingest of a million chunks writes no
+key per chunk. etcd's history is compacted by dlfs itself (compact(), after every collection and
+periodically by the collecting node), COMPACT_MARGIN revisions behind the present for watchers.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -49,7 +58,23 @@ from dlfs.wire.messages import VersionInfo, decode
 log = logging.getLogger(__name__)
 ALLOCATE_TRIES = 64  # concurrent commits of one name each retry with the next number
 PIN_WAIT = 120.0  # seconds a pin waits for a collection in progress to end
+PUBLISH_GRACE = 5.0  # seconds past the lease TTL a collection waits for open sessions' pins
+COMPACT_MARGIN = 1000  # revisions of history kept behind the present: a watcher further behind re-reads
 ID_BYTES = 16
+STAMP = struct.Struct(">Q")  # a published pin set's first bytes: the gc lock's revision it answers
+
+
+def pins_value(stamp: int, ids: set[bytes]) -> bytes:
+    """A session's published pins (see the module's docstring)."""
+    return STAMP.pack(stamp) + b"".join(sorted(ids))
+
+
+def pins_of(value: bytes) -> tuple[int, set[bytes]]:
+    """The stamp and chunk ids of a published pin set; CorruptData if it is not one."""
+    if len(value) < STAMP.size or (len(value) - STAMP.size) % ID_BYTES:
+        raise CorruptData(f"a pin set in etcd has {len(value)} bytes, not 8 + 16 per chunk")
+    body = value[STAMP.size :]
+    return STAMP.unpack_from(value)[0], {body[i : i + ID_BYTES] for i in range(0, len(body), ID_BYTES)}
 
 
 @dataclass(frozen=True)
@@ -148,6 +173,9 @@ class ControlPlane:
     def ingest_key(self, sid: str) -> str:
         return f"{self.p}ingests/{sid}"
 
+    def pins_key(self, sid: str) -> str:
+        return f"{self.p}pins/{sid}"
+
     @property
     def gc_key(self) -> str:
         return f"{self.p}gc"
@@ -174,7 +202,7 @@ class ControlPlane:
             key = self.version_key(info.name, number)
             r = await self.etcd.txn(
                 [absent(key), present(self.ingest_key(sid))],
-                [put_op(key, _record(mine, holder, session=sid)), delete_op(f"{self.p}pins/{sid}/", prefix=True),
+                [put_op(key, _record(mine, holder, session=sid)), delete_op(self.pins_key(sid)),
                  delete_op(self.ingest_key(sid))],
                 [range_op(self.ingest_key(sid)), range_op(self._versions_of(info.name), prefix=True)])
             if r.succeeded:
@@ -228,13 +256,15 @@ class ControlPlane:
                                      range_op(f"{self.p}pins/", prefix=True)])
         pins: set[bytes] = set()
         for kv in r.ranges[2]:
-            pins.update(kv.value[i : i + ID_BYTES] for i in range(0, len(kv.value), ID_BYTES))
+            pins |= pins_of(kv.value)[1]
         return Snapshot([_version_of(kv) for kv in r.ranges[0]], [_mount_of(kv) for kv in r.ranges[1]], pins,
                         r.revision)
 
     @asynccontextmanager
     async def gc_lock(self, node: str, lease: int) -> AsyncIterator[None]:
-        """Hold the cluster's one collection; Conflict (naming the holder) if another node has it."""
+        """Hold the cluster's one collection; Conflict (naming the holder) if another node has it. Entered
+        once every ingest session opened before the lock has published its pins (Conflict if one has not
+        within the lease TTL and PUBLISH_GRACE: its node is cut off from etcd, or runs an older dlfs)."""
         r = await self.etcd.txn([absent(self.gc_key)], [put_op(self.gc_key, json.dumps({"node": node, "since": time.time()}), lease)],
                                 [range_op(self.gc_key)])
         if not r.succeeded:
@@ -242,6 +272,7 @@ class ControlPlane:
             raise Conflict(f"a garbage collection is already running on {holder}")
         held = r.revision
         try:
+            await self._published(held)
             yield
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(self.etcd.timeout):
@@ -250,33 +281,71 @@ class ControlPlane:
                 except DlfsError as exc:  # the lock dies with the node's lease anyway
                     log.warning("could not release the gc lock: %s", exc)
 
+    async def _published(self, held: int) -> None:
+        """Wait until every session opened before the gc lock (taken at `held`) published its pins for it."""
+        deadline = trio.current_time() + self.cfg.lease_ttl + PUBLISH_GRACE
+        while True:
+            r = await self.etcd.txn([], [range_op(f"{self.p}ingests/", prefix=True),
+                                         range_op(f"{self.p}pins/", prefix=True)])
+            stamps = {kv.key.rsplit("/", 1)[1]: pins_of(kv.value)[0] for kv in r.ranges[1]}
+            late = {kv.key.rsplit("/", 1)[1]: str(kv.json().get("node", "?")) for kv in r.ranges[0]
+                    if kv.create_revision < held and stamps.get(kv.key.rsplit("/", 1)[1]) != held}
+            if not late:
+                return
+            if trio.current_time() > deadline:
+                raise Conflict(f"{len(late)} ingest session(s) on {', '.join(sorted(set(late.values())))} did not "
+                               f"publish their pins within {self.cfg.lease_ttl + PUBLISH_GRACE:.0f} s (cut off from "
+                               "etcd, or a node of an older dlfs); nothing was freed: run `dlfs gc` again later")
+            await trio.sleep(0.05)
+
+    async def gc_holder(self) -> tuple[int, int]:
+        """The revision at which the running collection took the gc lock (0: none), and etcd's revision."""
+        kvs, revision = await self.etcd.range(self.gc_key)
+        return (kvs[0].create_revision if kvs else 0), revision
+
     # --- ingests ----------------------------------------------------------------------------------------
     async def open_ingest(self, sid: str, name: str, node: str, lease: int) -> None:
         await self.etcd.put(self.ingest_key(sid), json.dumps({"name": name, "node": node, "since": time.time()}), lease)
 
-    async def pin(self, sid: str, seq: int, ids: list[bytes], lease: int) -> None:
-        """Record chunks an ingest holds; waits (bounded) while a collection runs."""
-        key = f"{self.p}pins/{sid}/{seq:010d}"
-        deadline = trio.current_time() + PIN_WAIT
-        while True:
-            r = await self.etcd.txn([absent(self.gc_key), present(self.ingest_key(sid))],
-                                    [put_op(key, b"".join(ids), lease)],
-                                    [range_op(self.gc_key), range_op(self.ingest_key(sid))])
-            if r.succeeded:
-                return
-            if not r.ranges[1]:
-                raise Conflict(f"ingest session {sid} is gone from etcd (its node's lease ended); run the ingest again")
-            if trio.current_time() > deadline:
-                raise Conflict(f"a garbage collection held the cluster's gc lock for over {PIN_WAIT:.0f} s; "
-                               "run the ingest again")
-            await trio.sleep(0.2)
+    async def clear_to_pin(self, sid: str) -> bool:
+        """Whether an ingest may take a pin now: no collection holds the gc lock (a read, no write).
+        Conflict if the session is gone from etcd."""
+        r = await self.etcd.txn([absent(self.gc_key), present(self.ingest_key(sid))], [],
+                                [range_op(self.ingest_key(sid))])
+        if not r.succeeded and not r.ranges[0]:
+            raise Conflict(f"ingest session {sid} is gone from etcd (its node's lease ended); run the ingest again")
+        return r.succeeded
+
+    async def publish_pins(self, stamp: int, node: str, pins: dict[str, set[bytes]]) -> int:
+        """Publish, for the collection that took the gc lock at `stamp`, the pins of every session of
+        `node` open in etcd (those `pins` does not name hold none: aborted, or expired here); each key
+        is bound to its session's lease. Returns how many sessions were published."""
+        kvs, _ = await self.etcd.range(f"{self.p}ingests/", prefix=True)
+        done = 0
+        for kv in kvs:
+            if kv.json().get("node") != node:
+                continue
+            sid = kv.key.rsplit("/", 1)[1]
+            r = await self.etcd.txn([present(kv.key)],
+                                    [put_op(self.pins_key(sid), pins_value(stamp, pins.get(sid, set())), kv.lease)])
+            done += r.succeeded
+        return done
 
     async def close_ingest(self, sid: str) -> set[bytes]:
-        """Drop an ingest and its pins; returns the chunks it had pinned (read in the same transaction)."""
-        pins = f"{self.p}pins/{sid}/"
-        r = await self.etcd.txn([], [range_op(pins, prefix=True), delete_op(pins, prefix=True),
+        """Drop an ingest and its pins; returns the chunks it had published (read in the same transaction)."""
+        r = await self.etcd.txn([], [range_op(self.pins_key(sid)), delete_op(self.pins_key(sid)),
                                      delete_op(self.ingest_key(sid))])
-        return {kv.value[i : i + ID_BYTES] for kv in r.ranges[0] for i in range(0, len(kv.value), ID_BYTES)}
+        return {c for kv in r.ranges[0] for c in pins_of(kv.value)[1]}
+
+    # --- history ----------------------------------------------------------------------------------------
+    async def compact(self, margin: int = COMPACT_MARGIN) -> int:
+        """Compact etcd's history up to `margin` revisions behind the present; returns the revision
+        compacted to, 0 when there was nothing to do (so every collection can call it)."""
+        _, now = await self.etcd.range(self.gc_key)
+        target = now - margin
+        if target <= 0:
+            return 0
+        return target if await self.etcd.compact(target) else 0
 
     async def ingests(self) -> list[dict[str, object]]:
         kvs, _ = await self.etcd.range(f"{self.p}ingests/", prefix=True)

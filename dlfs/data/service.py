@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from dlfs.data.store import ChunkStore, boot_id
-from dlfs.errors import CorruptData, ProtocolError, TransportUnavailable
+from dlfs.errors import CorruptData, ProtocolError, StorageFull, TransportUnavailable
+from dlfs.units import human_bytes
 from dlfs.wire.budget import MemoryBudget
 from dlfs.wire.messages import (
     ChunkCount,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PUT_WAIT = 120.0  # seconds a delete waits for a store of the same chunk in flight (a put's own timeout)
 STAGE_TTL = 600.0  # seconds a staged file waits for its PUT_STAGED before it is removed (its client died)
+FULL_LOG_EVERY = 60.0  # seconds between two "store is full" lines: an ingest meets a full node once per chunk
 
 
 class DataService(Service):
@@ -58,6 +60,8 @@ class DataService(Service):
         self._putting: dict[bytes, int] = {}
         self._put_ended = trio.Event()
         self._staged: dict[Path, tuple[bytes, float]] = {}  # staged file -> (its chunk, when staged)
+        self._full_logged: float | None = None  # when the last "store is full" line was written
+        self._full_refused = 0  # chunks refused for want of room since that line
         self.handlers.update({
             Msg.STATUS: Route(Empty, self.status),
             Msg.PUT_CHUNK: Route(ChunkRef, self.put_chunk),
@@ -90,7 +94,11 @@ class DataService(Service):
             if now - when > STAGE_TTL:
                 del self._staged[path]
                 path.unlink(missing_ok=True)
-        path = await trio.to_thread.run_sync(self.store.stage, req.id, limiter=self.io)
+        try:
+            path = await trio.to_thread.run_sync(self.store.stage, req.id, limiter=self.io)
+        except StorageFull as exc:
+            self._refused_full(exc)
+            raise
         self._staged[path] = (req.id, now)
         return Staged(str(path)), b""
 
@@ -113,6 +121,9 @@ class DataService(Service):
             self.checksum_failures += 1
             log.warning("refused chunk %s on node %s: %s", cid.hex(), self.node, exc)
             raise
+        except StorageFull as exc:
+            self._refused_full(exc)
+            raise
         finally:
             if self._putting[cid] > 1:
                 self._putting[cid] -= 1
@@ -120,6 +131,21 @@ class DataService(Service):
                 del self._putting[cid]
             self._put_ended.set()
             self._put_ended = trio.Event()
+
+    def _refused_full(self, exc: StorageFull) -> None:
+        """Say that the store is full: one line a minute at most, with how many chunks it refused."""
+        self._full_refused += 1
+        now = trio.current_time()
+        if self._full_logged is not None and now - self._full_logged < FULL_LOG_EVERY:
+            return
+        free, total = self.store.disk()
+        n = self._full_refused
+        log.warning("node %s: chunk store at %s is full (%s free of %s): %d chunk%s refused%s; ingest and repair "
+                    "place chunks on other nodes until room is made here", self.node, self.store.root,
+                    human_bytes(free), human_bytes(total), n, "" if n == 1 else "s",
+                    " since the last such line" if self._full_logged is not None else "")
+        log.debug("node %s: %s", self.node, exc)
+        self._full_logged, self._full_refused = now, 0
 
     async def read_range(self, req: ReadRange, data: bytearray) -> Reply:
         # Sent with sendfile: the bytes go from the page cache to the socket, never through here,

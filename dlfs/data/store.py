@@ -153,7 +153,7 @@ class ChunkStore:
 
     def _failed(self, cid: bytes, exc: OSError) -> DlfsError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return StorageFull(f"data daemon disk is full at {self.root} (storing chunk {cid.hex()})")
+            return StorageFull(f"data daemon disk is full at {self.root}")  # the caller names the chunk
         return DlfsError(f"data daemon cannot store chunk {cid.hex()}: {exc.strerror}")
 
     def _fd(self, cid: bytes) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import signal
@@ -22,20 +21,33 @@ import trio
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.diskcache import DiskCache
 from dlfs.client.local import open_local_chunks
 from dlfs.client.pressure import watch_memory
+from dlfs.client.replicas import RETRY_TIMEOUT
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster, check_dataset_name
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
 from dlfs.fuse.control import ControlServer, control_socket_path
 from dlfs.fuse.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
+from dlfs.fuse.records import (
+    DETACHED,
+    LIVE,
+    MountRecord,
+    forget_record,
+    judge,
+    local_mounts,
+    mount_record,
+    read_record,
+    write_record,
+)
 from dlfs.fuse.stats import MountStats, stats_file
 from dlfs.logs import set_context
 from dlfs.native import engine_stats, native, start_engine
-from dlfs.private import private_dirs, private_opener, tighten_home, write_private
-from dlfs.procmounts import is_mount_point
-from dlfs.procs import running
+from dlfs.private import private_dirs, private_opener, tighten_home
+from dlfs.procmounts import is_mount_point, mount_points
+from dlfs.procs import Holder, holders, running, set_title, start_ticks
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.units import human_bytes
@@ -46,6 +58,7 @@ log = logging.getLogger(__name__)
 INDEX_PIECE = 16 << 20
 READ_AHEAD_KB = 4096
 URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
+MOUNT_PROCESS_NAME = "dlfs-mount"  # its name in top and pgrep; `ps -ef` shows `dlfs mount NAME@V MNT`
 
 
 @dataclass
@@ -63,6 +76,10 @@ class MountOptions:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # native threads serving /dev/fuse
     io_uring: str = "auto"  # auto | on | off: FUSE over io_uring (see want_io_uring)
     memory: MemoryLimit = field(default_factory=memory_limit)  # what the cache's pressure watch reads
+    log_file: Path | None = None  # where this mount logs, for its record (`dlfs mounts`); None: stderr
+    cache_dir: Path | None = None  # the node's disk cache (dlfs/client/diskcache.py); None: RAM only
+    cache_dir_size: int | None = None  # its bound; None: the one it was last given, else the free space
+    retry_timeout: float = RETRY_TIMEOUT  # how long a read waits for a replica to answer (a restart) before EIO
 
 
 def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
@@ -76,7 +93,10 @@ def parse_dataset_ref(ref: str) -> tuple[str, int | None]:
     return name, int(version)
 
 
-def check_mountpoint(path: Path) -> None:
+def check_mountpoint(path: Path, nonempty: bool = False, home: Path | None = None) -> None:
+    """Refuse, in one line, a mountpoint that cannot or should not take a mount: a dead mount, a missing
+    or live one, a directory with entries (unless `nonempty`: the mount would hide them), one whose
+    earlier mount from `home` was detached lazily and still serves files open there."""
     try:
         # statvfs always reaches the file system (a stat may be answered from the kernel's cache).
         os.statvfs(path)
@@ -90,6 +110,20 @@ def check_mountpoint(path: Path) -> None:
         raise UsageError(f"mountpoint {path} is not a directory")
     if os.path.ismount(path):
         raise MountError(f"{path} is already a mount point (unmount it first)")
+    with os.scandir(path) as entries:
+        has_entries = next(entries, None) is not None
+    if has_entries and not nonempty:
+        raise UsageError(f"mountpoint {path} is not empty (the mount would hide what is there): use an empty "
+                         "directory, or --nonempty to mount over it")
+    earlier = read_record(mount_record(home, path)) if home is not None else None
+    state = judge(earlier, mount_points()) if earlier is not None else None
+    if state is not None and state.state == DETACHED:
+        raise MountError(f"{path}: the mount of {state.record.dataset} there was detached lazily and its process "
+                         f"{state.record.pid} still serves files open under it; mount again once it ends (`dlfs "
+                         "mounts` shows it) or at another mountpoint")
+    if state is not None and state.state == LIVE:  # mounted in the mount namespace of its process, not in ours
+        raise MountError(f"{path} is already a mount point of {state.record.dataset} (process {state.record.pid}, in "
+                         "another mount namespace)")
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse is missing: this machine cannot mount FUSE file systems")
 
@@ -188,11 +222,6 @@ def _raise_read_ahead(dev: int) -> None:
         log.info("could not raise %s: %s", knob, exc.strerror)
 
 
-def mount_record(home: Path, mountpoint: Path) -> Path:
-    key = os.path.abspath(mountpoint).replace("/", "%")  # never resolve(): it would stat the mount itself
-    return home / "run" / "mounts" / f"{key}.json"
-
-
 async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     """Mount and serve until unmounted or signalled; `ready` is told once the mount is live."""
     tighten_home(opts.home)  # its index cache, records and control socket: once, before any is made
@@ -210,19 +239,23 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         info = reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)
         index = Index(await fetch_index(client, info, opts.home))
         stack.callback(index.close)
-        cache = ChunkCache(index, client, opts.cache_size, opts.readahead)
+        cache = ChunkCache(index, client, opts.cache_size, opts.readahead, retry_timeout=opts.retry_timeout)
         last.append(cache.close)
         if client.rdma is not None:  # RDMA READs land in the shared slabs: dlfs.direct stays zero-copy
             client.rdma.attach_arena(cache.arena, cache.slab_size)
         cache.local = await open_local_chunks(client) if opts.short_circuit else None
         if cache.local is not None:
             stack.callback(cache.local.close)
+        if opts.cache_dir is not None:  # closed after the nursery: its writer finishes what is queued
+            cache.disk = DiskCache(opts.cache_dir, opts.cache_dir_size, cache.slab_size)
+            last.append(cache.disk.close)
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
         nursery.start_soon(watch_memory, cache, opts.memory, name="dlfs-memory-watch")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")
+        set_title(f"dlfs mount {label} {opts.mountpoint}", MOUNT_PROCESS_NAME)  # the version, now that it is known
         if opts.cluster.etcd is not None:
             await hold_version(stack, nursery, opts, info, label)
         ops = DlfsOperations(index, cache, label)
@@ -267,9 +300,14 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             # A stat through the kernel proves the session answers; only then is the mount ready.
             st = await trio.to_thread.run_sync(os.stat, opts.mountpoint)
             _raise_read_ahead(st.st_dev)
-            private_dirs(record.parent)
-            write_private(record, json.dumps({"pid": os.getpid(), "mountpoint": str(opts.mountpoint), "dataset": label}))
-            stack.callback(record.unlink, missing_ok=True)
+            write_record(opts.home, MountRecord(
+                pid=os.getpid(), mountpoint=str(opts.mountpoint), dataset=label, started=time.time(),
+                pid_start=start_ticks(os.getpid()) or 0, cache_size=opts.cache_size,
+                cache_dir=str(opts.cache_dir) if opts.cache_dir else None,
+                cache_dir_size=opts.cache_dir_size if opts.cache_dir else None,
+                log=str(opts.log_file) if opts.log_file else None))
+            # Only ours: after `umount --lazy` a new mount on this mountpoint may have written its own.
+            stack.callback(forget_record, record, os.getpid())
             log.info("mounted %s at %s (%d files, %d bytes)", label, opts.mountpoint, info.files, info.bytes)
             ready(f"mounted {label} at {opts.mountpoint} ({info.files} files, {human_bytes(info.bytes)})")
             if uring:  # rings are registered once INIT is answered; a kernel that refuses says so at once
@@ -296,29 +334,26 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         nursery.cancel_scope.cancel()
 
 
-def local_mounts(home: Path) -> list[tuple[str, Path]]:
-    """(dataset@version, mountpoint) of every live mount made from this home on this machine."""
-    found = []
-    for record in sorted((home / "run" / "mounts").glob("*.json")):
-        try:
-            doc = json.loads(record.read_text())
-            label, mountpoint, pid = str(doc["dataset"]), Path(doc["mountpoint"]), int(doc["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if running(pid) and os.path.ismount(mountpoint):
-            found.append((label, mountpoint))
-    return found
+def busy_message(mountpoint: Path, users: list[Holder], shown: int = 5) -> str:
+    """Why an unmount was refused, naming the processes in the way (as `fuser -m` would)."""
+    if not users:
+        who = "no process this command can see holds it (one of another user or mount namespace may)"
+    else:
+        who = "in use by " + ", ".join(h.describe() for h in users[:shown])
+        if len(users) > shown:
+            who += f" and {len(users) - shown} more"
+    return (f"cannot unmount {mountpoint}: it is busy, {who}; stop them, or `dlfs umount --lazy {mountpoint}` "
+            "detaches it now and its mount ends when the last of them closes its files")
 
 
-def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
-    """Unmount and wait for the mount process to finish; a dead mount (its process killed) is cleared."""
+def unmount(home: Path, mountpoint: Path, timeout: float = 15.0, lazy: bool = False) -> list[Holder]:
+    """Unmount and wait for the mount process to finish; a dead mount (its process killed) is cleared.
+    `lazy` detaches a busy mount at once (fusermount3 -u -z): the processes then still using it are
+    returned, and its process, serving them, ends when the last closes its files (not waited for)."""
     mountpoint = mountpoint.absolute()
     record = mount_record(home, mountpoint)
-    pid = None
-    try:
-        pid = int(json.loads(record.read_text())["pid"])
-    except (OSError, ValueError, KeyError):
-        pass
+    found = read_record(record)
+    pid = found.pid if found is not None else None
     if not is_mount_point(mountpoint):
         raise NotFound(f"{mountpoint} is not mounted")
     dead = False
@@ -326,26 +361,34 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0) -> None:
         os.statvfs(mountpoint)
     except OSError as exc:
         dead = exc.errno == errno.ENOTCONN  # the process serving it is gone: nothing to wait for
+    # Before detaching: a detached mount's open files no longer show under its mountpoint.
+    users = holders(str(mountpoint)) if lazy and not dead else []
     # Lazily for a dead mount: whatever still has a file open there holds only an error now.
-    cmd = ["fusermount3", "-u", *(["-z"] if dead else []), str(mountpoint)]
+    cmd = ["fusermount3", "-u", *(["-z"] if dead or lazy else []), str(mountpoint)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         msg = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         if "busy" in msg.lower():
-            raise MountError(f"cannot unmount {mountpoint}: it is busy (a process has a file open there)")
+            raise MountError(busy_message(mountpoint, holders(str(mountpoint))))
         raise MountError(f"cannot unmount {mountpoint}: {msg}")
     if dead:
         log.info("cleared the dead mount at %s (its process %s was gone)", mountpoint, pid or "?")
         record.unlink(missing_ok=True)
         stats_file(home, mountpoint).unlink(missing_ok=True)
-        return
+        return []
+    if users:
+        log.info("detached %s lazily; process %s ends when %d processes using it close their files", mountpoint,
+                 pid or "?", len(users))
+        return users
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
         if not running(pid):
-            return
+            return []
         time.sleep(0.05)
     if pid:
         log.warning("mount process %d of %s still running %g s after unmount", pid, mountpoint, timeout)
+    return []
 
 
-__all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "parse_dataset_ref", "serve_mount", "unmount"]
+__all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "mount_record", "parse_dataset_ref", "serve_mount",
+           "unmount"]

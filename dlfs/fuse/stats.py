@@ -26,9 +26,9 @@ WRITE_INTERVAL = 1.0
 
 
 def stats_file(home: Path, mountpoint: Path) -> Path:
-    from dlfs.fuse.mount import mount_record  # the record's own naming; mount.py imports this module
+    from dlfs.fuse.records import stats_file as beside_record  # named after the mount's record
 
-    return mount_record(home, mountpoint).with_suffix(".stats")
+    return beside_record(home, mountpoint)
 
 
 def _write_atomic(path: Path, text: str) -> None:

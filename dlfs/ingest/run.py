@@ -138,7 +138,8 @@ async def _keep_alive(client: ClusterClient, session: str, ttl: float, scope: tr
 
 
 async def _abort(cluster: Cluster, session: str) -> None:
-    """Give an ingest session up: its pins go, and the chunks nothing else needs are freed (best effort)."""
+    """Give an ingest session up: its pins go, and the chunks nothing else needs are freed (best effort;
+    in a cluster whose etcd is down, the session's metadata daemon finishes it once etcd answers)."""
     # A client of its own: when the ingest was cancelled from outside (Ctrl-C), the ingest's
     # connections live in a cancelled nursery and close under the call.
     try:
@@ -222,17 +223,22 @@ async def _holding(client: ClusterClient, name: str, body_sum: int) -> VersionIn
 async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: dict[str, int],
                        local: LocalStores) -> None:
     """Pin the chunk (so no collection takes it), then store it on R nodes: its placed nodes, or,
-    for each placed node that is down, the next node of its rank (as repair would)."""
+    for each placed node that is down or whose disk is full, the next node of its rank (as repair
+    would; readers look there next)."""
     await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": [p.cid]})
     candidates = rank(p.cid, client.cluster.data_nodes)
     want = client.cluster.replicas
     stored: list[str] = []
     errors: list[str] = []
+    full: list[str] = []
 
     async def put(spec: NodeSpec) -> None:
         try:
             meta, _ = await client.call(spec, "data", Msg.HAS_CHUNKS, {"ids": [p.cid]})
             if reply(Missing, meta, Msg.HAS_CHUNKS, spec.name).missing:
+                if why := client.full(spec.name):  # said so a moment ago: not sent again for nothing
+                    full.append(why)
+                    return
                 if not (await local.here(spec) and await local.put(spec, p)):
                     await client.call(spec, "data", Msg.PUT_CHUNK, {"id": p.cid}, p.data, timeout=120)
                 stats["sent"] += 1
@@ -240,6 +246,11 @@ async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: di
             else:
                 stats["present"] += 1
             stored.append(spec.name)
+        except StorageFull as exc:
+            why = f"{spec.name}: {exc}"
+            full.append(why)
+            if client.mark_full(spec.name, why) and len(client.cluster.data_nodes) > want:  # else the error says it
+                log.warning("data node %s is full (%s): chunks go to the next nodes of their rank", spec.name, exc)
         except Unreachable as exc:
             errors.append(str(exc))
 
@@ -249,7 +260,8 @@ async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: di
             for spec in batch:
                 n.start_soon(put, spec)
     if len(stored) < want:
-        raise Unreachable(f"chunk {p.cid.hex()}: stored on {len(stored)} of {want} nodes ({'; '.join(errors)})")
+        why = f"chunk {p.cid.hex()}: stored on {len(stored)} of {want} nodes ({'; '.join(errors + full)})"
+        raise StorageFull(why) if full and not errors else Unreachable(why)
 
 
 class LocalStores:
@@ -277,7 +289,7 @@ class LocalStores:
 
     async def put(self, spec: NodeSpec, p: Packed) -> bool:
         """Store `p` on `spec` through a staged file; False if this cannot be done (a daemon of another
-        user, or of an older dlfs), and the caller sends it instead."""
+        user, or of an older dlfs, or a full disk), and the caller sends it instead."""
         try:
             meta, _ = await self.client.call(spec, "data", Msg.STAGE_CHUNK, {"id": p.cid})
         except ProtocolError as exc:  # a daemon that does not know the message
@@ -288,9 +300,8 @@ class LocalStores:
         except PermissionError as exc:
             return self._cannot(spec, f"cannot write its files ({exc.strerror})")
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageFull(f"data daemon disk is full at {os.path.dirname(path)} (storing chunk "
-                                  f"{p.cid.hex()}) on {spec.name}") from None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # sent instead: the daemon finds it full, and says so
+                return False
             raise Unreachable(f"cannot write chunk {p.cid.hex()} into {spec.name}'s store: {exc.strerror}") from None
         await self.client.call(spec, "data", Msg.PUT_STAGED, {"id": p.cid, "path": path, "size": len(p.data)},
                                timeout=120)

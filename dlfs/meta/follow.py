@@ -23,7 +23,7 @@ import trio
 from dlfs.config import NodeSpec
 from dlfs.control.etcd import EtcdUnavailable
 from dlfs.control.plane import ControlPlane, VersionRecord
-from dlfs.errors import Conflict, CorruptData, DlfsError, NotFound
+from dlfs.errors import Conflict, CorruptData, DlfsError, NotFound, Unreachable
 from dlfs.meta.store import MetaStore, VersionInfo
 from dlfs.private import private_opener
 from dlfs.tasks import open_nursery
@@ -33,6 +33,7 @@ from dlfs.wire.rpc import Response
 log = logging.getLogger(__name__)
 RECONCILE_INTERVAL = 60.0
 PEER_TIMEOUT = 10.0
+ENSURE_WAIT = 30.0  # seconds a request waits for a version's index and row to arrive here (within a call's 60 s)
 INDEX_PIECE = 16 << 20
 
 
@@ -87,11 +88,24 @@ class CatalogFollower:
         log.info("dataset %s version %d: index fetched (%d bytes)", info.name, info.version, info.index_size)
 
     async def ensure(self, rec: VersionRecord) -> None:
-        """This daemon has `rec`'s index (fetched now if not)."""
-        if not self.store.has_index(rec.info.name, rec.info.version):
-            async with self.lock:
-                if not self.store.has_index(rec.info.name, rec.info.version):
-                    await self.fetch(rec)
+        """This daemon has `rec`'s catalog row and index (fetched now if not), within ENSURE_WAIT.
+
+        The index file is put in place before its row is recorded, so a file alone may be a fetch
+        still under way (a version committed elsewhere a moment ago): the lock waits for it to end."""
+        if await trio.to_thread.run_sync(self._holds, rec):
+            return
+        try:
+            with trio.fail_after(ENSURE_WAIT):
+                async with self.lock:
+                    if not await trio.to_thread.run_sync(self._holds, rec):
+                        await self.fetch(rec)
+        except trio.TooSlowError:
+            raise Unreachable(f"the index of {rec.label} did not reach the metadata daemon on {self.node} within "
+                              f"{ENSURE_WAIT:.0f} s (its fetch from a peer is still under way); try again") from None
+
+    def _holds(self, rec: VersionRecord) -> bool:
+        name, version = rec.info.name, rec.info.version
+        return self.store.find(name, version) is not None and self.store.has_index(name, version)
 
     async def fetch(self, rec: VersionRecord, install: Callable[[VersionInfo, Path], Any] | None = None) -> None:
         """The index of `rec` from the daemon that committed it or any other, checked, then installed
@@ -135,6 +149,7 @@ class CatalogFollower:
                     self.wake.set()
             except EtcdUnavailable:
                 pass
+            self.wake.set()  # changes during the break (or before a compacted revision) are re-read
             await trio.sleep(1.0)
 
     async def collector(self) -> bool:

@@ -16,11 +16,13 @@ from msgspec.structs import replace
 
 from dlfs.config import NodeSpec
 from dlfs.control.etcd import EtcdUnavailable
+from dlfs.control.pins import PinPublisher
 from dlfs.control.plane import ControlPlane, Lease, VersionRecord, mounts_phrase
 from dlfs.errors import Conflict, DlfsError, NotFound, Unreachable
 from dlfs.format.check import check_index
 from dlfs.meta.follow import CatalogFollower
 from dlfs.meta.store import MetaStore, VersionInfo
+from dlfs.tasks import open_nursery
 from dlfs.wire.budget import MemoryBudget
 from dlfs.wire.messages import (
     BeginIngest,
@@ -45,6 +47,9 @@ from dlfs.wire.rpc import Reply, Route, Service, reserve_reply
 
 log = logging.getLogger(__name__)
 MAX_INDEX_PIECE = 16 << 20
+ABORT_RETRY = (2.0, 30.0)  # seconds between tries to finish an abort that etcd held up: first, most
+ABORT_GIVE_UP = 24 * 3600.0  # an abort still failing after this is left to the next `dlfs gc`
+COMPACT_INTERVAL = 300.0  # seconds between the collecting node's compactions of etcd's history
 
 
 class ChunkLedger(Protocol):
@@ -69,7 +74,9 @@ class MetaService(Service):
         self.follower = CatalogFollower(store, control, node, peers or [], ledger) if control else None  # type: ignore[arg-type]
         if self.follower is not None:
             self.follower.collect = self.collect_pending
-        self._pin_seq = 0
+        self.pins = PinPublisher(control, node, self._open_pins) if control else None
+        # Aborted sessions whose etcd record or chunks are not freed yet (etcd was down): sid -> (pins, since).
+        self._aborting: dict[str, tuple[set[bytes], float]] = {}
         self._committing: set[str] = set()  # sessions whose COMMIT is running
         # Commit and collection exclude each other: a commit checks its chunks exist and a
         # collection decides what is dead, each against a catalog the other cannot change.
@@ -173,11 +180,9 @@ class MetaService(Service):
         if not ids:  # the ingest's keepalive (no collection to wait for)
             self.store.session(req.session)
             return Empty(), b""
-        if self.control is not None:  # in etcd, where every collection looks (a cluster-wide lock)
+        if self.pins is not None:  # cleared against etcd's gc lock; published when a collection asks
             s = self.store.session(req.session)
-            self._pin_seq += 1
-            await self.control.pin(req.session, self._pin_seq, ids, self._lease_id())
-            s.pins.update(ids)
+            await self.pins.pin(req.session, ids, s.pins)
             return Empty(), b""
         async with self.gc_lock:
             s = self.store.session(req.session)
@@ -246,19 +251,83 @@ class MetaService(Service):
         return info
 
     async def abort_ingest(self, req: SessionRef, data: bytearray) -> Reply:
-        """Give a failed ingest up and free its chunks that nothing else needs, now (no `dlfs gc`)."""
+        """Give a failed ingest up and free its chunks that nothing else needs, now (no `dlfs gc`). In a
+        cluster with etcd unreachable, this daemon finishes it when etcd answers again (`upkeep`)."""
         self._not_committing(req.session)
         pins = self.store.abort(req.session)
-        if self.control is not None:
-            pins |= await self.control.close_ingest(req.session)  # also those pinned through a peer
-        if pins:
-            try:
-                freed, deferred = await self._collect(only=pins)
-                log.info("ingest session %s given up: %d of its %d chunks freed%s", req.session, freed, len(pins),
-                         f" ({deferred})" if deferred else "")
-            except DlfsError as exc:  # e.g. another node is collecting: it or a later collection frees them
-                log.warning("ingest session %s given up; its chunks are freed later: %s", req.session, exc)
+        if self.control is None:
+            if pins:
+                try:
+                    freed, deferred = await self._collect(only=pins)
+                    log.info("ingest session %s given up: %d of its %d chunks freed%s", req.session, freed,
+                             len(pins), f" ({deferred})" if deferred else "")
+                except DlfsError as exc:
+                    log.warning("ingest session %s given up; its chunks are freed later: %s", req.session, exc)
+            return Empty(), b""
+        self._aborting[req.session] = (pins, trio.current_time())
+        try:
+            await self._finish_abort(req.session)
+        except DlfsError as exc:
+            log.warning("ingest session %s given up, but %s: this node frees its %d chunks when it can (retrying)",
+                        req.session, exc, len(pins))
         return Empty(), b""
+
+    async def _finish_abort(self, sid: str) -> None:
+        """Close an aborted session in etcd and free its chunks nothing else needs; raises (and keeps it
+        for another try) while etcd, the gc lock or a data node holds that up."""
+        assert self.control is not None
+        pins, _ = self._aborting[sid]
+        pins |= await self.control.close_ingest(sid)  # also those published from an earlier daemon's memory
+        if pins:
+            freed, deferred = await self._collect(only=pins)
+            log.info("ingest session %s given up: %d of its %d chunks freed%s", sid, freed, len(pins),
+                     f" ({deferred})" if deferred else "")
+        self._aborting.pop(sid, None)
+
+    def _open_pins(self) -> dict[str, set[bytes]]:
+        """What this daemon's sessions hold, for a collection (an aborting session holds nothing)."""
+        return {sid: s.pins for sid, s in self.store.sessions.items()}
+
+    async def upkeep(self) -> None:
+        """A cluster's background work: publish pins when a collection asks, finish aborts that etcd
+        held up, and, on the collecting node, compact etcd's history every COMPACT_INTERVAL."""
+        assert self.pins is not None
+        async with open_nursery() as nursery:
+            nursery.start_soon(self.pins.run, name="dlfs-pin-publisher")
+            nursery.start_soon(self._retry_aborts, name="dlfs-abort-retry")
+            nursery.start_soon(self._compact_periodically, name="dlfs-etcd-compaction")
+
+    async def _retry_aborts(self) -> None:
+        pause = ABORT_RETRY[0]
+        while True:
+            await trio.sleep(pause)
+            failed = False
+            for sid in list(self._aborting):
+                pins, since = self._aborting[sid]
+                try:
+                    await self._finish_abort(sid)
+                    log.warning("ingest session %s: its abort is finished", sid)
+                except (Conflict, Unreachable) as exc:  # etcd down (ControlUnavailable), the gc lock held
+                    failed = True
+                    if trio.current_time() - since > ABORT_GIVE_UP:
+                        log.warning("ingest session %s: abort given up after %.0f h (%s); the next `dlfs gc` frees "
+                                    "its chunks", sid, ABORT_GIVE_UP / 3600, exc)
+                        self._aborting.pop(sid, None)
+                except DlfsError as exc:  # e.g. a damaged index stops every collection: `dlfs verify` names it
+                    log.warning("ingest session %s: abort not finished (%s); the next `dlfs gc` frees its chunks",
+                                sid, exc)
+                    self._aborting.pop(sid, None)
+            pause = min(pause * 2, ABORT_RETRY[1]) if failed else ABORT_RETRY[0]
+
+    async def _compact_periodically(self) -> None:
+        assert self.control is not None and self.follower is not None
+        while True:
+            await trio.sleep(COMPACT_INTERVAL)
+            try:
+                if await self.follower.collector():
+                    await self.control.compact()
+            except DlfsError as exc:
+                log.info("could not compact etcd's history: %s", exc)
 
     async def remove(self, req: DatasetRef, data: bytearray) -> Reply:
         if self.control is not None:
@@ -355,6 +424,10 @@ class MetaService(Service):
                 for r in done:
                     await trio.to_thread.run_sync(self.store.drop_index, r.info.name, r.info.version)
                     log.info("freed the chunks of removed %s", r.label)
+        try:  # the collecting node keeps etcd's history short (COMPACT_MARGIN revisions)
+            await self.control.compact()
+        except DlfsError as exc:
+            log.info("could not compact etcd's history: %s", exc)
         return freed, _skipped(skipped)
 
 

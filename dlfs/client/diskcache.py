@@ -1,0 +1,499 @@
+"""The disk cache of a compute-only node: verified chunk ranges kept on local disk, shared by every
+mount (and `dlfs warmup`) of the node that names the same directory, and kept across remounts.
+
+Layout: DIR/catalogue.db (SQLite, WAL: several processes read and write it at once) says which byte
+ranges of which chunk are held; DIR/chunks/ab/<chunk id>.<tag> is a sparse file with those ranges at
+their offsets in the chunk. The catalogue is the truth: a range is listed only after its bytes were
+written, so a crash leaves at worst bytes nobody lists; a chunk's file name is new each time the chunk
+comes back after eviction, so no reader or writer holding an old name can mix the two. Ranges of one
+chunk are merged as they come, so any range inside what was fetched before hits, however the next
+epoch's windows fall.
+
+Never trusted: a read from here goes through the same checks (each record's xxh3) as a fetch from a
+replica (ChunkCache._from_sources); bytes that fail make the caller drop the chunk here and go to the
+replicas. Bounded: by --cache-dir-size (kept in the catalogue: the last one given holds for every
+process), else by the file system, of which 10% is left free; least recently read chunks go first,
+and a full disk (ENOSPC) evicts and drops the write, never a read. Writes are off the read path: a
+verified fetch is copied into one of a few reused buffers and written by a thread of its own;
+when they are all taken (the disk falls behind) the write is dropped. Private: DIR 0700, files 0600.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import secrets
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from dlfs.client.local import DIRECT_ALIGN, DiskQueue, _all_cached, _pread_uncached, _read_window
+from dlfs.errors import UsageError
+from dlfs.private import DIR_MODE, FILE_MODE, OTHERS, private_dirs
+from dlfs.units import human_bytes
+
+log = logging.getLogger(__name__)
+Buffer = bytes | bytearray | memoryview
+SCHEMA = 1
+CATALOGUE = "catalogue.db"
+SOURCE = "disk-cache"  # the name its reads are counted under, beside the nodes (dlfs stats "fetched by node")
+FREE_SHARE = 0.10  # with no --cache-dir-size: evict while the file system has less than this share free
+WRITE_SLOTS = 8  # buffers of fetched windows waiting for the writer: beyond them a write is dropped
+FLUSH_EVERY = 2.0  # seconds between writes of the chunks read since (LRU order): not one per read
+EVICT_BATCH = 16  # chunks evicted per catalogue transaction
+BUSY_MS = 10_000  # a writer waits this long for another process's transaction
+LOOKUP_BUSY_MS = 200  # a lookup on the read path gives up sooner: a miss costs only a fetch
+CLOSE_TIMEOUT = 10.0
+RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
+_dontcache = [RWF_DONTCACHE]
+
+_TABLES = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks(cid BLOB PRIMARY KEY, file TEXT NOT NULL, bytes INTEGER NOT NULL,
+                                  used REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks(used);
+CREATE TABLE IF NOT EXISTS ranges(cid BLOB NOT NULL, off INTEGER NOT NULL, end INTEGER NOT NULL,
+                                  PRIMARY KEY (cid, off)) WITHOUT ROWID;
+"""
+
+
+def check_cache_dir(root: Path) -> Path:
+    """`root` made (0700) or found: a directory of this user's that no other user can read; a loose
+    mode is tightened (with a warning), another owner or a symlink is a one-line UsageError."""
+    try:
+        private_dirs(root)
+        st = os.lstat(root)
+    except OSError as exc:
+        raise UsageError(f"--cache-dir {root}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"--cache-dir {root} is not a directory (a symlink is not taken: name its target)")
+    if st.st_uid != os.getuid():
+        raise UsageError(f"--cache-dir {root} belongs to uid {st.st_uid}, not {os.getuid()}: it would hold every "
+                         "file's bytes, so it must be this user's own")
+    if st.st_mode & OTHERS:
+        log.warning("--cache-dir %s had mode %04o: made it 0700 (it holds dataset bytes)", root,
+                    stat.S_IMODE(st.st_mode))
+        os.chmod(root, DIR_MODE)
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UsageError(f"--cache-dir {root} is not writable")
+    return root
+
+
+def _pwrite_all(fd: int, data: Buffer, off: int) -> None:
+    """Write all of `data` at `off`, leaving no page cache behind where the kernel can (RWF_DONTCACHE):
+    what is read from here goes to the mount's slabs, and the kernel keeps the FUSE file's pages."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.pwritev(fd, [view], off, _dontcache[0])
+        except OSError as exc:
+            if _dontcache[0] and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                _dontcache[0] = 0
+                continue
+            raise
+        view, off = view[n:], off + n
+
+
+def _read_ranges(path: Path, ranges: Sequence[tuple[int, int]], into: memoryview | None) -> list[memoryview] | None:
+    """The ranges of the file (the first into `into` where it fits: straight from the disk, O_DIRECT,
+    unless the page cache holds it all, so it may start a little into `into`); None if the file is
+    short (a crash lost its bytes) or gone (evicted meanwhile)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    out: list[memoryview] = []
+    try:
+        for i, (off, n) in enumerate(ranges):
+            lo = off - off % DIRECT_ALIGN
+            hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+            if i == 0 and into is not None and hi - lo <= len(into):
+                cached = _all_cached(fd, off, n)
+                dfd = -1
+                if not cached:
+                    try:
+                        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                    except OSError:
+                        cached = True  # no O_DIRECT on this file system: through the page cache
+                try:
+                    try:
+                        start, got = _read_window(fd, dfd, off, n, lo, hi, cached, into)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL or cached:
+                            raise
+                        # O_DIRECT refused (memory not page-aligned, or a file system without it).
+                        start, got = _read_window(fd, dfd, off, n, lo, hi, True, into)
+                finally:
+                    if dfd >= 0:
+                        os.close(dfd)
+                if got < n:
+                    return None
+                out.append(into[start : start + n])
+                continue
+            buf = memoryview(bytearray(n))
+            got = 0
+            while got < n:
+                k = _pread_uncached(fd, buf[got:], off + got)
+                if k <= 0:
+                    return None
+                got += k
+            out.append(buf)
+    finally:
+        os.close(fd)
+    return out
+
+
+class DiskCache:
+    """One process's view of a cache directory (see the module's comment for what it promises)."""
+
+    def __init__(self, root: Path, size: int | None = None, slot_bytes: int = (4 << 20) + 2 * DIRECT_ALIGN) -> None:
+        self.root = check_cache_dir(root)
+        self.chunk_dir = private_dirs(root / "chunks")
+        self.db_path = root / CATALOGUE
+        # Made 0600 before SQLite opens it: its -wal and -shm files take the database's mode.
+        os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
+        self._local = threading.local()  # one connection per thread (SQLite's rule)
+        with self._txn() as db:
+            found = self._schema(db)
+            if found is None:
+                for statement in filter(str.strip, _TABLES.split(";")):
+                    db.execute(statement)
+                db.execute("INSERT INTO meta VALUES ('schema', ?), ('bytes', 0)", (SCHEMA,))
+            elif found != SCHEMA:
+                raise UsageError(f"--cache-dir {root} holds a disk cache of another format ({found}, this dlfs "
+                                 f"reads {SCHEMA}): remove it (`rm -r {root}`) or name another")
+            if size is not None:  # the last size given holds for every process using the directory
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('size', ?)", (size,))
+        self.slot_bytes = slot_bytes
+        self._slots: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._nslots = 0  # buffers made so far (lazily: an idle cache costs no memory)
+        # (what, chunk, ranges, a buffer to write or the file to drop)
+        self._jobs: queue.SimpleQueue[tuple[str, bytes, list[tuple[int, int]], bytearray | str | None]] = \
+            queue.SimpleQueue()
+        self._used: dict[bytes, float] = {}  # chunks read since the last flush -> when
+        self._read_from: dict[bytes, str] = {}  # chunk -> the file it was last read from here
+        self._bad: set[str] = set()  # files whose bytes failed a check: passed over until dropped
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        self._said_full = False
+        self.disk = DiskQueue()
+        self.hits = self.misses = self.hit_bytes = self.written = self.written_bytes = 0
+        self.dropped = self.evicted = self.evicted_bytes = self.corrupt = self.full = self.errors = 0
+
+    # --- the catalogue ---
+
+    def _db(self, busy_ms: int = BUSY_MS) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.db_path, timeout=busy_ms / 1000, isolation_level=None, check_same_thread=True)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # a power cut may lose the newest rows, never make one bad
+            self._local.db = db
+        db.execute(f"PRAGMA busy_timeout={busy_ms}")
+        return db
+
+    @contextmanager
+    def _txn(self, busy_ms: int = BUSY_MS) -> Iterator[sqlite3.Connection]:
+        """A write transaction (taken at once: BEGIN IMMEDIATE, so two processes never deadlock)."""
+        db = self._db(busy_ms)
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    @staticmethod
+    def _schema(db: sqlite3.Connection) -> int | None:
+        try:
+            row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        except sqlite3.OperationalError:
+            return None  # no tables yet
+        return None if row is None else int(row[0])
+
+    @staticmethod
+    def _covered(db: sqlite3.Connection, cid: bytes, ranges: Sequence[tuple[int, int]]) -> bool:
+        for off, n in ranges:
+            # Ranges of a chunk are merged, so only the last one starting at or before `off` can hold it.
+            row = db.execute("SELECT end FROM ranges WHERE cid=? AND off<=? ORDER BY off DESC LIMIT 1",
+                             (cid, off)).fetchone()
+            if row is None or row[0] < off + n:
+                return False
+        return True
+
+    def lookup(self, cid: bytes, ranges: Sequence[tuple[int, int]]) -> Path | None:
+        """The file holding all of `ranges` of chunk `cid`, if this cache has them; None otherwise."""
+        db = self._db(LOOKUP_BUSY_MS)
+        row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
+        if row is None or not self._covered(db, cid, ranges):
+            return None
+        return self._path(row[0])
+
+    def _path(self, name: str) -> Path:
+        return self.chunk_dir / name[:2] / name
+
+    def size_bound(self) -> int | None:
+        row = self._db().execute("SELECT value FROM meta WHERE key='size'").fetchone()
+        return None if row is None else int(row[0])
+
+    def held_bytes(self) -> int:
+        """Bytes of chunk data held (the files may take up to a block more per range)."""
+        return int(self._db().execute("SELECT value FROM meta WHERE key='bytes'").fetchone()[0])
+
+    # --- reads (the event loop) ---
+
+    async def read(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None = None,
+                   urgent: bool = True, order: int | None = None) -> list[memoryview] | None:
+        """The ranges of chunk `cid` (the first into `into` when given), unchecked (the caller checks
+        them, and calls drop() if they are bad), if this cache holds them all; None otherwise."""
+        if self._closed:
+            return None
+        try:
+            path = self.lookup(cid, ranges)
+        except sqlite3.Error as exc:
+            self.errors += 1
+            log.debug("disk cache lookup of chunk %s: %s", cid.hex(), exc)
+            return None
+        if path is None or path.name in self._bad:
+            self.misses += 1
+            return None
+        self._read_from[cid] = path.name
+        try:
+            pieces = await self.disk.run(_read_ranges, path, ranges, into, urgent=urgent, order=order)
+        except OSError as exc:
+            self.errors += 1
+            log.warning("disk cache %s: chunk %s: %s; reading it from the replicas", self.root, cid.hex(), exc)
+            return None
+        if pieces is None:  # evicted since the lookup (or lost in a crash): a miss; a bad entry is dropped
+            self.misses += 1
+            if path.exists():
+                self.drop(cid)
+            return None
+        self._used[cid] = time.time()
+        self.hits += 1
+        self.hit_bytes += sum(n for _, n in ranges)
+        return pieces
+
+    def drop(self, cid: bytes) -> None:
+        """Forget the file chunk `cid` was last read from here (its bytes failed a check): passed over
+        at once, removed by the writer; a copy written since, under a new name, is kept."""
+        name = self._read_from.pop(cid, None)
+        if name is not None and name not in self._bad:
+            self.corrupt += 1
+            self._bad.add(name)
+            self._start_writer()
+            self._jobs.put(("drop", cid, [], name))
+
+    # --- writes ---
+
+    def put(self, cid: bytes, ranges: list[tuple[int, int]], pieces: Sequence[Buffer]) -> bool:
+        """Queue verified `pieces` (the bytes of `ranges` of chunk `cid`) for the writer, copied into
+        a free buffer; never waits: False (dropped) when every buffer is taken or they do not fit."""
+        n = sum(len(p) for p in pieces)
+        if self._closed or n > self.slot_bytes:
+            return False
+        try:
+            buf = self._slots.get_nowait()
+        except queue.Empty:
+            if self._nslots >= WRITE_SLOTS:
+                self.dropped += 1
+                return False
+            self._nslots += 1
+            buf = bytearray(self.slot_bytes)
+        at = 0
+        for p in pieces:
+            buf[at : at + len(p)] = p
+            at += len(p)
+        self._start_writer()
+        self._jobs.put(("put", cid, list(ranges), buf))
+        return True
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="dlfs-disk-cache-writer", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            try:
+                kind, cid, ranges, buf = self._jobs.get(timeout=FLUSH_EVERY)
+            except queue.Empty:
+                kind = ""
+            try:
+                if kind == "put":
+                    assert isinstance(buf, bytearray)
+                    view, pieces, at = memoryview(buf), [], 0
+                    for _, n in ranges:
+                        pieces.append(view[at : at + n])
+                        at += n
+                    self.store(cid, ranges, pieces)
+                elif kind == "drop":
+                    assert isinstance(buf, str)
+                    self._drop_chunk(cid, buf)
+                    self._bad.discard(buf)
+                if kind in ("", "stop") or time.monotonic() - last_flush >= FLUSH_EVERY:
+                    self._flush_used()
+                    last_flush = time.monotonic()
+            except (OSError, sqlite3.Error) as exc:
+                self.errors += 1
+                log.warning("disk cache %s: %s", self.root, exc)
+            finally:
+                if isinstance(buf, bytearray):
+                    self._slots.put(buf)
+            if kind == "stop":
+                db = getattr(self._local, "db", None)
+                if db is not None:
+                    db.close()
+                return
+
+    def store(self, cid: bytes, ranges: Sequence[tuple[int, int]], pieces: Sequence[Buffer]) -> int:
+        """Write verified bytes of chunk `cid` here and list them (blocking: a writer thread's, or
+        warmup's); bytes newly held. A full disk evicts and tries once more, then gives up (0)."""
+        db = self._db()
+        if self._covered(db, cid, ranges):
+            return 0
+        now = time.time()
+        with self._txn() as db:
+            row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
+            if row is None:
+                name = f"{cid.hex()}.{secrets.token_hex(4)}"  # new each time: no old name is ever reused
+                db.execute("INSERT INTO chunks VALUES (?, ?, 0, ?)", (cid, name, now))
+            else:
+                name = row[0]
+        path = self._path(name)
+        need = sum(len(p) for p in pieces)
+        for attempt in (1, 2):
+            try:
+                private_dirs(path.parent)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+                try:
+                    for (off, _), piece in zip(ranges, pieces):
+                        _pwrite_all(fd, piece, off)
+                finally:
+                    os.close(fd)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self.full += 1
+                freed = self._evict(max(need * 4, self.held_bytes() // 16), keep=cid)
+                if attempt == 2 or not freed:
+                    log.info("disk cache %s: file system full and nothing more to evict; %s not kept",
+                             self.root, human_bytes(need))
+                    return 0
+        with self._txn() as db:
+            row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
+            if row is None or row[0] != name:  # evicted while it was written: the file is no one's
+                path.unlink(missing_ok=True)
+                return 0
+            added = sum(self._merge(db, cid, off, off + n) for off, n in ranges)
+            db.execute("UPDATE chunks SET bytes=bytes+?, used=? WHERE cid=?", (added, now, cid))
+            db.execute("UPDATE meta SET value=value+? WHERE key='bytes'", (added,))
+        self.written += 1
+        self.written_bytes += added
+        self._evict(self._excess(), keep=cid)
+        return added
+
+    @staticmethod
+    def _merge(db: sqlite3.Connection, cid: bytes, lo: int, hi: int) -> int:
+        """List [lo, hi) of chunk `cid`, merged with the ranges it touches; bytes newly covered."""
+        rows = db.execute("SELECT off, end FROM ranges WHERE cid=? AND off<=? AND end>=?", (cid, hi, lo)).fetchall()
+        before = sum(e - o for o, e in rows)
+        lo, hi = min([lo, *(o for o, _ in rows)]), max([hi, *(e for _, e in rows)])
+        db.executemany("DELETE FROM ranges WHERE cid=? AND off=?", [(cid, o) for o, _ in rows])
+        db.execute("INSERT INTO ranges VALUES (?, ?, ?)", (cid, lo, hi))
+        return hi - lo - before
+
+    def _excess(self) -> int:
+        """Bytes to evict now: over --cache-dir-size, or under the file system's free share."""
+        bound = self.size_bound()
+        if bound is not None:
+            return self.held_bytes() - bound
+        st = os.statvfs(self.root)
+        excess = int(st.f_blocks * st.f_frsize * FREE_SHARE) - st.f_bavail * st.f_frsize
+        if excess > self.held_bytes() and not self._said_full:  # evicting all it holds would not be enough
+            self._said_full = True
+            log.warning("disk cache %s: its file system has less than %d%% free, so it keeps next to nothing; free "
+                        "some space or give --cache-dir-size", self.root, FREE_SHARE * 100)
+        return excess
+
+    def _evict(self, nbytes: int, keep: bytes | None = None) -> int:
+        """Drop least recently read chunks (not `keep`) until `nbytes` are freed; bytes freed."""
+        freed = 0
+        while freed < nbytes:
+            with self._txn() as db:
+                rows = db.execute("SELECT cid, file, bytes FROM chunks WHERE cid IS NOT ? ORDER BY used LIMIT ?",
+                                  (keep, EVICT_BATCH)).fetchall()
+                taken = []
+                for cid, name, n in rows:
+                    if freed >= nbytes:
+                        break
+                    db.execute("DELETE FROM ranges WHERE cid=?", (cid,))
+                    db.execute("DELETE FROM chunks WHERE cid=?", (cid,))
+                    db.execute("UPDATE meta SET value=value-? WHERE key='bytes'", (n,))
+                    taken.append(name)
+                    freed += n
+                # Unlinked inside the transaction: a writer that still had the name finds no row, and
+                # throws its own file away.
+                for name in taken:
+                    self._path(name).unlink(missing_ok=True)
+            self.evicted += len(taken)
+            self.evicted_bytes += sum(int(r[2]) for r in rows[: len(taken)])
+            if not taken:
+                break
+        return freed
+
+    def _drop_chunk(self, cid: bytes, name: str) -> None:
+        with self._txn() as db:
+            row = db.execute("SELECT file, bytes FROM chunks WHERE cid=?", (cid,)).fetchone()
+            if row is None or row[0] != name:  # gone already, or written again since
+                return
+            db.execute("DELETE FROM ranges WHERE cid=?", (cid,))
+            db.execute("DELETE FROM chunks WHERE cid=?", (cid,))
+            db.execute("UPDATE meta SET value=value-? WHERE key='bytes'", (row[1],))
+            self._path(row[0]).unlink(missing_ok=True)
+        log.warning("disk cache %s: dropped chunk %s (its bytes failed a check)", self.root, cid.hex())
+
+    def _flush_used(self) -> None:
+        """Note in the catalogue when the chunks read since the last flush were read (LRU order)."""
+        if not self._used:
+            return
+        used, self._used = self._used, {}
+        with self._txn() as db:
+            db.executemany("UPDATE chunks SET used=? WHERE cid=?", [(t, c) for c, t in used.items()])
+
+    # --- lifecycle ---
+
+    def close(self) -> None:
+        """Finish the queued writes (bounded), note what was read, let go of the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._jobs.put(("stop", b"", [], None))
+            self._writer.join(CLOSE_TIMEOUT)
+            if self._writer.is_alive():
+                log.warning("disk cache %s: writes still queued after %g s; left unwritten", self.root, CLOSE_TIMEOUT)
+        else:
+            try:
+                self._flush_used()
+            except sqlite3.Error as exc:
+                log.warning("disk cache %s: %s", self.root, exc)
+        self.disk.close()
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+
+    def stats(self) -> dict[str, int]:
+        return {"disk_cache_hits": self.hits, "disk_cache_misses": self.misses, "disk_cache_hit_bytes": self.hit_bytes,
+                "disk_cache_writes": self.written, "disk_cache_written_bytes": self.written_bytes,
+                "disk_cache_dropped_writes": self.dropped, "disk_cache_evicted_chunks": self.evicted,
+                "disk_cache_corrupt": self.corrupt, "disk_cache_full": self.full, "disk_cache_errors": self.errors}

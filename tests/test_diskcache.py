@@ -1,0 +1,388 @@
+"""The disk cache of a compute-only node (dlfs/client/diskcache.py) and `dlfs warmup`.
+
+Units: the cache itself on a temporary directory (what it keeps, how it is bounded, private, shared by
+processes, what it does with a lost or bad entry and a full disk). End to end: a real node and real
+mounts that read no chunk files of their own (--no-short-circuit: every miss goes to the data daemon
+over TCP, as on a compute-only node); the mount's published counters say which source gave the bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mmap
+import os
+import random
+import sqlite3
+import stat
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import REPO, Node, mount_stats, needs_fuse
+
+from dlfs.client.diskcache import CATALOGUE, SOURCE, WRITE_SLOTS, DiskCache
+from dlfs.errors import UsageError
+from dlfs.warmup import TokenBucket, parse_rate
+
+pytestmark = pytest.mark.timeout(300)
+MiB = 1 << 20
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk(cid: bytes) -> bytes:
+    return random.Random(cid).randbytes(4 * MiB)
+
+
+def content(cid: bytes, off: int, n: int) -> bytes:
+    """The bytes a chunk `cid` has at [off, off+n) in these tests: any range of it can be checked."""
+    assert off + n <= 4 * MiB
+    return _chunk(cid)[off : off + n]
+
+
+def cid_of(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def read(cache: DiskCache, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None = None) -> list[bytes] | None:
+    got = trio.run(cache.read, cid, ranges, into)
+    return None if got is None else [bytes(p) for p in got]
+
+
+def catalogue(root: Path) -> sqlite3.Connection:
+    """The catalogue, opened as any other process would (close it: an open one keeps its files busy)."""
+    return sqlite3.connect(root / CATALOGUE)
+
+
+def consistent(root: Path) -> int:
+    with closing(catalogue(root)) as db:
+        return _consistent(root, db)
+
+
+def _consistent(root: Path, db: sqlite3.Connection) -> int:
+    """Check the catalogue adds up and every listed range holds the right bytes; bytes held."""
+    total = db.execute("SELECT value FROM meta WHERE key='bytes'").fetchone()[0]
+    assert total == (db.execute("SELECT COALESCE(SUM(bytes), 0) FROM chunks").fetchone()[0])
+    assert total == db.execute("SELECT COALESCE(SUM(end - off), 0) FROM ranges").fetchone()[0]
+    files = {cid: name for cid, name in db.execute("SELECT cid, file FROM chunks")}
+    for cid, off, end in db.execute("SELECT cid, off, end FROM ranges"):
+        path = root / "chunks" / files[cid][:2] / files[cid]
+        with open(path, "rb") as f:
+            f.seek(off)
+            assert f.read(end - off) == content(cid, off, end - off)
+    on_disk = {p.name for p in (root / "chunks").glob("*/*")}
+    assert on_disk == set(files.values())  # no file nobody lists, none listed and missing
+    return total
+
+
+# --- the cache, unit by unit ----------------------------------------------------------------------
+def test_store_and_read_back_any_range_inside(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c")
+    cid = cid_of(1)
+    assert read(cache, cid, [(0, 100)]) is None  # nothing yet
+    assert cache.store(cid, [(4096, 300_000)], [content(cid, 4096, 300_000)]) == 300_000
+    assert cache.store(cid, [(4096, 300_000)], [content(cid, 4096, 300_000)]) == 0  # held already
+    assert read(cache, cid, [(5000, 1000), (200_000, 5)]) == [content(cid, 5000, 1000), content(cid, 200_000, 5)]
+    assert read(cache, cid, [(0, 5000)]) is None  # starts before what is held
+    # A neighbouring range merges with it: a window spanning both hits.
+    cache.store(cid, [(304_096, 100_000)], [content(cid, 304_096, 100_000)])
+    assert catalogue(cache.root).execute("SELECT off, end FROM ranges").fetchall() == [(4096, 404_096)]
+    for slab in (memoryview(mmap.mmap(-1, 400_000 + 8192)), memoryview(bytearray(400_000 + 8192))):
+        # Page-aligned (a cache slab): straight from the disk; any other buffer through the page cache.
+        got = trio.run(cache.read, cid, [(10_000, 390_000)], slab)
+        assert got is not None and bytes(got[0]) == content(cid, 10_000, 390_000)
+        assert got[0].obj is slab.obj  # landed in the caller's buffer, no copy
+    cache.close()
+    assert consistent(cache.root) == 400_000
+
+
+def test_private_modes(tmp_path: Path) -> None:
+    root = tmp_path / "loose"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    cache = DiskCache(root)
+    cid = cid_of(2)
+    cache.store(cid, [(0, 10_000)], [content(cid, 0, 10_000)])
+    cache.close()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700  # tightened: it holds dataset bytes
+    for p in root.rglob("*"):
+        assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    with pytest.raises(UsageError, match="not a directory"):
+        DiskCache(link)
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(UsageError, match="belongs to uid 65534"):
+            DiskCache(theirs)
+
+
+def test_size_bound_evicts_least_recently_read(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c", size=3 * MiB)
+    for i in range(3):
+        cache.store(cid_of(i), [(0, MiB)], [content(cid_of(i), 0, MiB)])
+    assert read(cache, cid_of(0), [(0, 10)]) is not None  # read: now the most recent
+    cache._flush_used()
+    cache.store(cid_of(3), [(0, MiB)], [content(cid_of(3), 0, MiB)])
+    assert cache.held_bytes() <= 3 * MiB
+    assert read(cache, cid_of(1), [(0, 10)]) is None  # the least recently read went
+    assert read(cache, cid_of(0), [(0, 10)]) is not None
+    assert read(cache, cid_of(3), [(0, 10)]) is not None
+    # The bound is the directory's: a process that gives none keeps the last one given.
+    cache.close()
+    again = DiskCache(tmp_path / "c")
+    assert again.size_bound() == 3 * MiB
+    again.close()
+    assert consistent(tmp_path / "c") == 3 * MiB
+
+
+def test_write_behind_never_waits_and_drops_when_behind(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c", slot_bytes=MiB)
+    assert not cache.put(cid_of(9), [(0, MiB + 1)], [content(cid_of(9), 0, MiB + 1)])  # bigger than a buffer
+    # Another process holds the catalogue: the writer waits on its first write, so the buffers fill.
+    blocker = catalogue(cache.root)
+    blocker.isolation_level = None
+    blocker.execute("BEGIN IMMEDIATE")
+    queued = [cache.put(cid_of(i), [(0, 1000)], [content(cid_of(i), 0, 1000)]) for i in range(WRITE_SLOTS + 1)]
+    assert queued == [True] * WRITE_SLOTS + [False]
+    assert cache.dropped == 1
+    blocker.execute("COMMIT")
+    blocker.close()
+    cache.close()  # finishes what was queued
+    assert consistent(cache.root) == WRITE_SLOTS * 1000
+
+
+def test_concurrent_processes_share_one_catalogue(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    DiskCache(root, size=24 * MiB).close()
+    script = f"""
+import random, sys
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]
+from test_diskcache import cid_of, content
+from dlfs.client.diskcache import DiskCache
+import trio
+cache = DiskCache(__import__('pathlib').Path({str(root)!r}))
+rng = random.Random(int(sys.argv[1]))
+for _ in range(60):
+    cid = cid_of(rng.randrange(20))
+    off = rng.randrange(4) * 512 * 1024
+    cache.store(cid, [(off, 700_000)], [content(cid, off, 700_000)])
+    got = trio.run(cache.read, cid, [(off + 100, 1000)], None)
+    assert got is None or bytes(got[0]) == content(cid, off + 100, 1000)
+cache.close()
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(k)]) for k in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    held = consistent(root)
+    assert 0 < held <= 24 * MiB
+
+
+def test_lost_bytes_are_a_miss_and_the_entry_goes(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c")
+    cid = cid_of(5)
+    cache.store(cid, [(0, 200_000)], [content(cid, 0, 200_000)])
+    (path,) = (cache.root / "chunks").glob("*/*")
+    os.truncate(path, 50_000)  # what a power cut can leave of bytes the catalogue lists
+    assert read(cache, cid, [(0, 200_000)]) is None
+    cache.close()
+    assert consistent(cache.root) == 0
+    assert not path.exists()
+
+
+def test_drop_forgets_a_chunk_at_once(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c")
+    cid = cid_of(6)
+    cache.store(cid, [(0, 10_000)], [content(cid, 0, 10_000)])
+    assert read(cache, cid, [(0, 10)]) is not None
+    cache.drop(cid)  # what the fetch pipeline does when what it read fails its checksums
+    assert read(cache, cid, [(0, 10)]) is None  # at once, before the writer removes it
+    cache.close()
+    assert consistent(cache.root) == 0
+    # A copy written after the bad one was read (under a new name) is not dropped with it.
+    cache = DiskCache(tmp_path / "c")
+    cache.store(cid, [(0, 10_000)], [content(cid, 0, 10_000)])
+    assert read(cache, cid, [(0, 10)]) is not None
+    cache._drop_chunk(cid, "an-older-name")
+    assert read(cache, cid, [(0, 10)]) is not None
+    cache.close()
+    assert consistent(cache.root) == 10_000
+
+
+def test_full_disk_evicts_and_never_fails(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    fs = tmp_path / "small"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(fs)], check=True)
+    try:
+        cache = DiskCache(fs / "c", size=64 * MiB)  # a bound the file system cannot hold
+        for i in range(12):
+            cid = cid_of(i)
+            cache.store(cid, [(0, MiB)], [content(cid, 0, MiB)])
+        assert cache.full > 0
+        assert read(cache, cid_of(11), [(0, MiB)]) == [content(cid_of(11), 0, MiB)]
+        cache.close()
+        assert 0 < consistent(fs / "c") <= 6 * MiB
+    finally:
+        if subprocess.run(["umount", str(fs)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_rate_parsing_and_bucket() -> None:
+    assert parse_rate("500MB/s") == 500 * MiB
+    assert parse_rate("1G") == 1 << 30
+    with pytest.raises(UsageError):
+        parse_rate("fast")
+    bucket = TokenBucket(4 * MiB)
+
+    async def take() -> float:
+        t0 = trio.current_time()
+        for _ in range(4):
+            await bucket.take(MiB)
+        return trio.current_time() - t0
+
+    # 4 MiB at 4 MiB/s with a quarter second of burst: about three quarters of a second of waiting.
+    waited = trio.run(take, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert 0.5 <= waited <= 1.0
+
+
+# --- end to end: a node, mounts with no chunk files of their own -----------------------------------
+def make_tree(root: Path) -> dict[str, bytes]:
+    rng = random.Random(23)
+    files: dict[str, bytes] = {}
+    for d in range(4):
+        for i in range(60):
+            files[f"class{d}/img{i:03d}.jpg"] = rng.randbytes(rng.randrange(20_000, 150_000))
+    files["big/shard.bin"] = rng.randbytes(9_000_000)
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def epoch(mnt: Path, files: dict[str, bytes]) -> None:
+    """Read every file as frameworks do, in a shuffled order, and compare with the source."""
+    order = sorted(files)
+    random.Random(7).shuffle(order)
+    for rel in order:
+        with open(mnt / rel, "rb") as f:
+            assert f.read() == files[rel], rel
+
+
+def network_bytes(sources: dict[str, int]) -> int:
+    return sum(n for name, n in sources.items() if name != SOURCE)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, dict[str, bytes], Path]:
+    from conftest import running_node
+
+    base = tmp_path_factory.mktemp("diskcache")
+    src = base / "src"
+    files = make_tree(src)
+    with running_node(base / "home", base) as node:
+        node.ingest(src, "imgs", "--chunk-size", "2M")
+        yield node, files, base
+
+
+def mounted_epoch(node: Node, base: Path, cache_dir: Path, files: dict[str, bytes], name: str) -> dict[str, int]:
+    """Mount (no chunk files of its own, disk cache at `cache_dir`), read every file, unmount; bytes by source."""
+    mnt = node.mount("imgs", base / name, "--no-short-circuit", "--cache-dir", str(cache_dir))
+    try:
+        epoch(mnt, files)
+        sources = wait_stats(node, mnt, sum(len(b) for b in files.values()))
+    finally:
+        node.umount(mnt)
+    return sources
+
+
+def wait_stats(node: Node, mnt: Path, nbytes: int) -> dict[str, int]:
+    doc = mount_stats(node.home, mnt, until=lambda s: s["read_bytes"] >= nbytes, timeout=10.0)
+    return {name: n["bytes"] for name, n in doc["by_node"].items()}
+
+
+@needs_fuse
+def test_second_epoch_reads_the_disk_cache(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    node, files, base = dataset
+    total = sum(len(b) for b in files.values())
+    cache_dir = base / "cache-epochs"
+    first = mounted_epoch(node, base, cache_dir, files, "m1")
+    assert network_bytes(first) >= total and SOURCE not in first
+    held = consistent_held(cache_dir)
+    assert held >= total
+    second = mounted_epoch(node, base, cache_dir, files, "m2")  # a remount: nothing in memory
+    assert second.get(SOURCE, 0) >= total
+    assert network_bytes(second) <= total // 20  # only writes dropped while the disk fell behind
+
+
+def consistent_held(root: Path) -> int:
+    with closing(catalogue(root)) as db:
+        return int(db.execute("SELECT value FROM meta WHERE key='bytes'").fetchone()[0])
+
+
+@needs_fuse
+def test_corrupt_cache_file_is_refetched(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    node, files, base = dataset
+    cache_dir = base / "cache-corrupt"
+    mounted_epoch(node, base, cache_dir, files, "c1")
+    db = catalogue(cache_dir)
+    damaged = 0
+    for cid, name in db.execute("SELECT cid, file FROM chunks").fetchall():
+        off, end = db.execute("SELECT off, end FROM ranges WHERE cid=? ORDER BY off LIMIT 1", (cid,)).fetchone()
+        path = cache_dir / "chunks" / name[:2] / name
+        with open(path, "r+b") as f:  # a bit flipped in every record's first bytes... of every chunk
+            f.seek(off)
+            first = f.read(end - off)
+            f.seek(off)
+            f.write(bytes(b ^ 0x40 for b in first))
+        damaged += end - off
+    db.close()
+    sources = mounted_epoch(node, base, cache_dir, files, "c2")  # every byte still right (epoch compares)
+    assert network_bytes(sources) >= damaged  # what failed its checks came from the node again
+    log = "".join(p.read_text(errors="replace") for p in (node.home / "logs").rglob("*.log"))
+    assert "dropped from the disk cache" in log
+    # Refetched, and kept again: the next epoch reads the disk cache alone.
+    assert network_bytes(mounted_epoch(node, base, cache_dir, files, "c3")) <= sum(map(len, files.values())) // 20
+
+
+@needs_fuse
+def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    node, files, base = dataset
+    total = sum(len(b) for b in files.values())
+    cache_dir = base / "cache-warm"
+    out = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--rate", "200MB/s").stdout
+    assert f"warmed imgs@1: {len(files)} files" in out, out
+    assert consistent_held(cache_dir) >= total
+    again = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir).stdout
+    assert "already there" in again and "fetched 0 B" in again, again
+    sources = mounted_epoch(node, base, cache_dir, files, "w1")
+    assert network_bytes(sources) == 0 and sources[SOURCE] >= total
+    # On the data node itself its chunk files are read into the page cache: no disk cache needed.
+    local = node.run("warmup", "imgs").stdout
+    assert "of this node's chunks into the page cache" in local and "fetched" not in local, local
+
+
+@needs_fuse
+def test_warmup_of_paths_beside_a_running_mount(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    node, files, base = dataset
+    cache_dir = base / "cache-shared"
+    mnt = node.mount("imgs", base / "s1", "--no-short-circuit", "--cache-dir", str(cache_dir))
+    try:
+        mounts = json.loads(node.run("mounts", "--json").stdout)["mounts"]
+        assert [m["cache_dir"] for m in mounts if m["mountpoint"] == str(mnt)] == [str(cache_dir)]
+        # No --cache-dir: the one this machine's mount uses. Only class1 and the big file.
+        out = node.run("warmup", "imgs", "class1", "/big/shard.bin", "--no-short-circuit").stdout
+        chosen = {rel: data for rel, data in files.items() if rel.startswith(("class1/", "big/"))}
+        assert f"warmed imgs@1: {len(chosen)} files" in out, out
+        epoch(mnt, chosen)  # the running mount finds what warmup wrote: one catalogue
+        sources = wait_stats(node, mnt, sum(map(len, chosen.values())))
+        assert network_bytes(sources) == 0, sources
+    finally:
+        node.umount(mnt)
+    bad = node.run("warmup", "imgs", "nope", "--cache-dir", cache_dir, check=False)
+    assert bad.returncode == 4 and "no 'nope' in imgs@1" in bad.stderr
