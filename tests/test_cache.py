@@ -252,7 +252,9 @@ async def test_a_corrupt_replica_and_a_corrupt_local_copy_are_passed_over(tmp_pa
                 blocks.local = cache.local
                 assert bytes(await blocks.read(1, 98_304, 102_400, 1, 2)) == payloads[1][98_304:102_400]
                 if local:
-                    assert cache.local is not None and cache.local.fallbacks == 2, cache.local.stats()
+                    # One fallback: after its first failed check the bad file is passed over (LocalChunks.failed)
+                    # until it is replaced, so the random read goes to the replica at once.
+                    assert cache.local is not None and cache.local.fallbacks == 1, cache.local.stats()
                 else:
                     assert cache.corrupt == 1 and cache.failovers == 1 and blocks.corrupt == 1, cache.stats()
                 assert blocks.block_reads == 1

@@ -231,7 +231,7 @@ def test_a_stream_whose_local_copy_goes_bad_midway_goes_on_from_the_other_replic
         finally:
             n1.umount(mnt)
         n2.stop()
-        mnt = n1.mount("twice", tmp_path / "mnt")
+        mnt = n1.mount("twice", tmp_path / "mnt", "--retry-timeout", "0")  # no waiting for n2 to come back
         try:
             _cold_read_is_eio(mnt / "f")
         finally:

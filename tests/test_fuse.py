@@ -513,8 +513,9 @@ def test_mount_survives_node_restart(node: Node, tmp_path: Path) -> None:
     (src / "before").write_bytes(os.urandom(40_000))
     (src / "after").write_bytes(os.urandom(40_000))
     node.ingest(src, "restart", "--chunk-size", "64K")  # one file a chunk: reading one caches nothing of the other
-    # Through the daemon: the local chunk files would serve reads with the node down.
-    mnt = node.mount("restart", tmp_path / "mnt", "--no-short-circuit")
+    # Through the daemon: the local chunk files would serve reads with the node down. --retry-timeout 0:
+    # a read does not wait for the node to come back (tests/test_ride_out.py has reads that do).
+    mnt = node.mount("restart", tmp_path / "mnt", "--no-short-circuit", "--retry-timeout", "0")
     local = node.mount("restart", tmp_path / "mnt-local")
     assert (mnt / "before").read_bytes() == (src / "before").read_bytes()
     node.stop()
@@ -563,9 +564,10 @@ def test_bad_replica_fails_over_to_a_good_one(tmp_path: Path) -> None:
             assert "(local copy of n1)" in log and "reading it from the replicas" in log  # short-circuit checked too
         finally:
             n1.umount(mnt)
-        # With the good replica's node down too, the damage shows: EIO, not wrong bytes.
+        # With the good replica's node down too, the damage shows: EIO, not wrong bytes (at once: the
+        # read does not wait for n2 to come back).
         n2.stop()
-        mnt = n1.mount("twice", tmp_path / "mnt")
+        mnt = n1.mount("twice", tmp_path / "mnt", "--retry-timeout", "0")
         try:
             with pytest.raises(OSError) as info:
                 (mnt / "f0").read_bytes()

@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 import trio
 from chaoslab import Readers, make_files
-from conftest import DLFS, REPO, STOP_TIMEOUT, Node, dlfs_env, needs_fuse, running_cluster, start_node_process, wait_for_node
+from conftest import (
+    DLFS,
+    REPO,
+    STOP_TIMEOUT,
+    Node,
+    dlfs_env,
+    needs_fuse,
+    running_cluster,
+    start_node_process,
+    wait_for_node,
+)
 from damage import inode_of
 from etcdlab import etcd_available
 

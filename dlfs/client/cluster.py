@@ -121,7 +121,7 @@ class ClusterClient:
 
     def _failed(self, spec: NodeSpec, why: str = "") -> None:
         h = self.health.setdefault(spec.name, Health())
-        if h.fail(trio.current_time()):
+        if h.fail(trio.current_time()) and (h.rounds <= 4 or h.rounds % 30 == 0):  # a long outage: a line a minute
             log.info("node %s is failing%s: read last, probed in %.2f s (round %d, %d failures)", spec.name, why,
                      h.backoff, h.rounds, h.failures)
 
