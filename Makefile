@@ -22,7 +22,7 @@ demo: install
 	$(VENV)/bin/python scripts/demo.py
 
 test: install
-	$(VENV)/bin/python -m pytest -rs
+	$(VENV)/bin/python -m pytest -rs --durations=25
 
 clean:
 	rm -rf $(VENV) .demo build *.egg-info

@@ -767,28 +767,10 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
     log_path = Path(args.log_file) if args.log_file else mount_log(home, args.dataset, mountpoint)
     private_dirs(log_path.parent)
     rfd, wfd = os.pipe()
-    cmd = [sys.executable, "-m", "dlfs", "--home", str(home), "mount", "--foreground", "--ready-fd", str(wfd),
-           "--cache-size", args.cache_size, "--readahead", args.readahead, "--log-file", str(log_path),
-           "--threads", str(args.threads), "--io-uring", args.io_uring, f"--retry-timeout={args.retry_timeout:g}",
-           args.dataset, str(mountpoint)]
-    if args.cluster:
-        cmd[3:3] = ["--cluster", args.cluster]
-    if args.transport:
-        cmd.insert(cmd.index("--foreground") + 1, f"--transport={args.transport}")
-    if args.log_level:
-        cmd[3:3] = ["--log-level", args.log_level]
-    if args.metrics:
-        cmd.insert(cmd.index("--foreground") + 1, f"--metrics={args.metrics}")
-    if not args.allow_other:
-        cmd.insert(cmd.index("--foreground") + 1, "--no-allow-other")
-    if not args.short_circuit:
-        cmd.insert(cmd.index("--foreground") + 1, "--no-short-circuit")
-    if args.nonempty:
-        cmd.insert(cmd.index("--foreground") + 1, "--nonempty")
-    if args.cache_dir:
-        cmd.insert(cmd.index("--foreground") + 1, f"--cache-dir={Path(args.cache_dir).absolute()}")
-    if args.cache_dir_size:
-        cmd.insert(cmd.index("--foreground") + 1, f"--cache-dir-size={args.cache_dir_size}")
+    # The command as the user gave it (same environment, same working directory: relative paths mean the
+    # same), served in the foreground: no option is rebuilt here, so none can be lost on the way.
+    cmd = [sys.executable, "-m", "dlfs", *args.argv, "--foreground", "--ready-fd", str(wfd), "--log-file",
+           str(log_path)]
     with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(wfd,),
                                 start_new_session=True)
@@ -1254,6 +1236,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `dlfs mount` runs it again, served in the foreground
     # What dlfs writes under $DLFS_HOME is its user's alone (dlfs/private.py), the node's and mounts' and
     # what any command adds; the bench's sample trees, mount points and reports are for its user to share.
     umask = os.umask(PRIVATE_UMASK)

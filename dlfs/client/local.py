@@ -189,7 +189,9 @@ class LocalChunks:
         self._direct_fds: OrderedDict[bytes, int] = OrderedDict()
         # cid -> (st_dev, st_ino or 0 for absent, when last looked at): what the path named then.
         self._seen: dict[bytes, tuple[int, int, float]] = {}
-        self._bad: dict[bytes, tuple[int, int]] = {}  # chunk files whose bytes failed their check: skipped
+        # Chunk files whose bytes failed their check, skipped: (st_dev, st_ino, st_ctime_ns), since a file
+        # put in its place once it is closed may get the same inode number.
+        self._bad: dict[bytes, tuple[int, int, int]] = {}
         self.direct = True  # O_DIRECT works on this file system (until it says otherwise)
         self.reads = self.bytes = self.fallbacks = self.direct_reads = 0
 
@@ -225,9 +227,10 @@ class LocalChunks:
     def failed(self, cid: bytes) -> None:
         """The chunk file's bytes failed their check: its replicas are read instead until the file is
         replaced (by repair: another inode), so that a corrupt file costs one warning, not one a read."""
-        seen = self._seen.get(cid)
-        if seen is not None and seen[1]:
-            self._bad[cid] = seen[:2]
+        fd = self._fds.get(cid)
+        if fd is not None:
+            st = os.fstat(fd)
+            self._bad[cid] = (st.st_dev, st.st_ino, st.st_ctime_ns)
         self.forget(cid)
 
     def _fd(self, cid: bytes) -> int | None:
@@ -244,7 +247,7 @@ class LocalChunks:
             self._seen[cid] = (0, 0, time.monotonic())  # held elsewhere: asked again after RECHECK
             return None
         st = os.fstat(fd)
-        if self._bad.get(cid) == (st.st_dev, st.st_ino):  # still the file that failed its check
+        if self._bad.get(cid) == (st.st_dev, st.st_ino, st.st_ctime_ns):  # still the file that failed its check
             os.close(fd)
             self._seen[cid] = (0, 0, time.monotonic())
             return None
