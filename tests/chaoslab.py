@@ -2,7 +2,7 @@
 compare every byte with the source, and time every read, until told to stop. After each read the
 file's pages are dropped (POSIX_FADV_DONTNEED on that file alone), so the next read of it reaches the
 mount again: the reads keep going to the nodes however long a scenario runs. Used by
-tests/test_ride_out.py and scripts/chaos.py.
+tests/test_ride_out.py, tests/chaosfaults.py and scripts/chaos.py.
 """
 
 from __future__ import annotations
@@ -50,11 +50,13 @@ class ReadLog:
 
 
 class Readers:
-    """`threads` readers of the files under `mnt`, each in its own shuffled order, round and round;
-    a context manager: they start on entry and stop (joined, bounded) on exit."""
+    """`threads` readers of the files under `mnt` (or under several mounts of one dataset, reader i on
+    mount i modulo their number), each in its own shuffled order, round and round; a context manager:
+    they start on entry and stop (joined, bounded) on exit."""
 
-    def __init__(self, mnt: Path, files: dict[str, bytes], threads: int = 4, seed: int = 0) -> None:
-        self.mnt, self.files, self.seed = mnt, files, seed
+    def __init__(self, mnt: Path | list[Path], files: dict[str, bytes], threads: int = 4, seed: int = 0) -> None:
+        self.mnts = mnt if isinstance(mnt, list) else [mnt]
+        self.files, self.seed = files, seed
         self.log = ReadLog()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -91,27 +93,28 @@ class Readers:
 
     def _run(self, i: int) -> None:
         order = list(self.files)
+        mnt = self.mnts[i % len(self.mnts)]
         rng = random.Random(self.seed * 1000 + i)
         while not self._stop.is_set():
             rng.shuffle(order)
             for rel in order:
                 if self._stop.is_set():
                     return
-                self._read_one(rel)
+                self._read_one(mnt, rel)
 
-    def _read_one(self, rel: str) -> None:
+    def _read_one(self, mnt: Path, rel: str) -> None:
         error = wrong = None
         t0 = time.perf_counter()
         try:
-            with open(self.mnt / rel, "rb") as f:
+            with open(mnt / rel, "rb") as f:
                 data = f.read()
                 took = time.perf_counter() - t0
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the next read reaches the mount
             if data != self.files[rel]:
-                wrong = f"{rel}: {len(data)} bytes differ from the source's {len(self.files[rel])}"
+                wrong = f"{mnt.name}/{rel}: {len(data)} bytes differ from the source's {len(self.files[rel])}"
         except OSError as exc:
             took = time.perf_counter() - t0
-            error = f"{rel}: {exc!r}"
+            error = f"{mnt.name}/{rel}: {exc!r}"
         with self._lock:
             log = self.log
             log.reads += 1

@@ -1,0 +1,100 @@
+"""The chaos suite's newer scenarios (tests/chaosfaults.py, as scripts/chaos.py runs them), small: three
+real nodes on localhost with one real etcd member, a real FUSE mount and readers checking every byte
+while etcd is killed, a node's disk is full, or a replica is spoiled, deleted and repaired.
+
+tests/test_faults.py and tests/test_repair.py test the same faults with nobody reading; here the point
+is the readers: not one read may fail or be wrong while the fault happens.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from chaosfaults import CHUNK_SIZE, TIGHT_NODE, Cluster, Row, run_scenario, scenarios
+from chaoslab import make_files
+from conftest import REPO, needs_fuse
+from etcdlab import etcd_available
+
+pytestmark = [needs_fuse, pytest.mark.skipif(etcd_available() is not None, reason=str(etcd_available()))]
+FILES = 60
+READERS = 3
+HOLD = 2.0  # seconds etcd stays down at least (its ingest and gc take longer)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, bytes]]]:
+    base = tmp_path_factory.mktemp("chaos")
+    files = make_files(base / "src", FILES, seed=17)
+    cluster = Cluster(base, None, tight_store=sum(map(len, files.values())) + (8 << 20))
+    try:
+        cluster.start_all()
+        cluster.cli("ingest", base / "src", "--name", "chaos", "--chunk-size", CHUNK_SIZE, node="n1")
+        yield cluster, files
+    finally:
+        cluster.close()
+
+
+def run(lab: tuple[Cluster, dict[str, bytes]], name: str) -> Row:
+    cluster, files = lab
+    row = run_scenario(cluster, scenarios(HOLD, files)[name], files, READERS)
+    assert row.log is not None
+    assert not row.outcome.problems, row.outcome.problems
+    assert not row.log.errors, row.log.errors[:10]
+    assert not row.log.wrong, row.log.wrong[:10]
+    assert row.log.reads >= 4 * FILES, row.log.reads  # two passes before the fault, two after
+    return row
+
+
+@pytest.mark.timeout(180)
+def test_readers_go_on_while_etcd_is_killed_and_ingest_and_gc_fail_in_one_line(
+        lab: tuple[Cluster, dict[str, bytes]]) -> None:
+    """etcd's only member SIGKILLed: a whole pass of reads while it is down, an ingest and a gc each exit
+    3 with one line naming etcd; once it is back, both work and no chunk is left behind."""
+    row = run(lab, "etcd-kill")
+    assert re.fullmatch(r"ingest exit 3 in [\d.]+ s, gc exit 3 in [\d.]+ s while down; ingest, gc ok after",
+                        row.outcome.outcome), row.outcome
+    for what, line in zip(("ingest", "gc"), row.outcome.details):
+        assert re.fullmatch(rf"{what} with etcd down: dlfs: error: etcd is unavailable \(http://127\.0\.0\.1:\d+: .+\)",
+                            line), line
+
+
+@pytest.mark.timeout(180)
+def test_readers_see_no_error_while_an_ingest_spills_past_a_full_node(lab: tuple[Cluster, dict[str, bytes]]) -> None:
+    """n3's chunk store full: a replicas=2 ingest of another dataset completes on n1 and n2 (verified),
+    storing nothing on n3, while readers of the first dataset see no error."""
+    cluster, _ = lab
+    if cluster.tight is None:
+        pytest.skip(cluster.tight_why)
+    row = run(lab, "disk-full")
+    m = re.fullmatch(rf"ingest exit 0 in [\d.]+ s, (\d+) chunks on 2 replicas \((\d+) on {TIGHT_NODE}\)",
+                     row.outcome.outcome)
+    assert m and int(m[1]) > 20 and m[2] == "0", row.outcome
+    assert cluster.run("datasets").stdout.count("spill") == 0  # removed again: the next scenario starts clean
+
+
+@pytest.mark.timeout(180)
+def test_readers_get_right_bytes_while_a_replica_is_spoiled_deleted_repaired_and_its_twin_stopped(
+        lab: tuple[Cluster, dict[str, bytes]]) -> None:
+    """Every chunk on n1 and n2 spoiled on n1, deleted, repaired from n2, then n2 stopped: readers of a
+    mount reading n1's chunk files itself and of one reading through the data daemons get every byte
+    right, and both mounts did meet the spoiled copies."""
+    cluster, _ = lab
+    row = run(lab, "corrupt-repair")
+    m = re.fullmatch(r"mounts logged (\d+)\+(\d+) bad copies; repair copied (\d+)/(\d+), verify exit 0",
+                     row.outcome.outcome)
+    assert m and int(m[1]) > 0 and int(m[2]) > 0 and m[3] == m[4], row.outcome
+    assert not cluster.down()
+
+
+@pytest.mark.timeout(30)
+def test_the_script_refuses_an_unknown_scenario() -> None:
+    out = subprocess.run([sys.executable, "scripts/chaos.py", "--only", "kill,nosuch"], capture_output=True,
+                         text=True, timeout=30, cwd=REPO)
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines()[-1] == (
+        "chaos.py: error: unknown scenarios: nosuch (known: sigstop, partition, kill, rolling, restart-all, "
+        "etcd-kill, disk-full, corrupt-repair)"), out.stderr
