@@ -55,6 +55,7 @@ from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
+URING_START = 2.0  # seconds the engine may take to try FUSE over io_uring before a mount says it did not start
 INDEX_PIECE = 16 << 20
 READ_AHEAD_KB = 4096
 URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
@@ -311,7 +312,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             log.info("mounted %s at %s (%d files, %d bytes)", label, opts.mountpoint, info.files, info.bytes)
             ready(f"mounted {label} at {opts.mountpoint} ({info.files} files, {human_bytes(info.bytes)})")
             if uring:  # rings are registered once INIT is answered; a kernel that refuses says so at once
-                await trio.sleep(0.2)
+                with trio.move_on_after(URING_START):  # "off" until the engine has tried
+                    while engine_stats().get("io_uring") == "off":
+                        await trio.sleep(0.01)
                 state = engine_stats().get("io_uring")
                 if state not in ("registering", "serving"):
                     log.warning("%s: FUSE over io_uring did not start (%s): serving from /dev/fuse", label, state)

@@ -1,13 +1,11 @@
-"""Addresses and the transport interfaces: byte streams to daemons (TCP, Unix sockets) and reads
-of chunk ranges into memory the transport provides (RDMA)."""
+"""Addresses of daemons, and the interface of reads of chunk ranges into memory the transport
+provides (RDMA); byte streams are trio's own (dlfs/transport/tcp.py)."""
 
 from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
-
-import trio
 
 from dlfs.errors import UsageError
 
@@ -37,16 +35,6 @@ class Address:
             return f"unix:{self.path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
-
-
-class Transport(Protocol):
-    """Opens byte streams to daemons and listens for them."""
-
-    name: str
-
-    async def connect(self, address: Address) -> trio.abc.Stream: ...
-
-    async def listen(self, address: Address) -> list[trio.abc.Listener[trio.abc.Stream]]: ...
 
 
 class RangeReader(Protocol):
