@@ -74,7 +74,7 @@ static int reply_err(struct dlfs_reply *rp, int err)
 
 static int corrupt(struct dlfs_reply *rp, struct dlfs_counters *c)
 {
-    c->corrupt++;
+    DLFS_COUNT(c, corrupt, 1);
     return reply_err(rp, EIO);
 }
 
@@ -134,7 +134,7 @@ static int lookup(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct
     if (name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.')))
         return DLFS_FORWARD; /* only NFS export asks; Python knows the parent */
     struct dlfs_inode n;
-    c->lookups++;
+    DLFS_COUNT(c, lookups, 1);
     int64_t ino = dlfs_ix_lookup(&sv->ix, rq->in->nodeid, name, len);
     if (ino == -EIO || (ino > 0 && dlfs_ix_inode(&sv->ix, (uint64_t)ino, &n) < 0))
         return corrupt(rp, c);
@@ -156,7 +156,7 @@ static int getattr(const struct dlfs_serve *sv, const struct dlfs_req *rq, struc
                    struct dlfs_counters *c)
 {
     struct dlfs_inode n;
-    c->getattrs++;
+    DLFS_COUNT(c, getattrs, 1);
     if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &n) < 0)
         return corrupt(rp, c);
     struct fuse_attr_out *a = body(rp, sizeof *a);
@@ -206,7 +206,7 @@ static int readdirplus(const struct dlfs_serve *sv, const struct dlfs_req *rq, s
     const struct fuse_read_in *r = rq->op;
     struct dlfs_inode d, n;
     uint64_t ino = rq->in->nodeid;
-    c->readdirs++;
+    DLFS_COUNT(c, readdirs, 1);
     if (dlfs_ix_inode(&sv->ix, ino, &d) < 0 || !S_ISDIR(d.mode) || !dlfs_ix_dir_ok(&sv->ix, &d))
         return corrupt(rp, c);
     size_t room = r->size < rp->scratch_size ? r->size : rp->scratch_size, used = 0, want;
@@ -506,7 +506,7 @@ static int record_sums(const struct dlfs_serve *sv, int fd, uint64_t ext, const 
         free(table);
         return -1;
     }
-    c->block_bytes += (uint64_t)count * sizeof *table;
+    DLFS_COUNT(c, block_bytes, (uint64_t)count * sizeof *table);
     memcpy(out, table + first, n * sizeof *out);
     sums_keep(sv->sums, ext, table, count);
     return 0;
@@ -529,21 +529,21 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
     char *data = rp->scratch;
     if (record_sums(sv, fd, ext, e, first, n, sums, c) < 0 ||
         pread_all(fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
-        c->block_failures++;
+        DLFS_COUNT(c, block_failures, 1);
         local_failed(&rp->local, e->chunk);
         return -1;
     }
     for (uint64_t b = 0; b < n; b++) {
         size_t len = b + 1 < n ? DLFS_BLOCK_SIZE : stop - start - b * DLFS_BLOCK_SIZE;
         if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
-            c->block_failures++; /* Python reads it again, from the replicas, and says which block */
+            DLFS_COUNT(c, block_failures, 1); /* Python reads it again, from the replicas, and says which block */
             sums_forget(sv->sums, ext);
             local_failed(&rp->local, e->chunk);
             return -1;
         }
     }
-    c->block_reads++;
-    c->block_bytes += stop - start;
+    DLFS_COUNT(c, block_reads, 1);
+    DLFS_COUNT(c, block_bytes, stop - start);
     add(rp, data + (lo - start), hi - lo);
     return 0;
 }
@@ -565,12 +565,12 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
         return -1;
     if (pread_all(fd, rp->scratch, e->stored_len, (off_t)e->offset) < 0 ||
         XXH3_64bits(rp->scratch, e->stored_len) != e->checksum) {
-        c->record_failures++; /* Python reads it again, from the replicas, and says what is wrong */
+        DLFS_COUNT(c, record_failures, 1); /* Python reads it again, from the replicas, and says what is wrong */
         local_failed(&rp->local, e->chunk);
         return -1;
     }
-    c->record_reads++;
-    c->record_bytes += e->stored_len;
+    DLFS_COUNT(c, record_reads, 1);
+    DLFS_COUNT(c, record_bytes, e->stored_len);
     add(rp, rp->scratch, e->raw_len);
     return 0;
 }
@@ -600,7 +600,7 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
     if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &n) < 0 || !S_ISREG(n.mode) || n.size < 0)
         return DLFS_FORWARD; /* Python says what is wrong, and logs it */
     if (r->offset >= (uint64_t)n.size || r->size == 0) {
-        c->reads++;
+        DLFS_COUNT(c, reads, 1);
         return DLFS_ANSWERED; /* end of file: no bytes */
     }
     uint64_t off = r->offset, end = off + r->size < (uint64_t)n.size ? off + r->size : (uint64_t)n.size;
@@ -623,8 +623,8 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
                 }
                 if (rp->npins == 0 && off >= pos && end <= next &&
                     read_local(sv, rp, i, &e, off - pos, end - pos, r->size, n.count == 1, c) == 0) {
-                    c->reads++;
-                    c->read_bytes += end - off;
+                    DLFS_COUNT(c, reads, 1);
+                    DLFS_COUNT(c, read_bytes, end - off);
                     return DLFS_ANSWERED;
                 }
                 goto miss;
@@ -642,13 +642,13 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
     }
     if (got != end - off) /* the extents end before the file does: Python reports it */
         goto miss;
-    c->reads++;
-    c->read_bytes += got;
+    DLFS_COUNT(c, reads, 1);
+    DLFS_COUNT(c, read_bytes, got);
     return DLFS_ANSWERED;
 miss:
     unpin_all(sv, rp);
     rp->n = 1;
-    c->read_misses++;
+    DLFS_COUNT(c, read_misses, 1);
     return DLFS_FORWARD;
 }
 
@@ -696,14 +696,14 @@ int dlfs_answer(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct d
     case FUSE_OPEN:
         /* no_open: the kernel stops sending OPEN and RELEASE and keeps every file's pages; READ names
          * the file by its inode. The mount is ro, so the VFS refuses writes before they get here. */
-        c->opens++;
+        DLFS_COUNT(c, opens, 1);
         r = reply_err(rp, ENOSYS);
         break;
     case FUSE_FLUSH:
         r = reply_err(rp, ENOSYS); /* once: the kernel stops sending FLUSH, nothing is ever dirty */
         break;
     case FUSE_IOCTL:
-        c->ioctls++; /* isatty() of every open(path, "rb"): not a terminal */
+        DLFS_COUNT(c, ioctls, 1); /* isatty() of every open(path, "rb"): not a terminal */
         r = reply_err(rp, ENOTTY);
         break;
     case FUSE_RELEASE:
@@ -735,7 +735,7 @@ int dlfs_answer(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct d
         r = DLFS_FORWARD;
     }
     if (r == DLFS_ANSWERED) {
-        c->answered++;
+        DLFS_COUNT(c, answered, 1);
         rp->out.len = 0;
         for (int i = 0; i < rp->n; i++)
             rp->out.len += (uint32_t)rp->iov[i].iov_len;

@@ -36,6 +36,11 @@ struct dlfs_counters {
     uint64_t parked, parked_answered, parked_forwarded; /* READs that waited in C for a window being fetched */
 };
 
+/* Add `n` to one counter. Each struct dlfs_counters has one writer at a time (its thread, or the holder of
+ * the lock it lives under) and is read by others with __atomic loads (dlfs_engine_stats): a relaxed atomic
+ * store, so a reader never sees a torn value, and no locked add on the hot path. */
+#define DLFS_COUNT(c, field, n) __atomic_store_n(&(c)->field, (c)->field + (n), __ATOMIC_RELAXED)
+
 #define DLFS_SUMS_KEPT 1024 /* records whose block sums the engine keeps: 8 KiB for a 4 MiB record */
 
 #define DLFS_LOCAL_RECHECK_NS 1000000000ull /* a kept chunk file is checked against its path this often */

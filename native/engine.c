@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +30,8 @@
 
 struct worker {
     pthread_t thread;
-    int started;
+    int started;   /* running, and to be joined */
+    int abandoned; /* still running after the stop's deadline (stuck in I/O): what it uses is never freed */
     int cpu; /* the CPU it runs on, or -1 */
     struct dlfs_reply reply;
     struct dlfs_counters counters;
@@ -45,8 +47,14 @@ struct fwd {
 static struct {
     struct fuse_session *se;
     int devfd, wake_fd; /* the device; our copy of the eventfd libfuse waits on */
-    int attached, serving, native_ok;
-    volatile int stopping;
+    int attached;
+    /* Whether requests are answered here: started, and the kernel's protocol (from INIT) is one we speak:
+     * -1 until INIT, then 0 or 1. Read by every serving thread; written by Python's and the starting thread. */
+    atomic_int serving, proto_ok, started;
+    atomic_int stopping;
+    int abandoned; /* serving threads left running by a stop (see dlfs_engine_stop): the engine is not reused */
+    struct sigaction old_stop; /* the stop signal's handler before ours, put back once every thread is joined */
+    int stop_installed;
     int ended; /* the kernel ended the session (ENODEV) */
     pthread_mutex_t lock; /* the queue, `closed` and the counters below */
     struct fwd *head, *tail;
@@ -55,7 +63,7 @@ static struct {
     struct dlfs_serve serve;
     struct worker *workers;
     int nworkers;
-} E = {.devfd = -1, .wake_fd = -1, .native_ok = 1, .lock = PTHREAD_MUTEX_INITIALIZER};
+} E = {.devfd = -1, .wake_fd = -1, .proto_ok = -1, .lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* A READ waiting for its record's window to land (dlfs_engine_park), as the device gave it. */
 struct parked {
@@ -81,6 +89,13 @@ static int stop_signal(void)
 static void on_stop_signal(int sig)
 {
     (void)sig;
+}
+
+/* Put back the stop signal's handler from before dlfs_engine_start (once no thread of ours can get it). */
+static void restore_stop_signal(void)
+{
+    if (E.stop_installed && sigaction(stop_signal(), &E.old_stop, NULL) == 0)
+        E.stop_installed = 0;
 }
 
 /* --- replies --------------------------------------------------------------------------------- */
@@ -137,7 +152,7 @@ void dlfs_engine_forward(const void *buf, uint32_t len)
 
 const struct dlfs_serve *dlfs_engine_serve(void)
 {
-    return __atomic_load_n(&E.serving, __ATOMIC_ACQUIRE) ? &E.serve : NULL;
+    return atomic_load_explicit(&E.serving, memory_order_acquire) ? &E.serve : NULL;
 }
 
 /* libfuse's read, in pyfuse3's thread: one queued request, without blocking. */
@@ -218,19 +233,19 @@ static int settle(struct parked *p, int give_up)
 {
     const struct fuse_in_header *in = (const void *)p->data;
     int op_len = dlfs_op_len(in->opcode), r = DLFS_FORWARD;
-    if (__atomic_load_n(&E.serving, __ATOMIC_ACQUIRE) && op_len >= 0 && p->len >= sizeof *in + (uint32_t)op_len) {
+    if (atomic_load_explicit(&E.serving, memory_order_acquire) && op_len >= 0 && p->len >= sizeof *in + (uint32_t)op_len) {
         struct dlfs_req rq = {in, p->data + sizeof *in, (uint32_t)op_len, p->data + sizeof *in + op_len,
                               (uint32_t)(p->len - sizeof *in - op_len)};
         r = dlfs_answer(&E.serve, &rq, &P.reply, &P.counters);
     }
     if (r == DLFS_ANSWERED) {
         send_late(&P.reply);
-        P.counters.parked_answered++;
+        DLFS_COUNT(&P.counters, parked_answered, 1);
         return 1;
     }
     if (r == DLFS_PARK && !give_up)
         return 0;
-    P.counters.parked_forwarded++;
+    DLFS_COUNT(&P.counters, parked_forwarded, 1);
     dlfs_engine_forward(p->data, p->len);
     return 1;
 }
@@ -239,7 +254,7 @@ void dlfs_engine_park(const void *buf, uint32_t len, struct dlfs_counters *c)
 {
     struct parked *p = malloc(sizeof *p + len);
     if (!p) {
-        c->forwarded++;
+        DLFS_COUNT(c, forwarded, 1);
         dlfs_engine_forward(buf, len);
         return;
     }
@@ -247,10 +262,12 @@ void dlfs_engine_park(const void *buf, uint32_t len, struct dlfs_counters *c)
     p->len = len;
     memcpy(p->data, buf, len);
     pthread_mutex_lock(&P.lock);
+    /* Counted before settle counts how it ended, so that parked >= parked_answered + parked_forwarded in
+     * every snapshot (dlfs_engine_stats reads those first), even for one settled at once here. */
+    DLFS_COUNT(c, parked, 1);
     /* Looked at again under the lock: the window may have landed (and its wake-up passed) meanwhile. */
     if (!settle(p, P.closed || P.n == DLFS_PARK_MAX)) {
         P.slot[P.n++] = p;
-        c->parked++;
         p = NULL;
     }
     pthread_mutex_unlock(&P.lock);
@@ -313,14 +330,14 @@ static void end_session(void)
 static void handle(struct worker *w, const char *buf, size_t n)
 {
     const struct fuse_in_header *in = (const void *)buf;
-    w->counters.requests++;
+    DLFS_COUNT(&w->counters, requests, 1);
     if (n < sizeof *in || in->len != n) {
         dlfs_engine_forward(buf, (uint32_t)n); /* libfuse reports it */
-        w->counters.forwarded++;
+        DLFS_COUNT(&w->counters, forwarded, 1);
         return;
     }
     int r = DLFS_FORWARD, op_len = dlfs_op_len(in->opcode);
-    if (__atomic_load_n(&E.serving, __ATOMIC_ACQUIRE) && op_len >= 0 && n - sizeof *in >= (size_t)op_len) {
+    if (atomic_load_explicit(&E.serving, memory_order_acquire) && op_len >= 0 && n - sizeof *in >= (size_t)op_len) {
         struct dlfs_req rq = {in, buf + sizeof *in, (uint32_t)op_len, buf + sizeof *in + op_len,
                               (uint32_t)(n - sizeof *in - op_len)};
         r = dlfs_answer(&E.serve, &rq, &w->reply, &w->counters);
@@ -330,7 +347,7 @@ static void handle(struct worker *w, const char *buf, size_t n)
     } else if (r == DLFS_PARK) {
         dlfs_engine_park(buf, (uint32_t)n, &w->counters);
     } else if (r == DLFS_FORWARD) {
-        w->counters.forwarded++;
+        DLFS_COUNT(&w->counters, forwarded, 1);
         dlfs_engine_forward(buf, (uint32_t)n);
     }
 }
@@ -361,7 +378,7 @@ static void *reader_main(void *arg)
         free(buf);
         return NULL;
     }
-    while (!E.stopping) {
+    while (!atomic_load_explicit(&E.stopping, memory_order_relaxed)) {
         ssize_t n = read(E.devfd, buf, DEV_BUF);
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
@@ -381,6 +398,10 @@ static void *reader_main(void *arg)
 
 int dlfs_engine_attach(struct fuse_session *se)
 {
+    if (E.abandoned) { /* threads of an earlier session may still wake up and use E: pyfuse3 serves this one */
+        errno = EBUSY;
+        return -1;
+    }
     int devfd = fuse_session_fd(se);
     int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK | EFD_SEMAPHORE);
     if (devfd < 0 || efd < 0) {
@@ -404,7 +425,8 @@ int dlfs_engine_attach(struct fuse_session *se)
     E.wake_fd = wake;
     E.attached = 1;
     E.closed = E.ended = 0;
-    E.stopping = 0;
+    atomic_store(&E.stopping, 0);
+    atomic_store(&E.proto_ok, -1);
     return 0;
 }
 
@@ -413,14 +435,27 @@ int dlfs_engine_owns(struct fuse_session *se)
     return E.attached && E.se == se;
 }
 
+/* Requests are answered natively once the engine has started and INIT said the protocol is one answer.c
+ * speaks; until then (the kernel sends nothing before INIT's reply) and otherwise, all go to Python. */
+static void set_serving(void)
+{
+    atomic_store_explicit(&E.serving, atomic_load(&E.started) && atomic_load(&E.proto_ok) == 1, memory_order_release);
+}
+
 void dlfs_engine_protocol(unsigned major, unsigned minor)
 {
-    E.native_ok = major == 7 && minor >= 12;
+    atomic_store(&E.proto_ok, major == 7 && minor >= 12);
+    set_serving();
 }
 
 int dlfs_engine_running(void)
 {
-    return E.attached && E.nworkers > 0 && !E.stopping;
+    return E.attached && E.nworkers > 0 && !atomic_load(&E.stopping);
+}
+
+int dlfs_engine_answering(void)
+{
+    return atomic_load_explicit(&E.serving, memory_order_acquire);
 }
 
 int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
@@ -433,13 +468,6 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
         errno = EINVAL;
         return -1;
     }
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop_signal; /* no SA_RESTART: a blocked read returns EINTR */
-    sigemptyset(&sa.sa_mask);
-    if (sigaction(stop_signal(), &sa, NULL) < 0)
-        return -1;
-    E.serve = *sv;
     E.workers = calloc((size_t)threads, sizeof *E.workers);
     P.reply.scratch = malloc(SCRATCH);
     if (!E.workers || !P.reply.scratch) {
@@ -450,11 +478,28 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
         errno = ENOMEM;
         return -1;
     }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal; /* no SA_RESTART: a blocked read returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    /* Process-wide: whatever was there before is kept and put back when the engine is released. */
+    if (sigaction(stop_signal(), &sa, &E.old_stop) < 0) {
+        int err = errno;
+        free(E.workers);
+        free(P.reply.scratch);
+        E.workers = NULL;
+        P.reply.scratch = NULL;
+        errno = err;
+        return -1;
+    }
+    E.stop_installed = 1;
+    E.serve = *sv;
     P.reply.scratch_size = SCRATCH;
     dlfs_local_fds_init(&P.reply.local);
     memset(&P.counters, 0, sizeof P.counters);
     P.closed = 0;
-    __atomic_store_n(&E.serving, E.native_ok, __ATOMIC_RELEASE);
+    atomic_store(&E.started, 1);
+    set_serving();
     /* One thread per CPU the process may use (and more in turn): pinned only if every CPU gets one. */
     cpu_set_t allowed;
     int cpus[CPU_SETSIZE], ncpu = 0;
@@ -471,8 +516,11 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
         E.nworkers = i + 1;
     }
     if (!E.nworkers) {
+        atomic_store(&E.started, 0);
+        set_serving();
         free(E.workers);
         E.workers = NULL;
+        restore_stop_signal();
         errno = EAGAIN;
         return -1;
     }
@@ -498,36 +546,63 @@ void dlfs_engine_close_python(void)
     unpark_all(ENOTCONN); /* nor wake these: their windows are Python's to fetch */
 }
 
-void dlfs_engine_stop(void)
+/* Join `t` by CLOCK_MONOTONIC `deadline_ns`, sending it the stop signal every 20 ms (one can land just
+ * before its read blocks); at least one try however late. 0 if it ended, -1 if it is still running. */
+static int join_by(pthread_t t, uint64_t deadline_ns)
+{
+    for (;;) {
+        pthread_kill(t, stop_signal());
+        uint64_t now = now_ns(), wait = 20 * 1000 * 1000;
+        if (deadline_ns > now && deadline_ns - now < wait)
+            wait = deadline_ns - now;
+        struct timespec at; /* pthread_timedjoin_np's deadline is on the real-time clock */
+        clock_gettime(CLOCK_REALTIME, &at);
+        at.tv_sec += (time_t)(wait / 1000000000u);
+        at.tv_nsec += (long)(wait % 1000000000u);
+        if (at.tv_nsec >= 1000000000) {
+            at.tv_sec++;
+            at.tv_nsec -= 1000000000;
+        }
+        if (pthread_timedjoin_np(t, NULL, &at) == 0)
+            return 0;
+        if (now_ns() >= deadline_ns)
+            return -1;
+    }
+}
+
+int dlfs_engine_stop(void)
 {
     if (!E.attached)
-        return;
+        return 0;
     dlfs_engine_close_python();
-    E.stopping = 1;
-    dlfs_uring_stop();
+    atomic_store(&E.stopping, 1);
+    uint64_t deadline = now_ns() + (uint64_t)DLFS_STOP_SECONDS * 1000000000u;
+    int left = dlfs_uring_stop(deadline);
     for (int i = 0; i < E.nworkers; i++) {
         if (!E.workers[i].started)
             continue;
-        /* A signal can land just before the read blocks: send it until the thread is gone. */
-        for (;;) {
-            pthread_kill(E.workers[i].thread, stop_signal());
-            struct timespec t;
-            clock_gettime(CLOCK_REALTIME, &t);
-            t.tv_nsec += 20 * 1000 * 1000;
-            if (t.tv_nsec >= 1000000000) {
-                t.tv_sec++;
-                t.tv_nsec -= 1000000000;
-            }
-            if (pthread_timedjoin_np(E.workers[i].thread, NULL, &t) == 0)
-                break;
-        }
         E.workers[i].started = 0;
+        if (join_by(E.workers[i].thread, deadline) < 0) {
+            pthread_detach(E.workers[i].thread); /* it frees itself if it ever ends */
+            E.workers[i].abandoned = 1;
+            __atomic_add_fetch(&E.abandoned, 1, __ATOMIC_RELAXED);
+        }
     }
+    if (left > 0)
+        __atomic_add_fetch(&E.abandoned, left, __ATOMIC_RELAXED);
+    atomic_store(&E.started, 0);
+    set_serving();
+    return __atomic_load_n(&E.abandoned, __ATOMIC_RELAXED);
 }
 
 void dlfs_engine_stats(struct dlfs_engine_stats *out)
 {
     memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&P.lock); /* first: see dlfs_engine_park */
+    const uint64_t *psrc = (const uint64_t *)&P.counters;
+    for (size_t k = 0; k < sizeof P.counters / sizeof(uint64_t); k++)
+        ((uint64_t *)&out->c)[k] += psrc[k];
+    pthread_mutex_unlock(&P.lock);
     for (int i = 0; i < E.nworkers; i++) {
         const struct dlfs_counters *c = &E.workers[i].counters;
         const uint64_t *src = (const uint64_t *)c;
@@ -536,27 +611,29 @@ void dlfs_engine_stats(struct dlfs_engine_stats *out)
             dst[k] += __atomic_load_n(&src[k], __ATOMIC_RELAXED);
     }
     dlfs_uring_add_counters(&out->c);
-    pthread_mutex_lock(&P.lock);
-    const uint64_t *psrc = (const uint64_t *)&P.counters;
-    for (size_t k = 0; k < sizeof P.counters / sizeof(uint64_t); k++)
-        ((uint64_t *)&out->c)[k] += psrc[k];
-    pthread_mutex_unlock(&P.lock);
     out->threads = (uint64_t)E.nworkers;
     out->uring_queues = dlfs_uring_queues();
     out->uring_state = dlfs_uring_state();
     pthread_mutex_lock(&E.lock);
     out->queued_max = E.queued_max;
-    out->write_errors = E.write_errors;
-    out->python_replies = E.python_replies;
+    out->write_errors = __atomic_load_n(&E.write_errors, __ATOMIC_RELAXED);
+    out->python_replies = __atomic_load_n(&E.python_replies, __ATOMIC_RELAXED);
     out->ended = E.ended;
+    out->abandoned = (uint64_t)__atomic_load_n(&E.abandoned, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&E.lock);
 }
 
-void dlfs_engine_release(void)
+int dlfs_engine_release(void)
 {
     if (!E.attached)
-        return;
-    dlfs_engine_stop();
+        return 0;
+    if (dlfs_engine_stop() > 0) {
+        /* A thread still running may wake up and use any of it: the workers, the device fd (never a reused
+         * number), the serve struct and its sums, the stop signal's handler. All kept for the process's life. */
+        E.attached = 0;
+        E.se = NULL;
+        return E.abandoned;
+    }
     for (int i = 0; i < E.nworkers; i++)
         free(E.workers[i].reply.scratch);
     free(E.workers);
@@ -575,8 +652,9 @@ void dlfs_engine_release(void)
     }
     E.devfd = E.wake_fd = -1;
     E.attached = 0;
-    E.serving = 0;
     E.se = NULL;
     memset(&E.serve, 0, sizeof E.serve);
     E.serve.local_dir = -1;
+    restore_stop_signal();
+    return 0;
 }

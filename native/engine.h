@@ -12,6 +12,7 @@
 struct dlfs_engine_stats {
     struct dlfs_counters c;
     uint64_t threads, uring_queues, queued_max, write_errors, python_replies;
+    uint64_t abandoned; /* serving threads a stop left running past DLFS_STOP_SECONDS (stuck in I/O) */
     int uring_state; /* 0 off, 1 registering, 2 serving, -errno: could not */
     int ended;
 };
@@ -29,12 +30,20 @@ void dlfs_engine_protocol(unsigned major, unsigned minor);
 int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring);
 /* Before the real unmount: stop handing requests to Python (its loop has ended). */
 void dlfs_engine_close_python(void);
-/* Stop and join every thread (they may still be answering a lazily unmounted mount). */
-void dlfs_engine_stop(void);
-/* After stop: close the device and forget the session; `release` is called for what start kept. */
-void dlfs_engine_release(void);
+/* How long a stop waits for the serving threads, all of them together (they may still be answering a
+ * lazily unmounted mount, or be stuck in a read of a failing disk). */
+#define DLFS_STOP_SECONDS 2
+/* Stop and join every thread, waiting DLFS_STOP_SECONDS at most: a thread still running then is abandoned
+ * (left to end on its own, with everything it may touch kept for the process's life) so that the process
+ * can exit. How many threads have been abandoned in all. Blocks: call it without the GIL. */
+int dlfs_engine_stop(void);
+/* After stop: close the device, forget the session and put back the stop signal's handler. 0, or (nothing
+ * released: a thread may still use it) the number of abandoned threads; what start kept must then be kept too. */
+int dlfs_engine_release(void);
 void dlfs_engine_stats(struct dlfs_engine_stats *out);
 int dlfs_engine_running(void);
+/* 1 while requests are answered natively (started, and INIT agreed a protocol of 7.12 or later). */
+int dlfs_engine_answering(void);
 
 /* For the io_uring transport: what requests are answered from (NULL until serving), and the queue to Python. */
 const struct dlfs_serve *dlfs_engine_serve(void);
@@ -55,7 +64,9 @@ int dlfs_engine_wake(void);
 #define DLFS_URING_ENTRIES 4
 #define DLFS_URING_PAYLOAD ((1 << 20) + 4096)
 int dlfs_uring_start(int devfd);
-void dlfs_uring_stop(void);
+/* Stop the queues, joining their threads by CLOCK_MONOTONIC `deadline_ns` (0: no wait); how many were
+ * left running (their queues are then never freed). */
+int dlfs_uring_stop(uint64_t deadline_ns);
 int dlfs_uring_state(void);
 uint64_t dlfs_uring_queues(void);
 void dlfs_uring_add_counters(struct dlfs_counters *sum);

@@ -96,17 +96,15 @@ __attribute__((visibility("default"))) void fuse_session_unmount(struct fuse_ses
     if (real)
         real(se);
     if (ours)
-        dlfs_engine_stop(); /* after the unmount: a busy, lazily detached mount is still served until here */
+        dlfs_engine_halt(0); /* after the unmount: a busy, lazily detached mount is still served until here */
 }
 
 __attribute__((visibility("default"))) void fuse_session_destroy(struct fuse_session *se)
 {
     void (*real)(struct fuse_session *) = libfuse("fuse_session_destroy");
-    if (dlfs_engine_owns(se)) {
-        dlfs_engine_release();
-        if (on_release)
-            on_release();
-    }
+    /* What start kept is let go only if no abandoned thread can still read it. */
+    if (dlfs_engine_owns(se) && dlfs_engine_halt(1) == 0 && on_release)
+        on_release();
     if (se == hooked_session)
         hooked_session = NULL;
     if (real)

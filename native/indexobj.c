@@ -55,6 +55,24 @@ static PyObject *view_lookup(IndexView *v, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(dlfs_ix_lookup(&v->ix, dir, name, (size_t)len));
 }
 
+static PyObject *view_dirent(IndexView *v, PyObject *arg)
+{
+    unsigned long long i = PyLong_AsUnsignedLongLong(arg);
+    if (i == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!v->held) {
+        PyErr_SetString(PyExc_ValueError, "dirent on a closed IndexView");
+        return NULL;
+    }
+    const uint8_t *name;
+    uint32_t len, ino;
+    if (dlfs_ix_dirent(&v->ix, i, &name, &len, &ino) < 0) {
+        PyErr_Format(PyExc_IndexError, "dirent %llu is outside the index, or its name is", i);
+        return NULL;
+    }
+    return Py_BuildValue("(y#I)", (const char *)name, (Py_ssize_t)len, ino);
+}
+
 static PyObject *view_close(IndexView *v, PyObject *unused)
 {
     view_release(v);
@@ -64,6 +82,9 @@ static PyObject *view_close(IndexView *v, PyObject *unused)
 static PyMethodDef view_methods[] = {
     {"lookup", (PyCFunction)(void (*)(void))view_lookup, METH_FASTCALL,
      "lookup(dir_ino, name) -> the inode (> 0) or -errno: ENOENT, ENOTDIR, ENAMETOOLONG, EIO (corrupt)."},
+    {"dirent", (PyCFunction)view_dirent, METH_O,
+     "dirent(i) -> (name, ino): entry i of the dirents section as C reads it; IndexError if i or its name lies "
+     "outside the index."},
     {"close", (PyCFunction)view_close, METH_NOARGS, "Let go of the mapping (it can then be closed)."},
     {NULL},
 };

@@ -10,7 +10,7 @@ int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t
                  uint64_t n_extents, uint64_t chunks, uint64_t n_chunks)
 {
     struct dlfs_index_header h;
-    if (len < sizeof h)
+    if (!ix || !base || len < sizeof h)
         return -1;
     memcpy(&h, base, sizeof h);
     /* A layout this build does not know (a stale helper beside newer Python) is refused, not misread. */
@@ -38,7 +38,7 @@ int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t
 
 int dlfs_ix_inode(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *out)
 {
-    if (ino < 1 || ino > ix->n_inodes)
+    if (!ix || !out || ino < 1 || ino > ix->n_inodes)
         return -1;
     memcpy(out, ix->inodes + (ino - 1) * sizeof *out, sizeof *out);
     return 0;
@@ -46,12 +46,14 @@ int dlfs_ix_inode(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *out
 
 int dlfs_ix_dir_ok(const struct dlfs_ix *ix, const struct dlfs_inode *d)
 {
-    return d->ref <= ix->n_dirents && d->count <= ix->n_dirents - d->ref;
+    return ix && d && d->ref <= ix->n_dirents && d->count <= ix->n_dirents - d->ref;
 }
 
 int dlfs_ix_dirent(const struct dlfs_ix *ix, uint64_t i, const uint8_t **name, uint32_t *len, uint32_t *ino)
 {
     struct dlfs_dirent d;
+    if (!ix || !name || !len || !ino || i >= ix->n_dirents)
+        return -1;
     memcpy(&d, ix->dirents + i * sizeof d, sizeof d);
     if (d.name_off > ix->names_size || d.name_len > ix->names_size - d.name_off)
         return -1;
@@ -73,6 +75,8 @@ static int name_cmp(const uint8_t *a, size_t alen, const char *b, size_t blen)
 int64_t dlfs_ix_lookup(const struct dlfs_ix *ix, uint64_t dir, const char *name, size_t len)
 {
     struct dlfs_inode d;
+    if (!ix || (!name && len))
+        return -EINVAL;
     if (dlfs_ix_inode(ix, dir, &d) < 0)
         return -EIO;
     if (!S_ISDIR(d.mode))
@@ -102,7 +106,7 @@ int64_t dlfs_ix_lookup(const struct dlfs_ix *ix, uint64_t dir, const char *name,
 
 int dlfs_ix_extent(const struct dlfs_ix *ix, uint64_t i, struct dlfs_extent *out)
 {
-    if (i >= ix->n_extents)
+    if (!ix || !out || i >= ix->n_extents)
         return -1;
     memcpy(out, ix->extents + i * sizeof *out, sizeof *out);
     return 0;
@@ -110,5 +114,5 @@ int dlfs_ix_extent(const struct dlfs_ix *ix, uint64_t i, struct dlfs_extent *out
 
 const uint8_t *dlfs_ix_chunk_id(const struct dlfs_ix *ix, uint64_t i)
 {
-    return i < ix->n_chunks ? ix->chunks + i * sizeof(struct dlfs_chunk) + offsetof(struct dlfs_chunk, id) : NULL;
+    return ix && i < ix->n_chunks ? ix->chunks + i * sizeof(struct dlfs_chunk) + offsetof(struct dlfs_chunk, id) : NULL;
 }

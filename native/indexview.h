@@ -64,14 +64,17 @@ struct dlfs_ix {
 int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t inodes, uint64_t dirents,
                  uint64_t names, uint64_t extents, uint64_t n_inodes, uint64_t n_dirents, uint64_t names_size,
                  uint64_t n_extents, uint64_t chunks, uint64_t n_chunks);
+/* Every function checks its own arguments: a NULL pointer or an index, inode or offset outside the mapped
+ * index is an error return (-1, NULL, 0 or -errno as said), never a read outside the mapping. */
 /* 0, or -1 if `ino` is out of range. */
 int dlfs_ix_inode(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *out);
-/* 1 if a directory's entries lie within the dirents section. */
+/* 1 if a directory's entries lie within the dirents section (0 if not, or an argument is NULL). */
 int dlfs_ix_dir_ok(const struct dlfs_ix *ix, const struct dlfs_inode *dir);
-/* Dirent i's name and inode; -1 if its name runs outside the names section. */
+/* Dirent i's name and inode; -1 if i is out of range or its name runs outside the names section. */
 int dlfs_ix_dirent(const struct dlfs_ix *ix, uint64_t i, const uint8_t **name, uint32_t *len, uint32_t *ino);
 /* `name` (`len` bytes) in directory `dir`, by binary search: its inode (> 0), or -ENOENT (absent),
- * -ENOTDIR (`dir` is not a directory), -ENAMETOOLONG (over DLFS_NAME_MAX), -EIO (corrupt there).
+ * -ENOTDIR (`dir` is not a directory), -ENAMETOOLONG (over DLFS_NAME_MAX), -EIO (corrupt there, or `dir` out
+ * of range), -EINVAL (no `ix`, or no `name` for len > 0).
  * dlfs/format/index.py's lookup_in is the same function in Python. */
 int64_t dlfs_ix_lookup(const struct dlfs_ix *ix, uint64_t dir, const char *name, size_t len);
 /* 0, or -1 if extent i is out of range. */

@@ -117,6 +117,35 @@ static int serve_from(PyObject *sections, double timeout, unsigned long long blo
     return 0;
 }
 
+int dlfs_engine_halt(int release)
+{
+    static int reported;
+    int held = Py_IsInitialized() && PyGILState_Check(), left;
+    PyThreadState *ts = held ? PyEval_SaveThread() : NULL;
+    left = release ? dlfs_engine_release() : dlfs_engine_stop();
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (left > reported && held) {
+        reported = left;
+        /* Into the mount's log, through dlfs's logging: the process goes on to exit all the same. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *log = PyImport_ImportModule("logging");
+        PyObject *r = log ? PyObject_CallMethod(log, "getLogger", "s", "dlfs.native") : NULL;
+        PyObject *w = r ? PyObject_CallMethod(r, "error", "sii",
+                                              "%d serving thread(s) still busy %d s after the unmount (stuck in I/O: "
+                                              "a failing disk?) were abandoned; the mount's memory is kept until exit",
+                                              left, DLFS_STOP_SECONDS)
+                        : NULL;
+        Py_XDECREF(w);
+        Py_XDECREF(r);
+        Py_XDECREF(log);
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    return left;
+}
+
 static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "statfs_blocks",
@@ -261,7 +290,7 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O}",
         "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
         s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
@@ -270,7 +299,8 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
         "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
         s.uring_queues, "queued_max", s.queued_max, "write_errors", s.write_errors, "python_replies",
-        s.python_replies, "io_uring", state, "ended", s.ended ? Py_True : Py_False);
+        s.python_replies, "io_uring", state, "ended", s.ended ? Py_True : Py_False, "abandoned", s.abandoned,
+        "answering", dlfs_engine_answering() ? Py_True : Py_False);
 }
 
 static PyObject *wake_parked(PyObject *self, PyObject *unused)

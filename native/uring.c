@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,7 @@
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/sysinfo.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "engine.h"
@@ -85,7 +87,7 @@ struct queue {
 
 static struct {
     int devfd, nq, state;
-    volatile int stopping;
+    atomic_int stopping;
     struct queue *q;
     int serving; /* queues that have served a request */
 } U = {.devfd = -1};
@@ -213,7 +215,7 @@ static void handle(struct queue *q, int i)
     struct entry *e = &q->ent[i];
     const struct fuse_in_header *in = (const void *)e->hdr->in_out;
     uint32_t payload_len = e->hdr->ent.payload_sz;
-    q->counters.requests++;
+    DLFS_COUNT(&q->counters, requests, 1);
     if (in->len < sizeof *in + payload_len || in->len - sizeof *in - payload_len > sizeof e->hdr->op_in ||
         payload_len > PAYLOAD) {
         commit_error(q, i, in->unique, EIO);
@@ -255,7 +257,7 @@ static void handle(struct queue *q, int i)
     if (park) {
         dlfs_engine_park(buf, in->len, &q->counters); /* answered through dlfs_uring_reply, as Python's are */
     } else {
-        q->counters.forwarded++;
+        DLFS_COUNT(&q->counters, forwarded, 1);
         dlfs_engine_forward(buf, in->len);
     }
     free(buf);
@@ -304,7 +306,7 @@ static void *queue_main(void *arg)
     prep_wake(q);
     for (int i = 0; i < ENTRIES; i++)
         prep_cmd(q, i, CMD_REGISTER, 0);
-    while (!U.stopping) {
+    while (!atomic_load_explicit(&U.stopping, memory_order_relaxed)) {
         rc = ring_enter(&q->r, 1);
         if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
             int expected = 1;
@@ -318,7 +320,7 @@ static void *queue_main(void *arg)
             int res = cqe->res;
             if (tag == WAKE_TAG) {
                 commit_ready(q);
-                if (!U.stopping)
+                if (!atomic_load_explicit(&U.stopping, memory_order_relaxed))
                     prep_wake(q);
                 continue;
             }
@@ -420,7 +422,7 @@ int dlfs_uring_start(int devfd)
             U.state = -ENOMEM;
             free_queue(q);
             U.nq = k;
-            dlfs_uring_stop();
+            dlfs_uring_stop(0);
             return -1;
         }
         q->alive = 1;
@@ -429,26 +431,56 @@ int dlfs_uring_start(int devfd)
             free_queue(q);
             U.nq = k;
             U.state = -EAGAIN;
-            dlfs_uring_stop();
+            dlfs_uring_stop(0);
             return -1;
         }
     }
     return 0;
 }
 
-void dlfs_uring_stop(void)
+/* Join `t` by CLOCK_MONOTONIC `deadline_ns` (one try at least); 0 if it ended. */
+static int join_by(pthread_t t, uint64_t deadline_ns)
+{
+    struct timespec now, at;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    uint64_t n = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    uint64_t wait = deadline_ns > n ? deadline_ns - n : 20 * 1000 * 1000;
+    clock_gettime(CLOCK_REALTIME, &at); /* pthread_timedjoin_np's deadline is on the real-time clock */
+    at.tv_sec += (time_t)(wait / 1000000000u);
+    at.tv_nsec += (long)(wait % 1000000000u);
+    if (at.tv_nsec >= 1000000000) {
+        at.tv_sec++;
+        at.tv_nsec -= 1000000000;
+    }
+    return pthread_timedjoin_np(t, NULL, &at) == 0 ? 0 : -1;
+}
+
+int dlfs_uring_stop(uint64_t deadline_ns)
 {
     if (!U.q)
-        return;
-    U.stopping = 1;
+        return 0;
+    atomic_store(&U.stopping, 1);
     for (int k = 0; k < U.nq; k++) {
         uint64_t one = 1;
         if (write(U.q[k].wake_fd, &one, sizeof one) < 0) {
             /* full counter: readable */
         }
     }
+    int left = 0;
     for (int k = 0; k < U.nq; k++) {
-        pthread_join(U.q[k].thread, NULL);
+        if (deadline_ns ? join_by(U.q[k].thread, deadline_ns) < 0 : pthread_join(U.q[k].thread, NULL) != 0) {
+            pthread_detach(U.q[k].thread);
+            left++;
+        }
+    }
+    if (left) {
+        /* A queue thread still running (stuck in I/O) may wake up and use any queue's lock, ring or buffers,
+         * and reads `stopping`: all kept, and stopping stays set. Python's late replies go to /dev/fuse. */
+        U.q = NULL;
+        U.nq = 0;
+        return left;
+    }
+    for (int k = 0; k < U.nq; k++) {
         if (U.q[k].has_ring)
             ring_close(&U.q[k].r); /* cancels the commands the kernel still holds */
         free_queue(&U.q[k]);
@@ -457,7 +489,8 @@ void dlfs_uring_stop(void)
     U.q = NULL;
     U.nq = 0;
     U.serving = 0;
-    U.stopping = 0;
+    atomic_store(&U.stopping, 0);
+    return 0;
 }
 
 int dlfs_uring_state(void)

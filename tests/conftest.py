@@ -279,3 +279,33 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str, every: float = 0.01) -> None:
+    """Until `cond()` is true, polled every `every` s; AssertionError naming `what` after `timeout` s.
+    The bound only turns a hang into a failure: nothing is asserted about how long it took."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(every)
+
+
+async def trio_wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
+    """wait_for inside trio, on any clock (a MockClock included): between polls every other task runs
+    until all are blocked; `timeout` is real seconds."""
+    import trio.testing
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await trio.testing.wait_all_tasks_blocked(0.01)
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], code: int) -> str:
+    """The one `dlfs: error: ...` line a failed command printed, having exited with `code` (README, Errors)."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dlfs: error: "), proc.stderr
+    return lines[0]

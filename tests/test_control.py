@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import trio_wait_for
 from etcdlab import EtcdCluster, etcd_available, free_ports, local_etcd
 
 from dlfs.config import EtcdConfig, parse_cluster_file
@@ -107,7 +108,8 @@ async def test_removal_reports_mounts_and_refuses_new_ones(control: ControlPlane
     await control.aclose()
 
 
-async def test_pins_wait_for_a_collection_and_it_sees_them(control: ControlPlane) -> None:
+async def test_pins_wait_for_a_collection_and_it_sees_them(control: ControlPlane,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A daemon's pins reach etcd only when a collection takes the gc lock (one key per session), and a
     pin asked for during the collection waits for it to end."""
     await session(control, "s1")
@@ -115,6 +117,17 @@ async def test_pins_wait_for_a_collection_and_it_sees_them(control: ControlPlane
     board = PinPublisher(control, "n1", lambda: held)
     lease = await control.etcd.grant(30)
     pinned_at = 0.0
+    pinned = trio.Event()
+    refusals = 0  # the times etcd told a pin a collection runs (the real answer, counted)
+    clear_to_pin = control.clear_to_pin
+
+    async def counted_clear_to_pin(sid: str) -> bool:
+        nonlocal refusals
+        clear = await clear_to_pin(sid)
+        refusals += not clear
+        return clear
+
+    monkeypatch.setattr(control, "clear_to_pin", counted_clear_to_pin)
     async with trio.open_nursery() as n:
         n.start_soon(board.run)
         await board.pin("s1", [b"a" * 16, b"b" * 16], held["s1"])
@@ -129,13 +142,15 @@ async def test_pins_wait_for_a_collection_and_it_sees_them(control: ControlPlane
                 nonlocal pinned_at
                 await board.pin("s1", [b"c" * 16], held["s1"])
                 pinned_at = trio.current_time()
+                pinned.set()
 
             n.start_soon(pin_late)
-            await trio.sleep(0.6)
-            assert held["s1"] == {b"a" * 16, b"b" * 16}  # the late pin waits
+            # Until the late pin has asked twice and been told to wait both times.
+            await trio_wait_for(lambda: refusals >= 2, 10, "the late pin to be refused during the collection")
+            assert held["s1"] == {b"a" * 16, b"b" * 16} and not pinned.is_set()  # the late pin waits
             released_at = trio.current_time()
-        while not pinned_at:  # taken once the collection ended
-            await trio.sleep(0.05)
+        with trio.fail_after(10):
+            await pinned.wait()  # taken once the collection ended
         async with control.gc_lock("n1", lease):  # the next collection sees the late pin
             assert (await control.snapshot()).pins == {b"a" * 16, b"b" * 16, b"c" * 16}
         n.cancel_scope.cancel()
@@ -158,16 +173,29 @@ async def test_a_collection_waits_for_unpublished_pins_then_refuses(control: Con
     await control.aclose()
 
 
-async def test_a_lease_lives_while_kept_and_ends_when_revoked(control: ControlPlane) -> None:
+async def test_a_lease_lives_while_kept_and_ends_when_revoked(control: ControlPlane,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     async def take() -> int:
         lease = await control.etcd.grant(2)
         await control.etcd.put(control.node_key("n1"), '{"roles": ["meta"]}', lease)
         return lease
 
+    keepalives: list[int] = []  # etcd's answer to each (the TTL left: 0 once expired)
+    keepalive = control.etcd.keepalive
+
+    async def counted_keepalive(lease_id: int) -> int:
+        ttl = await keepalive(lease_id)
+        keepalives.append(ttl)
+        return ttl
+
+    monkeypatch.setattr(control.etcd, "keepalive", counted_keepalive)
     lease = Lease(control, "node n1", take)
     async with trio.open_nursery() as n:
         await n.start(lease.run)
-        await trio.sleep(3.5)  # past the TTL: only the keepalives keep it
+        # Past the TTL (a keepalive every TTL/3, so four span more than it): only the keepalives keep it,
+        # and each renewed it to its whole TTL.
+        await trio_wait_for(lambda: len(keepalives) >= 4, 20, "four keepalives of the lease")
+        assert keepalives[:4] == [2, 2, 2, 2], keepalives
         assert list(await control.nodes()) == ["n1"]
         await lease.revoke()
         assert await control.nodes() == {}

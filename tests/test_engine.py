@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Node, mount_pids, mount_stats, needs_fuse, pid_alive
+from conftest import Node, mount_pids, mount_stats, needs_fuse, one_line_error, pid_alive, wait_for
 
 from dlfs import direct
 from dlfs.errors import MountError
@@ -153,16 +153,16 @@ def test_a_mount_killed_under_load_is_cleared_by_umount(node: Node, tmp_path: Pa
     (pid,) = mount_pids(node.home)
     names = sorted(tree)
     errors: list[int] = []
-    reads = 0
+    reads = [0] * 4  # files read whole by each reader
     stop = threading.Event()
 
     def reader(seed: int) -> None:
-        nonlocal reads
         rng = random.Random(seed)
         while not stop.is_set():
             try:
-                read_and_drop(mnt / rng.choice(names))
-                reads += 1
+                rel = rng.choice(names)
+                assert read_and_drop(mnt / rel) == tree[rel], rel
+                reads[seed] += 1
             except OSError as exc:
                 errors.append(exc.errno or 0)
                 return
@@ -170,24 +170,24 @@ def test_a_mount_killed_under_load_is_cleared_by_umount(node: Node, tmp_path: Pa
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    # Under load: every reader has read whole files (and all of them right) before the kill.
+    wait_for(lambda: min(reads) >= 5 or errors or not all(t.is_alive() for t in threads), 60,
+             "each reader to read 5 files through the mount")
+    assert errors == [] and all(t.is_alive() for t in threads), errors
     os.kill(pid, signal.SIGKILL)
     for t in threads:  # every reader gets an error at once; none hangs on the dead mount
         t.join(timeout=20)
     stop.set()
-    assert not any(t.is_alive() for t in threads) and reads > 0
+    assert not any(t.is_alive() for t in threads) and min(reads) >= 5
     # ECANCELED: a request the kernel had queued on a ring of the killed process (FUSE over io_uring).
-    assert set(errors) <= {errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED, errno.EIO} and errors, errors
-    for _ in range(100):
-        if not pid_alive(pid):
-            break
-        time.sleep(0.05)
+    assert set(errors) <= {errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED, errno.EIO} and len(errors) == 4, errors
+    wait_for(lambda: not pid_alive(pid), 10, f"the killed mount process {pid} to be gone")
     with pytest.raises(OSError) as dead:
         os.statvfs(mnt)
     assert dead.value.errno == errno.ENOTCONN
     out = node.run("umount", mnt)
     assert out.returncode == 0 and not os.path.ismount(mnt) and str(mnt) in out.stdout
-    assert node.run("umount", mnt, check=False).returncode != 0  # nothing left to unmount
+    one_line_error(node.run("umount", mnt, check=False), 4)  # nothing left to unmount: not found
     node.mounts.remove(mnt)
     again = node.mount("t", mnt)
     assert read_and_drop(again / "big.bin") == tree["big.bin"]

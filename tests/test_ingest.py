@@ -15,7 +15,6 @@ import signal
 import socket
 import struct
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import trio
 import xxhash
-from conftest import DLFS, Node, dlfs_env, needs_fuse, run_dlfs
+from conftest import DLFS, Node, dlfs_env, needs_fuse, one_line_error, run_dlfs, wait_for
 from damage import inode_of
 
 import dlfs.direct
@@ -83,13 +82,6 @@ def dataset_rows(node: Node) -> list[dict[str, str]]:
     return rows
 
 
-def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dlfs: error: "), proc.stderr
-    return lines[0]
-
-
 async def meta_status(home: Path) -> dict[str, Any]:
     async with open_nursery() as nursery:
         client = ClusterClient(load_cluster(None, home), nursery)
@@ -141,15 +133,15 @@ def test_rm_frees_chunks(node: Node, tmp_path: Path) -> None:
     make_files(tmp_path / "src", 6, 50_000)
     node.ingest(tmp_path / "src", "gone", "--chunk-size", "64K")
     node.ingest(tmp_path / "src", "gone", "--chunk-size", "128K")  # version 2, other chunks
-    assert len(chunk_files(node.home)) > 0
+    assert len(chunk_files(node.home)) == sum(int(r["chunks"]) for r in dataset_rows(node)) > 0  # none shared
     out = node.run("rm", "gone")
     assert out.stdout.startswith("removed gone (version 1, 2); freed ")
     assert chunk_files(node.home) == []
     assert dataset_rows(node) == []
     assert not (node.home / "meta/index/gone").exists()
-    err = one_line_error(node.run("rm", "gone", check=False))
+    err = one_line_error(node.run("rm", "gone", check=False), 4)
     assert "gone" in err
-    assert "dataset" in one_line_error(node.run("rm", "never-was", check=False))
+    assert "dataset" in one_line_error(node.run("rm", "never-was", check=False), 4)
 
 
 @pytest.mark.timeout(60)
@@ -174,7 +166,7 @@ def test_rm_refuses_a_mounted_version(node: Node, tmp_path: Path) -> None:
     try:
         for ref in ("busy", "busy@1"):
             proc = node.run("rm", ref, check=False)
-            assert "busy@1 is mounted at" in one_line_error(proc)
+            assert "busy@1 is mounted at" in one_line_error(proc, 10)
         assert [r["version"] for r in dataset_rows(node)] == ["1", "2"]
         # Nothing was freed under the mount: every file still reads.
         for rel, data in files.items():
@@ -345,10 +337,10 @@ async def test_cancelled_ingest_gives_its_session_up(node: Node, tmp_path: Path)
 
 @pytest.mark.timeout(30)
 def test_missing_or_bad_source(node: Node, tmp_path: Path) -> None:
-    err = one_line_error(node.run("ingest", tmp_path / "nope", "--name", "x", check=False))
+    err = one_line_error(node.run("ingest", tmp_path / "nope", "--name", "x", check=False), 6)
     assert str(tmp_path / "nope") in err
     (tmp_path / "file").write_bytes(b"x")
-    err = one_line_error(node.run("ingest", tmp_path / "file", "--name", "x", check=False))
+    err = one_line_error(node.run("ingest", tmp_path / "file", "--name", "x", check=False), 6)
     assert "not a directory" in err
     assert dataset_rows(node) == []
 
@@ -366,11 +358,9 @@ def test_killed_ingest_resumes(node: Node, tmp_path: Path) -> None:
         before = len(chunk_files(node.home))
         proc = subprocess.Popen(cmd, env=dlfs_env(node.home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        deadline = time.monotonic() + 60
-        while len(chunk_files(node.home)) == before:
-            assert proc.poll() is None, "the ingest finished before a chunk was seen: make the tree bigger"
-            assert time.monotonic() < deadline
-            time.sleep(0.003)
+        wait_for(lambda: len(chunk_files(node.home)) > before or proc.poll() is not None, 60,
+                 "the ingest to store a chunk more", every=0.003)
+        assert proc.poll() is None, "the ingest finished before a chunk was seen: make the tree bigger"
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=20)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -383,13 +373,16 @@ def test_killed_ingest_resumes(node: Node, tmp_path: Path) -> None:
     # kill -9: no chance to clean up; still nothing is visible.
     killed = interrupt(signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    assert 0 < len(chunk_files(node.home)) < 60
+    left = len(chunk_files(node.home))
+    assert 0 < left < 60
     assert dataset_rows(node) == []
 
     again = node.ingest(src, "big", "--chunk-size", "1M")
     m = re.search(r"\((\d+) sent, (\d+) already stored\)", again.stdout)
     assert m, again.stdout
-    assert int(m.group(2)) > 0
+    # Every chunk the killed ingest left is one this one needs (content-named): none is sent again.
+    assert int(m.group(2)) == left
+    assert int(m.group(1)) + left == int(dataset_rows(node)[0]["chunks"])
     assert [r["version"] for r in dataset_rows(node)] == ["1"]
     mnt = node.mount("big", tmp_path / "mnt")
     try:
@@ -425,14 +418,11 @@ def test_special_files_skipped_with_warning(node: Node, tmp_path: Path) -> None:
 def test_bad_arguments(node: Node, tmp_path: Path) -> None:
     make_files(tmp_path / "src", 1, 10)
     proc = node.run("ingest", tmp_path / "src", "--name", "bad/name", check=False)
-    assert proc.returncode == 2
-    assert "bad/name" in one_line_error(proc)
+    assert "bad/name" in one_line_error(proc, 2)
     proc = node.run("ingest", tmp_path / "src", "--name", "ok", "--chunk-size", "1X", check=False)
-    assert proc.returncode == 2
-    assert "1X" in one_line_error(proc)
+    assert "1X" in one_line_error(proc, 2)
     proc = node.run("ingest", tmp_path / "src", "--name", "ok", "--chunk-size", "4K", check=False)
-    assert proc.returncode == 2
-    assert "chunk-size" in one_line_error(proc)
+    assert "chunk-size" in one_line_error(proc, 2)
     assert dataset_rows(node) == []
 
 
@@ -440,12 +430,10 @@ def test_bad_arguments(node: Node, tmp_path: Path) -> None:
 def test_bad_arguments_are_reported_before_the_node_is_needed(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     proc = run_dlfs(tmp_path / "no-node", "ingest", tmp_path / "src", "--name", "bad/name", check=False)
-    assert proc.returncode == 2
-    assert "bad/name" in one_line_error(proc)
+    assert "bad/name" in one_line_error(proc, 2)
     proc = run_dlfs(tmp_path / "no-node", "ingest", tmp_path / "src", "--name", "ok", "--chunk-size", "1X",
                     check=False)
-    assert proc.returncode == 2
-    assert "1X" in one_line_error(proc)
+    assert "1X" in one_line_error(proc, 2)
 
 
 # --- packing boundaries, empty trees, pinned versions (through a mount) -----------------------

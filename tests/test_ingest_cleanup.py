@@ -9,7 +9,6 @@ import errno
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,15 +16,18 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import DLFS, dlfs_env, run_dlfs, running_cluster, running_node
-from test_ingest import chunk_files, dataset_rows, make_files, one_line_error
+from conftest import DLFS, dlfs_env, one_line_error, run_dlfs, running_cluster, running_node, wait_for
+from test_ingest import chunk_files, dataset_rows, make_files
 
 import dlfs.ingest.run
 import dlfs.ingest.source
+from dlfs.client.cluster import ClusterClient
 from dlfs.config import load_cluster, parse_cluster_file
+from dlfs.data.store import chunk_path
 from dlfs.errors import SourceError
 from dlfs.ingest.walk import Selection, Tree, walk
 from dlfs.meta.store import TTL_ENV
+from dlfs.wire.protocol import Msg
 
 TTL = 2.0  # the session TTL these tests give the node (seconds)
 
@@ -56,8 +58,7 @@ def test_data_disk_full_frees_the_ingests_chunks(tmp_path: Path) -> None:
     with tmpfs(home / "data", "3m"), running_node(home, tmp_path / "scratch") as node:
         before = free_bytes(home / "data")
         proc = node.run("ingest", tmp_path / "src", "--name", "big", "--chunk-size", "1M", check=False)
-        assert proc.returncode == 7, proc.stderr
-        assert "data daemon disk is full at" in one_line_error(proc)
+        assert "data daemon disk is full at" in one_line_error(proc, 7)
         # Freed by the ingest's own abort, before it returned: no `dlfs gc`.
         assert chunk_files(home) == []
         assert free_bytes(home / "data") == before
@@ -74,25 +75,42 @@ def test_killed_ingest_expires_and_gc_frees_its_chunks(tmp_path: Path, monkeypat
     with running_node(tmp_path / "home", tmp_path) as node:
         proc = subprocess.Popen([*DLFS, "ingest", str(killed_src), "--name", "killed", "--chunk-size", "1M"],
                                 env=dlfs_env(node.home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while not chunk_files(node.home):
-            assert proc.poll() is None, "the ingest finished before a chunk was seen: make the tree bigger"
-            assert time.monotonic() < deadline
-            time.sleep(0.003)
+        wait_for(lambda: chunk_files(node.home) or proc.poll() is not None, 60, "the ingest to store a chunk",
+                 every=0.003)
+        assert proc.poll() is None, "the ingest finished before a chunk was seen: make the tree bigger"
         proc.kill()
         proc.wait(timeout=10)
         assert chunk_files(node.home)
 
         # A live ingest that stalls for longer than the TTL (a slow walk) keeps its session alive.
+        keepalives: list[str] = []  # each keepalive of the session the daemon took ("ok") or not
+        call_meta = ClusterClient.call_meta
+
+        async def counted_call_meta(self: ClusterClient, msg: Msg, meta: dict[str, Any] | None = None,
+                                    *args: Any, **kwargs: Any) -> Any:
+            try:
+                reply = await call_meta(self, msg, meta, *args, **kwargs)
+            except Exception as exc:
+                if msg == Msg.PIN_CHUNKS and meta and meta["ids"] == []:
+                    keepalives.append(repr(exc))
+                raise
+            if msg == Msg.PIN_CHUNKS and meta and meta["ids"] == []:
+                keepalives.append("ok")
+            return reply
+
         def slow_walk(src: str, select: Selection | None = None) -> Tree:
-            time.sleep(2.5 * TTL)
+            # The walk stalls until the session has been kept past its TTL (a keepalive every TTL/4: six
+            # span 1.5 TTLs), the killed ingest's last request further back still.
+            wait_for(lambda: len(keepalives) >= 6, 60, "six keepalives of the slow ingest's session")
             return walk(src, select)
 
+        monkeypatch.setattr(ClusterClient, "call_meta", counted_call_meta)
         monkeypatch.setattr(dlfs.ingest.source, "walk", slow_walk)
         report = trio.run(dlfs.ingest.run.ingest, load_cluster(None, node.home), str(slow_src), "slow", 1 << 20)
         assert [r["name"] for r in dataset_rows(node)] == ["slow"]
+        assert len(keepalives) >= 6 and set(keepalives) == {"ok"}, keepalives
 
-        # The killed ingest stopped asking over 2.5 TTLs ago: its session is gone, its chunks are not pinned.
+        # The killed ingest stopped asking over 1.5 TTLs ago: its session is gone, its chunks are not pinned.
         assert "ingests in progress 0" in node.run("status").stdout
         gc = node.run("gc")
         assert "freed 0 " not in gc.stdout, gc.stdout
@@ -114,8 +132,7 @@ def test_local_disk_full_writing_the_index(tmp_path: Path) -> None:
             with open(client / "filler", "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, free_bytes(client) - (64 << 10))
             proc = run_dlfs(client, "ingest", src, "--name", "idx", check=False)
-        assert proc.returncode == 7, proc.stderr
-        assert "disk is full" in one_line_error(proc)
+        assert "disk is full" in one_line_error(proc, 7)
         assert "ingests in progress 0" in node.run("status").stdout
         assert dataset_rows(node) == []
 
@@ -134,23 +151,21 @@ def test_failed_ingest_frees_its_chunks_in_a_cluster(tmp_path: Path, monkeypatch
 
     with running_cluster(tmp_path / "c", n=2, replicas=2) as nodes:
         cluster = parse_cluster_file(tmp_path / "c" / "cluster.toml")
-        stored: list[int] = []
+        stored: list[list[bool]] = []  # per chunk stored before the failure: on each node's disk then?
+        store_chunk = dlfs.ingest.run._store_chunk
+
+        async def counted_store_chunk(client: ClusterClient, session: str, p: Any, *args: Any) -> None:
+            await store_chunk(client, session, p, *args)
+            stored.append([chunk_path(n.home / "data" / "chunks", p.cid).exists() for n in nodes])
 
         async def run() -> None:
-            async with trio.open_nursery() as watch:
-                async def count() -> None:  # the chunks stored before the failure
-                    while True:
-                        stored.append(sum(len(chunk_files(n.home)) for n in nodes))
-                        await trio.sleep(0.005)
+            with pytest.raises(SourceError, match="Permission denied"):
+                await dlfs.ingest.run.ingest(cluster, str(tmp_path / "src"), "broken", 64 << 10)
 
-                watch.start_soon(count)
-                with pytest.raises(SourceError, match="Permission denied"):
-                    await dlfs.ingest.run.ingest(cluster, str(tmp_path / "src"), "broken", 64 << 10)
-                watch.cancel_scope.cancel()
-
+        monkeypatch.setattr(dlfs.ingest.run, "_store_chunk", counted_store_chunk)
         monkeypatch.setattr(os, "open", open_)
         trio.run(run)
         monkeypatch.undo()
-        assert max(stored) > 0
+        assert stored and all(on == [True, True] for on in stored), stored  # both replicas, then freed
         assert [chunk_files(n.home) for n in nodes] == [[], []]
         assert nodes[0].run("status").stdout.count("ingests in progress 0") == 2

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import DLFS, REPO, dlfs_env, stop_node, wait_for_node
+import trio.testing
+from conftest import DLFS, REPO, dlfs_env, stop_node, trio_wait_for, wait_for_node
 from prometheus_client import generate_latest
 from test_node_memory import serving
 from test_services import _closed_by_peer
@@ -81,9 +82,9 @@ async def test_half_open_caps_drop_the_oldest_and_a_client_still_gets_in(
         flood = []
         for i in range(300):
             flood.append(await trio.open_tcp_stream(address.host, address.port, local_address=f"127.0.1.{i % 50 + 1}"))
+        await trio_wait_for(lambda: svc.conns.handshake_failures["cap"] == 2 + 300, 10,
+                            "the daemon to drop a connection for each of the flood's")
         with trio.fail_after(10):
-            while svc.conns.handshake_failures["cap"] < 2 + 300:
-                await trio.sleep(0.01)
             async with connect(address, KEY, "data") as conn:
                 assert (await conn.call(Msg.PING))[0]["node"] == "n"
         assert len(svc.half_open) <= 8 and svc.conns.accept_errors == 0
@@ -151,7 +152,9 @@ async def test_out_of_descriptors_the_daemon_pauses_logs_once_and_recovers(
             while held < 70 and await n.start(hold):
                 held += 1
             assert held < 70, "the node took 70 connections with 64 descriptors"
-            await trio.sleep(1)  # the accept loop keeps failing meanwhile
+            # Until the accept loop has failed and said so; it keeps failing meanwhile.
+            await trio_wait_for(lambda: "cannot accept connections: Too many open files" in log.read_text(), 20,
+                                "the node to log that it cannot accept connections")
             n.cancel_scope.cancel()
         with trio.fail_after(10):
             while True:  # descriptors free again: the node takes connections at once
@@ -173,8 +176,8 @@ async def test_out_of_descriptors_the_daemon_pauses_logs_once_and_recovers(
 
 @pytest.mark.timeout(30)
 async def test_a_declared_payload_is_not_allocated_and_a_stalled_frame_ends_its_connection(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "FRAME_STALL", 1.0)
+        mock_clock: trio.testing.MockClock) -> None:
+    # Time moves only when the test moves it: the stalled frame ends its connection at FRAME_STALL, not before.
     svc = Plain(KEY, "n")
     async with serving(svc) as address, connect(address, KEY, "data") as conn:
         tracemalloc.start()
@@ -182,13 +185,15 @@ async def test_a_declared_payload_is_not_allocated_and_a_stalled_frame_ends_its_
             # A request declaring the largest payload there is, 64 KiB of it, then silence.
             await conn.fs.stream.send_all(HEADER.pack(MAGIC, VERSION, REQUEST, Msg.PUT_CHUNK, 0, 7, 0, MAX_DATA)
                                           + bytes(64 << 10))
-            start = trio.current_time()
-            with trio.fail_after(15):
-                await conn.done.wait()
+            await trio.testing.wait_all_tasks_blocked(0.05)  # the daemon took what came and waits for more
+            mock_clock.jump(protocol.FRAME_STALL - 0.01)
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            assert not conn.done.is_set() and svc.conns.closed["stall"] == 0
+            mock_clock.jump(0.02)
+            await trio_wait_for(conn.done.is_set, 15, "the daemon to close the stalled connection")
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        assert trio.current_time() - start >= 0.9
     assert peak < 8 * MiB, f"{peak} bytes allocated for a frame with 64 KiB of its 320 MiB received"
     assert svc.conns.closed["stall"] == 1
     assert svc.memory.reserved == 0  # its reservation went with it
@@ -205,7 +210,7 @@ async def test_a_frame_arriving_in_pieces_lands_whole_in_a_buffer_that_grows_wit
     async def send() -> None:
         for at in range(0, len(wire), 700_001):
             await sender.send_all(wire[at : at + 700_001])
-            await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # the receiver took this piece and waits for the next
 
     async with trio.open_nursery() as n:
         n.start_soon(send)
@@ -214,16 +219,18 @@ async def test_a_frame_arriving_in_pieces_lands_whole_in_a_buffer_that_grows_wit
 
 
 @pytest.mark.timeout(30)
-async def test_idle_connections_are_closed_and_the_pool_reopens_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rpc, "IDLE_TIMEOUT", 1.0)
+async def test_idle_connections_are_closed_and_the_pool_reopens_before(mock_clock: trio.testing.MockClock) -> None:
+    # Time moves only when the test moves it: an idle connection is closed at IDLE_TIMEOUT, not before.
     svc = Plain(KEY, "n")
     async with serving(svc) as address:
         async with connect(address, KEY, "data") as conn:
             await conn.call(Msg.PING)
-            start = trio.current_time()
-            with trio.fail_after(10):
-                await conn.done.wait()
-            assert trio.current_time() - start >= 0.9
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            mock_clock.jump(rpc.IDLE_TIMEOUT - 0.01)
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            assert not conn.done.is_set() and svc.conns.closed["idle"] == 0
+            mock_clock.jump(0.02)
+            await trio_wait_for(conn.done.is_set, 10, "the daemon to close the idle connection")
         assert svc.conns.closed["idle"] == 1
 
         async with trio.open_nursery() as n:
@@ -231,11 +238,13 @@ async def test_idle_connections_are_closed_and_the_pool_reopens_before(monkeypat
             spec = client.cluster.node("n")
             await client.call(spec, "data", Msg.PING)
             first = await client.connection(spec, "data")
-            await trio.sleep(0.6)  # over half the timeout: the client reopens rather than race the daemon
+            mock_clock.jump(0.6 * rpc.IDLE_TIMEOUT)  # over half the timeout: the client reopens rather than race the daemon
             await client.call(spec, "data", Msg.PING)
             second = await client.connection(spec, "data")
             assert second is not first and first.closed is not None
-            await trio.sleep(1.5)  # past the timeout: the daemon closed it; the call still succeeds
+            mock_clock.jump(1.5 * rpc.IDLE_TIMEOUT)  # past the timeout: the daemon closes it; the call still succeeds
+            await trio_wait_for(lambda: second.closed is not None, 10, "the daemon to close the pool's idle connection")
+            assert svc.conns.closed["idle"] == 2
             assert (await client.call(spec, "data", Msg.TIME))[0]["node"] == "n"
             assert not client.health
             n.cancel_scope.cancel()

@@ -4,6 +4,7 @@ daemons on localhost with small caps, real connections, real chunks."""
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import run_dlfs
+import trio.testing
+from conftest import run_dlfs, trio_wait_for
 
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
@@ -152,7 +154,8 @@ async def test_many_connections_putting_and_reading_stay_within_the_total(tmp_pa
 
 
 @pytest.mark.timeout(20)
-async def test_a_wait_for_memory_is_bounded(tmp_path: Path) -> None:
+async def test_a_wait_for_memory_is_bounded(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    # Time moves only when the test moves it: the wait is answered busy exactly at its bound, not before.
     memory = MemoryBudget("node t", total=2 * MiB, per_connection=2 * MiB, wait=0.3)
     svc = WatchedData(tmp_path / "data", memory)
     holder_id, holder = make_chunk(1, 1_500_000)
@@ -161,13 +164,24 @@ async def test_a_wait_for_memory_is_bounded(tmp_path: Path) -> None:
         svc.gate = trio.Event()  # PUTs hold their bytes until it opens
         async with trio.open_nursery() as n:
             n.start_soon(a.call, Msg.PUT_CHUNK, {"id": holder_id}, holder)
-            with trio.fail_after(5):
-                await svc.entered.wait()
-            start = trio.current_time()
-            with pytest.raises(Unreachable, match=r"node t is busy: no memory for a request of 1\.\d MB within 0\.3 s"):
-                await b.call(Msg.PUT_CHUNK, {"id": late_id}, late, timeout=10)
-            assert 0.25 <= trio.current_time() - start < 5
-            assert memory.busy == 1 and not svc.store.has(late_id)
+            await trio_wait_for(svc.entered.is_set, 10, "the first PUT to hold its bytes")
+            refused: list[BaseException] = []
+
+            async def put_busy() -> None:
+                try:
+                    await b.call(Msg.PUT_CHUNK, {"id": late_id}, late, timeout=10)
+                except Unreachable as exc:
+                    refused.append(exc)
+
+            n.start_soon(put_busy)
+            await trio_wait_for(lambda: memory.waits == 1, 10, "the second PUT to wait for memory")
+            mock_clock.jump(0.29)
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            assert not refused and memory.busy == 0  # still waiting just short of its bound
+            mock_clock.jump(0.02)
+            await trio_wait_for(lambda: refused, 10, "the busy answer past the bound")
+            assert re.fullmatch(r"node t is busy: no memory for a request of 1\.\d MB within 0\.3 s .*", str(refused[0]))
+            assert memory.busy == 1 and memory.waits == 1 and not svc.store.has(late_id)
             # The busy answer left b's connection in step; a request that fits is served meanwhile.
             assert (await b.call(Msg.PING))[0]["node"] == "t"
             # A wait that ends in time is served: room comes while it waits.
@@ -178,10 +192,10 @@ async def test_a_wait_for_memory_is_bounded(tmp_path: Path) -> None:
                 replies.append((await b.call(Msg.PUT_CHUNK, {"id": late_id}, late))[0])
 
             n.start_soon(put_late)
-            with trio.fail_after(5):
-                while memory.waits < 2:  # until the daemon holds it back
-                    await trio.sleep(0.01)
-            assert not replies
+            await trio_wait_for(lambda: memory.waits == 2, 10, "the daemon to hold the PUT back")
+            mock_clock.jump(9.9)  # most of its wait passes with no room
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            assert not replies and memory.busy == 1
             svc.gate.set()
         assert replies == [{"stored": True}]
         assert svc.store.has(holder_id) and svc.store.has(late_id)

@@ -697,7 +697,7 @@ def test_transport_option_on_the_commands_that_move_chunks(capsys: pytest.Captur
 def test_transport_rdma_where_there_is_none_fails_in_one_line(node: Node, tmp_path: Path) -> None:
     if REPORT.active_ports():
         pytest.skip("this machine has an active RDMA port")
-    from test_cli import one_line_error
+    from conftest import one_line_error
 
     src = tmp_path / "src"
     src.mkdir()
@@ -705,15 +705,15 @@ def test_transport_rdma_where_there_is_none_fails_in_one_line(node: Node, tmp_pa
     want = "dlfs: error: transport = rdma, but no RDMA device"
     for args in (["ingest", src, "--name", "x", "--transport", "rdma"], ["verify", "--all", "--transport=rdma"]):
         proc = node.run(*args, check=False)
-        assert proc.returncode == 2 and one_line_error(proc).startswith(want), proc.stderr
+        assert one_line_error(proc, 2).startswith(want), proc.stderr
     node.ingest(src, "x")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     proc = node.run("mount", "x", mnt, "--transport", "rdma", check=False)
-    assert proc.returncode == 2 and one_line_error(proc).startswith(want), proc.stderr
+    assert one_line_error(proc, 2).startswith(want), proc.stderr
     assert not os.path.ismount(mnt)
     proc = run_dlfs(tmp_path / "other", "node", "--transport", "rdma", check=False, timeout=30)
-    assert proc.returncode == 2 and one_line_error(proc).startswith(want), proc.stderr
+    assert one_line_error(proc, 2).startswith(want), proc.stderr
     # auto: TCP, and both the node and the mount say why.
     assert "data daemon: chunks served over TCP (auto: no RDMA device" in node.node_log()
     node.mount("x", mnt)

@@ -298,7 +298,14 @@ class Index:
     def close(self) -> None:
         if self._view:
             self._view.close()  # its hold on the mapping, which cannot be closed under it
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            from dlfs.native import engine_stats  # here: dlfs.native imports this module
+
+            # A serving thread stuck in I/O was abandoned (and logged) and may still read it: kept until exit.
+            if not engine_stats().get("abandoned"):
+                raise
 
     def sections(self) -> Sections:
         """Where each section lies in the mapping: what the C helper reads in place."""
