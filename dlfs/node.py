@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -25,7 +24,8 @@ from dlfs.errors import DlfsError, UsageError
 from dlfs.logs import set_context
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
-from dlfs.private import FILE_MODE, private_dirs, tighten_home
+from dlfs.private import private_dirs, tighten_home
+from dlfs.procs import hold_lock
 from dlfs.sdnotify import notify
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
@@ -115,12 +115,9 @@ def _lock_home(home: Path) -> int:
     """Hold $DLFS_HOME/run/node.lock: two nodes on one state directory would corrupt it."""
     path = home / "run" / "node.lock"
     private_dirs(path.parent)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UsageError(f"a dlfs node is already running under {home}") from None
+    fd = hold_lock(path)
+    if fd is None:
+        raise UsageError(f"a dlfs node is already running under {home}")
     return fd
 
 

@@ -1,14 +1,18 @@
-"""Process matters: whether a daemon or mount recorded in a pid file is still alive; how its memory goes back;
-what `ps` calls it; which processes use files under a path (as `fuser -m` finds them)."""
+"""Process matters: whether a daemon or mount recorded in a pid file is still alive; one process at a time
+on a state directory (a held lock file); how its memory goes back; what `ps` calls it; which processes use
+files under a path (as `fuser -m` finds them)."""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from dlfs.private import FILE_MODE
 
 log = logging.getLogger(__name__)
 HOLDER_SCAN_BUDGET = 3.0  # seconds: /proc of a machine with many processes and open files is read no longer
@@ -34,6 +38,18 @@ def running(pid: int) -> bool:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters (glibc's malloc.h)
 MMAP_THRESHOLD = 128 << 10  # glibc's default, fixed
+
+
+def hold_lock(path: str | os.PathLike[str]) -> int | None:
+    """An open descriptor holding an exclusive lock on `path` (made private) for as long as this process keeps
+    it; None if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def give_freed_memory_back() -> None:

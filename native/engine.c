@@ -470,27 +470,17 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
     }
     E.workers = calloc((size_t)threads, sizeof *E.workers);
     P.reply.scratch = malloc(SCRATCH);
-    if (!E.workers || !P.reply.scratch) {
-        free(E.workers);
-        free(P.reply.scratch);
-        E.workers = NULL;
-        P.reply.scratch = NULL;
-        errno = ENOMEM;
-        return -1;
-    }
+    int err = ENOMEM;
+    if (!E.workers || !P.reply.scratch)
+        goto fail;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal; /* no SA_RESTART: a blocked read returns EINTR */
     sigemptyset(&sa.sa_mask);
     /* Process-wide: whatever was there before is kept and put back when the engine is released. */
     if (sigaction(stop_signal(), &sa, &E.old_stop) < 0) {
-        int err = errno;
-        free(E.workers);
-        free(P.reply.scratch);
-        E.workers = NULL;
-        P.reply.scratch = NULL;
-        errno = err;
-        return -1;
+        err = errno;
+        goto fail;
     }
     E.stop_installed = 1;
     E.serve = *sv;
@@ -527,6 +517,13 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
     if (uring)
         dlfs_uring_start(E.devfd); /* best effort: its state says why not */
     return 0;
+fail:
+    free(E.workers);
+    free(P.reply.scratch);
+    E.workers = NULL;
+    P.reply.scratch = NULL;
+    errno = err;
+    return -1;
 }
 
 void dlfs_engine_close_python(void)

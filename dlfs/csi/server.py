@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from dlfs.csi.service import Identity, Node, node_problem
 from dlfs.csi.volumes import NodeVolumes
 from dlfs.errors import Conflict, UsageError
 from dlfs.private import private_dirs
+from dlfs.procs import hold_lock
 
 log = logging.getLogger(__name__)
 WORKERS = 16  # requests served at once; calls on one target or one version wait on its lock
@@ -34,12 +34,9 @@ def socket_path(endpoint: str) -> Path:
 
 def lock_state(state: Path) -> int:
     """Hold the state directory for this process: two plugins on one node would undo each other's mounts."""
-    fd = os.open(private_dirs(state) / "csi.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise Conflict(f"another dlfs csi is running on {state}") from None
+    fd = hold_lock(private_dirs(state) / "csi.lock")
+    if fd is None:
+        raise Conflict(f"another dlfs csi is running on {state}")
     return fd
 
 
