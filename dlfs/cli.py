@@ -309,8 +309,8 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from dlfs.fuse.mount import parse_dataset_ref
-    from dlfs.fuse.records import DETACHED, LIVE, mount_states
+    from dlfs.mount.lifecycle import parse_dataset_ref
+    from dlfs.mount.records import DETACHED, LIVE, mount_states
     from dlfs.wire.messages import META_DAEMON, Removed, reply
     from dlfs.wire.protocol import Msg
 
@@ -358,7 +358,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
     from dlfs.client.repair import census
-    from dlfs.fuse.records import mount_states
+    from dlfs.mount.records import mount_states
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
@@ -551,7 +551,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
     from dlfs.client.repair import check_indexes, dataset_chunks, live_versions, verify
     from dlfs.errors import CorruptData
-    from dlfs.fuse.mount import parse_dataset_ref
+    from dlfs.mount.lifecycle import parse_dataset_ref
 
     _setup_logging(args)
     if bool(args.name) == bool(args.all):
@@ -696,8 +696,8 @@ def cmd_repair(args: argparse.Namespace) -> int:
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
     from dlfs.cgroup import memory_limit
-    from dlfs.client.cache import auto_cache_size
-    from dlfs.fuse.mount import MOUNT_PROCESS_NAME, MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.mount.cache import auto_cache_size
+    from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME, MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
     from dlfs.procs import set_title
     from dlfs.sdnotify import notify
 
@@ -748,7 +748,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | None]:
     """--cache-dir (made and checked here, where an error reaches the user) and --cache-dir-size."""
-    from dlfs.client.diskcache import check_cache_dir
+    from dlfs.mount.diskcache import check_cache_dir
 
     size = parse_size(args.cache_dir_size) if args.cache_dir_size else None
     if size is not None and size < 1 << 20:
@@ -762,7 +762,7 @@ def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | Non
 
 def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoint: Path) -> int:
     """Start `dlfs mount --foreground` detached, and return once it reports the mount ready."""
-    from dlfs.fuse.records import mount_log
+    from dlfs.mount.records import mount_log
 
     log_path = Path(args.log_file) if args.log_file else mount_log(home, args.dataset, mountpoint)
     private_dirs(log_path.parent)
@@ -792,9 +792,9 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
-    from dlfs.client.diskcache import DiskCache
-    from dlfs.fuse.mount import parse_dataset_ref
-    from dlfs.fuse.records import mount_states
+    from dlfs.mount.diskcache import DiskCache
+    from dlfs.mount.lifecycle import parse_dataset_ref
+    from dlfs.mount.records import mount_states
     from dlfs.warmup import parse_rate, warmup
 
     _setup_logging(args)
@@ -842,7 +842,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from dlfs.fuse.mount import unmount
+    from dlfs.mount.lifecycle import unmount
 
     _setup_logging(args)
     mountpoint = Path(args.mountpoint).absolute()
@@ -861,7 +861,7 @@ def _local_time(t: float) -> str:
 
 def _mount_rows(states: Any) -> list[str]:
     """`dlfs mounts`' table: one row per mount, then a line for each that is not live."""
-    from dlfs.fuse.records import LIVE
+    from dlfs.mount.records import LIVE
 
     head = ("DATASET", "MOUNTPOINT", "PID", "STATE", "CACHE", "SINCE", "LOG")
     rows = [head]
@@ -878,7 +878,7 @@ def _mount_rows(states: Any) -> list[str]:
 
 
 def cmd_mounts(args: argparse.Namespace) -> int:
-    from dlfs.fuse.records import mount_states
+    from dlfs.mount.records import mount_states
 
     _setup_logging(args)
     home = home_dir(args.home)

@@ -55,8 +55,8 @@ from dlfs.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
-CONTROL_XATTR = "user.dlfs.control"  # on the mount's root only (dlfs/fuse/ops.py)
-MOUNT_TYPE = "fuse.dlfs"  # what /proc/self/mounts says of a dlfs mount (subtype=dlfs, dlfs/fuse/mount.py)
+CONTROL_XATTR = "user.dlfs.control"  # on the mount's root only (dlfs/mount/ops.py)
+MOUNT_TYPE = "fuse.dlfs"  # what /proc/self/mounts says of a dlfs mount (subtype=dlfs, dlfs/mount/lifecycle.py)
 ROOT_INO = 1  # the inode number of a dlfs mount's root
 BIG_RECORD = DIRECT_REQUEST_BYTES  # files with a record bigger than a request can ask are read through the kernel
 TIMEOUT = 120.0  # seconds a request may wait for the mount (it fails over replicas meanwhile)

@@ -140,7 +140,7 @@ def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring"))
 
 def check_memory(limit: MemoryLimit | None = None) -> Check:
     """The memory a mount may use here, and the cache `--cache-size auto` gets from it."""
-    from dlfs.client.cache import auto_cache_size
+    from dlfs.mount.cache import auto_cache_size
 
     limit = limit or memory_limit()
     cache = auto_cache_size(limit)
@@ -153,8 +153,8 @@ def check_memory(limit: MemoryLimit | None = None) -> Check:
 
 # --- RDMA --------------------------------------------------------------------------------------
 def check_rdma(setting: str, cluster: Cluster | None) -> list[Check]:
-    from dlfs.client.cache import auto_cache_size
     from dlfs.client.transport import QUEUE_HEADROOM, arena_for_cache
+    from dlfs.mount.cache import auto_cache_size
     from dlfs.transport.verbs import MEMLOCK_FIX, choose_transport, memlock, probe
 
     device = cluster.rdma_device if cluster else None

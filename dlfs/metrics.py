@@ -160,7 +160,7 @@ def _gauge(name: str, doc: str, node: str, value: float) -> GaugeMetricFamily:
 
 
 class MountCollector:
-    """A mount's metrics, from the same snapshot `dlfs stats` reads (fuse/stats.py)."""
+    """A mount's metrics, from the same snapshot `dlfs stats` reads (mount/statsfile.py)."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot

@@ -35,7 +35,7 @@ from dlfs.wire.budget import NODE_MEMORY, MemoryBudget
 from dlfs.wire.rpc import Service, serve
 
 if TYPE_CHECKING:
-    from dlfs.data.rdma import RdmaResponder
+    from dlfs.data.rdmaserve import RdmaResponder
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE = 10.0
@@ -125,7 +125,7 @@ def _open_responder(choice: TransportChoice, chunks: ChunkStore) -> tuple[RdmaRe
     """The data daemon's RDMA resources; if the device cannot be set up, TCP (auto) or an error (rdma)."""
     from pyverbs.pyverbs_error import PyverbsError  # only where RDMA is used
 
-    from dlfs.data.rdma import RdmaResponder
+    from dlfs.data.rdmaserve import RdmaResponder
     from dlfs.transport.verbs import memlock
 
     assert choice.port is not None

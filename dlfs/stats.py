@@ -1,6 +1,6 @@
 """`dlfs stats MOUNTPOINT`: a top-like view of one mount, from the counters it publishes.
 
-The mount replaces its stats file once a second (fuse/stats.py); rates are the difference of two
+The mount replaces its stats file once a second (mount/statsfile.py); rates are the difference of two
 of its samples divided by the time between them, as the mount itself measured it. `--json` prints
 the same figures as one StatsView object (one a line with --watch: JSON Lines), for scripts.
 """
@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Struct
 
 from dlfs.errors import NotFound, UsageError
-from dlfs.fuse.stats import STATS_FORMAT, stats_file
+from dlfs.mount.statsfile import STATS_FORMAT, stats_file
 from dlfs.procs import running
 from dlfs.units import human_bytes, iso_time
 

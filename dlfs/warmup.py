@@ -1,14 +1,14 @@
 """`dlfs warmup`: bring a dataset version (or the files under some of its paths) close before a job.
 
 What it fetches is what a mount would: the windows of each chunk that hold the chosen files, cut as
-the mount cuts them (dlfs/client/cache.py's chunk_windows, at the mount's --readahead), so a later
+the mount cuts them (dlfs/mount/cache.py's chunk_windows, at the mount's --readahead), so a later
 mount's misses find them whole. Where they go:
 - chunks this machine's data daemon holds: read once through the page cache. The mount reads a local
-  window from the page cache when it holds all of it (cachestat, dlfs/client/local.py) and from the
+  window from the page cache when it holds all of it (cachestat, dlfs/mount/localchunks.py) and from the
   disk with O_DIRECT otherwise, so a warm page cache saves the first epoch its disk reads; it is worth
   it when the dataset fits in memory beside the FUSE page cache (the kernel drops it first otherwise);
 - every other chunk: fetched from its replicas, checked record by record (xxh3) and written to the
-  disk cache (dlfs/client/diskcache.py), which mounts of the node share while this runs.
+  disk cache (dlfs/mount/diskcache.py), which mounts of the node share while this runs.
 Bounded: --rate is a token bucket over the bytes it reads or fetches; windows already in the disk
 cache are passed over.
 """
@@ -26,14 +26,14 @@ from pathlib import Path
 
 import trio
 
-from dlfs.client.cache import chunk_windows, window_size
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.diskcache import DiskCache
-from dlfs.client.local import THREAD_BYTES, open_local_chunks
 from dlfs.data.store import chunk_path
 from dlfs.errors import CorruptData, NotFound, Unreachable, UsageError
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import ROOT_INO, Extent, Index
+from dlfs.mount.cache import chunk_windows, window_size
+from dlfs.mount.diskcache import DiskCache
+from dlfs.mount.localchunks import THREAD_BYTES, open_local_chunks
 from dlfs.units import parse_size
 from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
@@ -196,7 +196,7 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
     cache (unless not `short_circuit`, as the mount's option), the rest into `disk` (skipped without
     one). `progress(event, files, bytes)` is told
     ("start", total files, total bytes) once, then ("done", files, bytes) as windows finish."""
-    from dlfs.fuse.mount import fetch_index  # the mount's index cache, shared with it
+    from dlfs.mount.lifecycle import fetch_index  # the mount's index cache, shared with it
 
     meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": name, "version": version})
     info = reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)

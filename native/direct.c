@@ -3,7 +3,7 @@
  * A client's pins live only in its row (the one part of the control region it maps writable), counted
  * under the epoch its row was handed out with. Once its last view is gone after detach() (or with the
  * SharedCache itself) it marks the row released, and the mount takes the row back; a row whose owner
- * never does is taken back when the process is gone (dlfs/fuse/rows.py). A pin is a Python object
+ * never does is taken back when the process is gone (dlfs/mount/pinrows.py). A pin is a Python object
  * exporting the record's bytes as a read-only buffer: read() hands out a memoryview of it, and releasing
  * the view (or dropping it) releases the pin. The mount's own SharedCache also counts what the kernel
  * was sent of each record (shm.h's dlfs_consume), for the serving threads and the Python handlers alike. */

@@ -24,7 +24,7 @@ from etcdlab import EtcdCluster, Member, free_ports
 from netlab import NetLab
 
 from dlfs.format.chunk import iter_records
-from dlfs.fuse.records import mount_log
+from dlfs.mount.records import mount_log
 
 NODES = ["n1", "n2", "n3"]
 CHUNK_SIZE = "256K"

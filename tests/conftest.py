@@ -109,7 +109,7 @@ class Node:
     def mount_log(self, name: str, mountpoint: Path | None = None) -> Path:
         """The log of the mount of `name` at `mountpoint` (default: the latest mount() of it; one file per
         mount); before any, a path that does not exist yet."""
-        from dlfs.fuse.records import mount_log
+        from dlfs.mount.records import mount_log
 
         return mount_log(self.home, name, mountpoint or self.last_mount.get(name, self.home / "not-mounted-yet"))
 
@@ -240,9 +240,9 @@ def mounted(node: Node, tmp_path: Path) -> Iterator[Callable[..., Path]]:
 
 def mount_stats(home: Path, mountpoint: Path, until: Callable[[dict], bool] = lambda s: True,
                 timeout: float = 5.0) -> dict:
-    """The counters a mount publishes (dlfs/fuse/stats.py), once `until` holds of them or `timeout` has
+    """The counters a mount publishes (dlfs/mount/statsfile.py), once `until` holds of them or `timeout` has
     passed (the mount writes them once a second)."""
-    from dlfs.fuse.stats import stats_file
+    from dlfs.mount.statsfile import stats_file
 
     deadline = time.monotonic() + timeout
     while True:

@@ -788,7 +788,7 @@ def fuzz_in_parts(target: Target, frames: int, seed: int, pools: Pools, *, worke
     """fuzz() against a mount's control socket from fresh child processes, PART_FRAMES frames each.
 
     A mount keeps each attached process's pin-table row while the process lives unless it marks the
-    row released in shared memory (dlfs/fuse/rows.py), which a fuzzer never does: from one process the
+    row released in shared memory (dlfs/mount/pinrows.py), which a fuzzer never does: from one process the
     rows would run out, and every later request would be refused the same way."""
     tally = Tally(seed)
     start = time.monotonic()

@@ -1,6 +1,6 @@
 """The native engine's answers (native/answer.c), request by request, without a mount: crafted FUSE
 requests against real index files, decoded with an independent reading of the kernel ABI (fusewire.py),
-and compared with what the Python handlers (dlfs/fuse/ops.py) would say. Crafted indexes whose offsets
+and compared with what the Python handlers (dlfs/mount/ops.py) would say. Crafted indexes whose offsets
 point outside their sections get EIO for the request that touched them, and nothing else."""
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ import trio
 import trio.testing
 from test_services import make_chunk, make_index, running_node
 
-from dlfs.client.cache import ChunkCache
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.local import LocalChunks, _all_cached
 from dlfs.config import Cluster, NodeSpec, key_path
 from dlfs.data.store import chunk_path
 from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import Index
+from dlfs.mount.cache import ChunkCache
+from dlfs.mount.localchunks import LocalChunks, _all_cached
 from dlfs.wire.protocol import Msg
 
 SLAB = 64 << 10
@@ -378,7 +378,7 @@ async def test_records_the_kernel_had_come_back_a_window_at_a_time(tmp_path: Pat
 async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(tmp_path: Path, monkeypatch) -> None:
     # A dlfs.direct batch that pins every slab: the next misses fetch their record alone into memory of
     # its own, and what the cache keeps of that stays under OWN_MEMORY (it once grew to the whole cache).
-    import dlfs.client.cache as cache_mod
+    import dlfs.mount.cache as cache_mod
 
     monkeypatch.setattr(cache_mod, "OWN_MEMORY", 3 * 20_000)
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
@@ -452,7 +452,7 @@ def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:
     import threading
     from functools import partial
 
-    from dlfs.client.local import DiskQueue, ticket
+    from dlfs.mount.localchunks import DiskQueue, ticket
 
     disk = DiskQueue(threads=1)
     taken, gate, served = threading.Event(), threading.Event(), []

@@ -31,7 +31,7 @@ from netlab import Host, NetLab, netns_available
 
 from dlfs.config import DATA_PORT, META_PORT
 from dlfs.format.chunk import HEADER, RECORD
-from dlfs.fuse.records import mount_log
+from dlfs.mount.records import mount_log
 
 NODES = ["n1", "n2", "n3", "n4"]
 CLIENT = "c1"  # a compute-only client: in no cluster file

@@ -24,7 +24,7 @@ from dlfs.csi import DRIVER_NAME
 from dlfs.csi import csi_pb2 as pb
 from dlfs.csi import csi_pb2_grpc as pb_grpc
 from dlfs.csi.mountinfo import read_mountinfo
-from dlfs.fuse.mount import local_mounts, mount_record
+from dlfs.mount.lifecycle import local_mounts, mount_record
 
 pytestmark = [needs_fuse, pytest.mark.timeout(300)]
 Mode = pb.VolumeCapability.AccessMode.Mode

@@ -201,7 +201,7 @@ def test_populate_never_writes() -> None:
 @pytest.mark.parametrize("how", ["peer pidfd", "pidfd_open", "start time"])
 def test_a_client_process_is_gone_once_it_exits(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """However the mount watches a client (by kernel), it sees the process go, and not before."""
-    from dlfs.fuse import rows
+    from dlfs.mount import rows
 
     if how == "start time":
         def no_pidfd(pid: int) -> int:

@@ -1,4 +1,4 @@
-"""The disk cache of a compute-only node (dlfs/client/diskcache.py) and `dlfs warmup`.
+"""The disk cache of a compute-only node (dlfs/mount/diskcache.py) and `dlfs warmup`.
 
 Units: the cache itself on a temporary directory (what it keeps, how it is bounded, private, shared by
 processes, what it does with a lost or bad entry and a full disk). End to end: a real node and real
@@ -24,8 +24,8 @@ import pytest
 import trio
 from conftest import REPO, Node, mount_stats, needs_fuse
 
-from dlfs.client.diskcache import CATALOGUE, SOURCE, WRITE_SLOTS, DiskCache
 from dlfs.errors import UsageError
+from dlfs.mount.diskcache import CATALOGUE, SOURCE, WRITE_SLOTS, DiskCache
 from dlfs.warmup import TokenBucket, parse_rate
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,7 +164,7 @@ def test_concurrent_processes_share_one_catalogue(tmp_path: Path) -> None:
 import random, sys
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]
 from test_diskcache import cid_of, content
-from dlfs.client.diskcache import DiskCache
+from dlfs.mount.diskcache import DiskCache
 import trio
 cache = DiskCache(__import__('pathlib').Path({str(root)!r}))
 rng = random.Random(int(sys.argv[1]))

@@ -19,7 +19,7 @@ from conftest import Node, mount_pids, mount_stats, needs_fuse, one_line_error, 
 
 from dlfs import direct
 from dlfs.errors import MountError
-from dlfs.fuse.mount import want_io_uring
+from dlfs.mount.lifecycle import want_io_uring
 from dlfs.native import native
 
 pytestmark = [needs_fuse, pytest.mark.skipif(native is None, reason="dlfs's C helper is not built")]

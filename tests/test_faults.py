@@ -27,7 +27,7 @@ from dlfs.client.cluster import ClusterClient, rank
 from dlfs.config import load_cluster
 from dlfs.data.service import FULL_LOG_EVERY
 from dlfs.errors import DlfsError
-from dlfs.fuse.records import mount_log
+from dlfs.mount.records import mount_log
 from dlfs.tasks import open_nursery
 from dlfs.wire.protocol import Msg
 

@@ -2,7 +2,7 @@
 ENOTDIR, ENAMETOOLONG (a name over 255 bytes, never cut short), EIO where the index is damaged.
 
 The paths: the Python lookup (format/index.py's lookup_in, where the C helper is not built), the C
-lookup (native/indexview.c) as Index.lookup calls it, the FUSE handlers in Python (fuse/ops.py) and
+lookup (native/indexview.c) as Index.lookup calls it, the FUSE handlers in Python (mount/ops.py) and
 in C (the serving engine's LOOKUP, native/answer.c), and dlfs.direct's path resolution in C
 (native/direct.c). The index has many names and the edge cases: an empty directory, unicode in both
 normal forms, bytes that are not UTF-8, bytes above 0x7f (sorted unsigned), names that are prefixes
@@ -98,11 +98,11 @@ def probes(index: Index, dirs: dict[int, dict[bytes, int]]) -> list[tuple[int, b
 
 
 def through_python_fuse(index: Index, asks: list[tuple[int, bytes]]) -> list[int | str]:
-    """Each answer of fuse/ops.py; a miss is a negative entry the kernel keeps for the mount's timeout
+    """Each answer of mount/ops.py; a miss is a negative entry the kernel keeps for the mount's timeout
     (its version never changes), so it counts as ENOENT only with that timeout."""
     from pyfuse3 import FUSEError
 
-    from dlfs.fuse.ops import TIMEOUT, DlfsOperations
+    from dlfs.mount.ops import TIMEOUT, DlfsOperations
 
     ops = DlfsOperations(index, None, "t")  # type: ignore[arg-type]  # lookup never reads data
 

@@ -21,8 +21,8 @@ from conftest import CLI_TIMEOUT, DLFS, REPO, dlfs_env, force_unmount, mount_pid
 
 from dlfs.bench.memory import PeakMemory
 from dlfs.cgroup import MemoryGroup, memory_limit
-from dlfs.client.cache import MIN_AUTO_CACHE, auto_cache_size
-from dlfs.client.local import cached_pages
+from dlfs.mount.cache import MIN_AUTO_CACHE, auto_cache_size
+from dlfs.mount.localchunks import cached_pages
 from dlfs.units import human_bytes
 
 LIMIT = 256 << 20
@@ -67,7 +67,7 @@ def _group(name: str, limit: int) -> MemoryGroup:
 def test_the_limit_a_process_lives_under_sizes_the_cache() -> None:
     g = _group("dlfs-test-limit", 300 << 20)
     try:
-        code = ("import json; from dlfs.cgroup import memory_limit; from dlfs.client.cache import auto_cache_size; "
+        code = ("import json; from dlfs.cgroup import memory_limit; from dlfs.mount.cache import auto_cache_size; "
                 "l = memory_limit(); print(json.dumps([l.effective, l.limited, auto_cache_size(l), l.describe()]))")
         out = subprocess.run(g.command([sys.executable, "-c", code]), capture_output=True, text=True, cwd=REPO,
                              env=dlfs_env(Path("/nonexistent")), timeout=60, check=True).stdout

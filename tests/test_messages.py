@@ -22,10 +22,10 @@ from dlfs.control.plane import _version_of
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import CorruptData, ProtocolError, status_of
-from dlfs.fuse.control import ControlServer
 from dlfs.meta.catalog import VersionInfo
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
+from dlfs.mount.directsock import ControlServer
 from dlfs.wire import messages
 from dlfs.wire.messages import (
     META_DAEMON,

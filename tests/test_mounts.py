@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import Node, mount_pids, needs_fuse, pid_alive
 
-from dlfs.fuse.records import mount_record
+from dlfs.mount.records import mount_record
 
 EXIT_TIMEOUT = 20.0  # seconds a mount process is given to end once nothing holds it
 

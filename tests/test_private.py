@@ -21,7 +21,7 @@ from conftest import DLFS, HAVE_FUSE, REPO, dlfs_env, force_unmount, needs_fuse,
 
 import dlfs.direct
 from dlfs.errors import KeyExposed, UsageError
-from dlfs.fuse.records import mount_log as mount_log_path
+from dlfs.mount.records import mount_log as mount_log_path
 from dlfs.wire.auth import read_key, write_key
 
 PROBE = "dlfs-probe"

@@ -22,12 +22,12 @@ import trio
 from conftest import Node, needs_fuse, run_dlfs
 from test_services import make_chunk, make_index, node_with_clients, put_chunk, running_node
 
-from dlfs.client.cache import ChunkCache
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
 from dlfs.data.store import ChunkStore
 from dlfs.errors import DlfsError, NotFound, ProtocolError, RdmaFailure, TransportUnavailable, UsageError
 from dlfs.format.index import Index
+from dlfs.mount.cache import ChunkCache
 from dlfs.transport import verbs
 from dlfs.transport.verbs import Memlock, PortInfo, VerbsReport, choose_transport, gid_bytes, gid_text
 from dlfs.wire.messages import QpEndpoint, RemoteRegion, decode, reply
@@ -384,7 +384,7 @@ def _store_with_chunks(root: Path, n: int) -> tuple[ChunkStore, list[tuple[bytes
 async def test_chunk_registry_maps_files_and_keeps_to_its_budget(tmp_path: Path) -> None:
     """The data daemon's registrations over real chunk files (mapped read-only, by address); only
     the memory registration itself is stood in for."""
-    from dlfs.data.rdma import ChunkRegistry
+    from dlfs.data.rdmaserve import ChunkRegistry
 
     store, chunks = _store_with_chunks(tmp_path, 3)
     size = len(chunks[0][1])
@@ -573,7 +573,7 @@ async def test_completions_in_error_break_the_link_and_fail_its_read() -> None:
     import pyverbs.enums as e
     from pyverbs.cq import WC
 
-    from dlfs.client.rdma import Link, _Read
+    from dlfs.client.rdmareads import Link, _Read
     from dlfs.transport.rdma import Block
 
     class Conn:
@@ -625,7 +625,7 @@ def _rdma_cluster(spec: NodeSpec, key: bytes) -> Cluster:
 
 @needs_rdma
 async def test_read_path_over_rdma_every_byte_and_a_queue_pair_error(tmp_path: Path) -> None:
-    from dlfs.client.rdma import BACKOFF_MIN
+    from dlfs.client.rdmareads import BACKOFF_MIN
     from dlfs.client.transport import choose_for, chunk_transport
     from dlfs.node import NodeOptions, run_node
     from dlfs.transport.rdma import break_qp

@@ -25,11 +25,11 @@ from etcdlab import local_etcd
 from dlfs.bench.baselines import drop_caches
 from dlfs.cli import main
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.local import RECHECK
 from dlfs.config import load_cluster
 from dlfs.errors import CorruptData
 from dlfs.format.chunk import HEADER, RECORD, verify_chunk
 from dlfs.format.chunk import HEADER as CHUNK_HEADER
+from dlfs.mount.localchunks import RECHECK
 from dlfs.tasks import open_nursery
 
 UNDER_REPLICATED = re.compile(r"chunks with fewer than 2 healthy replicas: (\d+)")
@@ -336,7 +336,7 @@ def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch
     """LocalChunks keeps descriptors, and trusts them (or that a chunk is absent) for RECHECK seconds at
     most: then a file replaced (repair), deleted or arrived is seen; a file whose bytes failed their
     check is passed over until it is replaced."""
-    import dlfs.client.local as local
+    import dlfs.mount.localchunks as local
 
     monkeypatch.setattr(local, "RECHECK", 0.2)
     cid = bytes.fromhex("ab" + "00" * 15)

@@ -2,7 +2,7 @@
 (within --retry-timeout), bad bytes on every replica fail at once, and back-off grows per round.
 
 Real `dlfs node` processes (a two-node cluster on localhost, etcd behind it), frozen with SIGSTOP and
-restarted with SIGTERM; the chunk cache is driven directly (dlfs/client/cache.py) where a test needs
+restarted with SIGTERM; the chunk cache is driven directly (dlfs/mount/cache.py) where a test needs
 to look at its counters, and through a real FUSE mount where readers check every byte.
 """
 
@@ -32,12 +32,12 @@ from conftest import (
 from damage import inode_of
 from etcdlab import etcd_available
 
-from dlfs.client.cache import ChunkCache
 from dlfs.client.cluster import SUSPECT_MAX, SUSPECT_MIN, ClusterClient, Health
 from dlfs.client.replicas import HEDGE_MAX, HEDGE_MIN, HEDGE_UNLEARNED, LEARN_AFTER, FetchLatency
 from dlfs.config import parse_cluster_file
 from dlfs.errors import CorruptData, Unreachable
 from dlfs.format.index import Index
+from dlfs.mount.cache import ChunkCache
 from dlfs.native import native
 
 CHUNK_SIZE = "256K"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import DLFS, REPO, Node, needs_fuse, run_dlfs
 
-from dlfs.fuse.stats import stats_file
+from dlfs.mount.statsfile import stats_file
 from dlfs.stats import rates
 from dlfs.units import human_bytes
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 MOUNT_TIMEOUT = 30.0
 STATS_TIMEOUT = 30.0  # for a mount to go idle after a workload (the stats are written once a second)
 # The mount's published counters of what it read to serve reads: chunk bytes read from this node's chunk
-# files in place or fetched over the network, prefetches included (dlfs/fuse/stats.py).
+# files in place or fetched over the network, prefetches included (dlfs/mount/statsfile.py).
 FETCH_COUNTERS = ("fetched_bytes", "fetches")
 CLI_TIMEOUT = 1800.0  # an ingest of a big tree
 TOOLS = ("mksquashfs", "squashfuse_ll", "fusermount3", "mount", "umount")

@@ -576,7 +576,7 @@ def mount_bound(node: DlfsNode, mount: DlfsMount, limit: int) -> dict[str, Any]:
             time.sleep(0.1)
     if cache is None:
         from dlfs.cgroup import MemoryLimit, physical_memory
-        from dlfs.client.cache import auto_cache_size
+        from dlfs.mount.cache import auto_cache_size
 
         cache = auto_cache_size(MemoryLimit(physical_memory(), limit, None))
         how = "as --cache-size auto makes it in the group"

@@ -11,7 +11,7 @@ Memory: only one fetch at a time may receive into the caller's `into` (a cache s
 RDMA land bytes with no copy); a hedge gets a buffer of its own, and if it wins its bytes are copied
 into `into` once the race is over. By then nothing can still write there: a TCP call cancelled while
 its response was arriving into `into` closes its connection before it returns (dlfs/wire/rpc.py), and
-an RDMA READ cancelled with work requests posted closes its queue pair (dlfs/client/rdma.py).
+an RDMA READ cancelled with work requests posted closes its queue pair (dlfs/client/rdmareads.py).
 
 Riding out a restart: when a round gave no good bytes and some replica could not be reached, the read
 waits (RETRY_FIRST, growing to RETRY_MAX, cut short when any node answers again) and runs another round,

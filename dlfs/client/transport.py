@@ -43,7 +43,7 @@ async def chunk_transport(client: ClusterClient, choice: TransportChoice,
         return
     from pyverbs.pyverbs_error import PyverbsError  # only where RDMA is used
 
-    from dlfs.client.rdma import RdmaReader
+    from dlfs.client.rdmareads import RdmaReader
 
     async with AsyncExitStack() as stack:
         try:

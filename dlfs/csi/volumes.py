@@ -206,7 +206,7 @@ class NodeVolumes:
     def _source(self, label: str, spec: VolumeSpec) -> Path:
         """A live mount of `label` on this node to bind from: the staging mount, started if need be, or
         a mount someone made with `dlfs mount` that every user may read."""
-        from dlfs.fuse.mount import local_mounts, unmount
+        from dlfs.mount.lifecycle import local_mounts, unmount
 
         staging = self.staging(label)
         entries = read_mountinfo()
@@ -308,7 +308,7 @@ class NodeVolumes:
 
     def _drop_if_unused(self, label: str) -> None:
         """Unmount `label`'s staging mount if no target shows it any more (the caller holds its lock)."""
-        from dlfs.fuse.mount import unmount
+        from dlfs.mount.lifecycle import unmount
 
         staging = self.staging(label)
         entries = read_mountinfo()

@@ -33,7 +33,7 @@ from dlfs.wire.protocol import Msg
 from dlfs.wire.rpc import Reply, Route, Service
 
 if TYPE_CHECKING:
-    from dlfs.data.rdma import RdmaResponder
+    from dlfs.data.rdmaserve import RdmaResponder
 
 log = logging.getLogger(__name__)
 PUT_WAIT = 120.0  # seconds a delete waits for a store of the same chunk in flight (a put's own timeout)

@@ -2,8 +2,8 @@
 (with a completion channel whose fd trio waits on) -> memory regions -> reliable-connected queue
 pairs, and the queue pair attributes that move a pair INIT -> RTR -> RTS.
 
-The data daemon (dlfs/data/rdma.py) registers chunk files mapped read-only for remote reads; the
-client (dlfs/client/rdma.py) registers an arena that its RDMA READs land in. The exchange that
+The data daemon (dlfs/data/rdmaserve.py) registers chunk files mapped read-only for remote reads; the
+client (dlfs/client/rdmareads.py) registers an arena that its RDMA READs land in. The exchange that
 connects two queue pairs is QpEndpoint in dlfs/wire/messages.py.
 """
 

@@ -15,7 +15,7 @@ land in their destination as they arrive (a buffer that grows with them), and on
 its bytes must keep coming (FRAME_STALL). A request the daemon has no memory for
 (budget.py) is read past, kept nowhere, and answered with an error; its connection goes on.
 
-RDMA set-up rides on an authenticated data connection (dlfs/data/rdma.py, dlfs/client/rdma.py):
+RDMA set-up rides on an authenticated data connection (dlfs/data/rdmaserve.py, dlfs/client/rdmareads.py):
 
     RDMA_CONNECT  request  QpEndpoint of the client's RC queue pair (rd_atomic: READs it wants in flight)
                   response QpEndpoint of the daemon's queue pair for this connection (rd_atomic: READs
@@ -26,7 +26,7 @@ RDMA set-up rides on an authenticated data connection (dlfs/data/rdma.py, dlfs/c
                            keeps it registered until the client releases it or the connection ends
 
 dlfs.direct talks to a mount over its control socket (a Unix socket named by the xattr
-user.dlfs.control on the mount's root; dlfs/fuse/control.py), in the same frames, with no key: the
+user.dlfs.control on the mount's root; dlfs/mount/directsock.py), in the same frames, with no key: the
 socket is the mount owner's alone (mode 0600, and its peer's uid is checked):
 
     DIRECT_ATTACH  request  {"pid"}

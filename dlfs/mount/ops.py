@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from dlfs.client.cache import ChunkCache
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.index import NAME_MAX, Index, Inode
+from dlfs.mount.cache import ChunkCache
 from dlfs.native import fuse_hooked
 
 log = logging.getLogger(__name__)

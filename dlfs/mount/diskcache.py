@@ -33,8 +33,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from dlfs.client.local import DIRECT_ALIGN, DiskQueue, _all_cached, _pread_uncached, _read_window
 from dlfs.errors import UsageError
+from dlfs.mount.localchunks import DIRECT_ALIGN, DiskQueue, _all_cached, _pread_uncached, _read_window
 from dlfs.private import DIR_MODE, FILE_MODE, OTHERS, private_dirs
 from dlfs.units import human_bytes
 

@@ -81,7 +81,7 @@ def mount_log(home: Path, dataset: str, mountpoint: Path) -> Path:
 
 
 def stats_file(home: Path, mountpoint: Path) -> Path:
-    """Where the mount publishes its counters (dlfs/fuse/stats.py): beside its record."""
+    """Where the mount publishes its counters (dlfs/mount/statsfile.py): beside its record."""
     return mount_record(home, mountpoint).with_suffix(".stats")
 
 

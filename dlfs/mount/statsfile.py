@@ -26,7 +26,7 @@ WRITE_INTERVAL = 1.0
 
 
 def stats_file(home: Path, mountpoint: Path) -> Path:
-    from dlfs.fuse.records import stats_file as beside_record  # named after the mount's record
+    from dlfs.mount.records import stats_file as beside_record  # named after the mount's record
 
     return beside_record(home, mountpoint)
 

@@ -1,7 +1,7 @@
 """Short-circuit reads: ranges of chunks that this machine's own data daemon holds, read straight
 from its chunk files (as HDFS reads local blocks) instead of through the daemon and a socket.
 
-They are one source of the cache's fetch pipeline (dlfs/client/cache.py), beside the daemons over TCP
+They are one source of the cache's fetch pipeline (dlfs/mount/cache.py), beside the daemons over TCP
 and RDMA: a window is read in place into a slab, checked record by record there, and served from it
 until the kernel has it, like any other fetch. A chunk that is not here, is short or fails a check is
 read from the replicas as usual (the caller's fallback).

@@ -15,7 +15,7 @@ import logging
 import trio
 
 from dlfs.cgroup import MemoryLimit
-from dlfs.client.cache import ChunkCache
+from dlfs.mount.cache import ChunkCache
 from dlfs.units import human_bytes
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ receives the cache's memfds and the index by SCM_RIGHTS), then reads most files 
 all: only records not yet in a slab come here, a batch at a time (DIRECT_READ), and are answered
 pinned for that client. Each connection is one client process with one row of the pin table; when
 the connection ends, for whatever reason, the row goes back once its owner released it or is gone
-(dlfs/fuse/rows.py: its views may outlive the connection).
+(dlfs/mount/pinrows.py: its views may outlive the connection).
 
 The socket is the mount owner's (mode 0600, and the peer's uid is checked): a client maps the whole
 cache, so file permissions cannot be enforced per file here; anyone else reads through the mount.
@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 
 import trio
 
-from dlfs.client.cache import DIRECT_CLIENTS, ChunkCache
 from dlfs.errors import Conflict, DlfsError, ProtocolError, UsageError, status_of
 from dlfs.format.index import Index
-from dlfs.fuse.rows import ClientProcess, PinRows
+from dlfs.mount.cache import DIRECT_CLIENTS, ChunkCache
+from dlfs.mount.pinrows import ClientProcess, PinRows
 from dlfs.private import owned_private_dir, private_dirs
 from dlfs.tasks import open_nursery
 from dlfs.wire.messages import Attached, DirectAnswer, DirectAttach, DirectRead, Empty, request, to_meta

@@ -19,19 +19,20 @@ import pyfuse3
 import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
-from dlfs.client.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.diskcache import DiskCache
-from dlfs.client.local import open_local_chunks
-from dlfs.client.pressure import watch_memory
 from dlfs.client.replicas import RETRY_TIMEOUT
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster, check_dataset_name
 from dlfs.errors import CorruptData, MountError, NotFound, UsageError
 from dlfs.format.index import Index, file_checksum
-from dlfs.fuse.control import ControlServer, control_socket_path
-from dlfs.fuse.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
-from dlfs.fuse.records import (
+from dlfs.logs import set_context
+from dlfs.mount.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
+from dlfs.mount.directsock import ControlServer, control_socket_path
+from dlfs.mount.diskcache import DiskCache
+from dlfs.mount.localchunks import open_local_chunks
+from dlfs.mount.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
+from dlfs.mount.pressure import watch_memory
+from dlfs.mount.records import (
     DETACHED,
     LIVE,
     MountRecord,
@@ -42,8 +43,7 @@ from dlfs.fuse.records import (
     read_record,
     write_record,
 )
-from dlfs.fuse.stats import MountStats, stats_file
-from dlfs.logs import set_context
+from dlfs.mount.statsfile import MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import private_dirs, private_opener, tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
@@ -78,7 +78,7 @@ class MountOptions:
     io_uring: str = "auto"  # auto | on | off: FUSE over io_uring (see want_io_uring)
     memory: MemoryLimit = field(default_factory=memory_limit)  # what the cache's pressure watch reads
     log_file: Path | None = None  # where this mount logs, for its record (`dlfs mounts`); None: stderr
-    cache_dir: Path | None = None  # the node's disk cache (dlfs/client/diskcache.py); None: RAM only
+    cache_dir: Path | None = None  # the node's disk cache (dlfs/mount/diskcache.py); None: RAM only
     cache_dir_size: int | None = None  # its bound; None: the one it was last given, else the free space
     retry_timeout: float = RETRY_TIMEOUT  # how long a read waits for a replica to answer (a restart) before EIO
 

@@ -17,7 +17,7 @@ here, and a slab whose records are all consumed is free again. The cache therefo
 that has not been used yet, not a second copy of the page cache.
 
 One fetch pipeline (_from_sources): this machine's chunk files first (a window straight from the disk
-into its slab), then the node's disk cache where the mount has one (dlfs/client/diskcache.py), then
+into its slab), then the node's disk cache where the mount has one (dlfs/mount/diskcache.py), then
 each replica over TCP or RDMA (into the slab too); checks, failover and the counts of what each node
 gave live there, and what a replica gave that passed is handed to the disk cache's writer. Each chunk is cut into fixed windows of up to a slab; a miss
 that is part of a stream (see read) fetches what of its window is not here yet (one request, one
@@ -50,14 +50,14 @@ import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.diskcache import SOURCE as DISK_CACHE
-from dlfs.client.diskcache import DiskCache
-from dlfs.client.local import DIRECT_ALIGN, THREAD_BYTES, LocalChunks, ticket
 from dlfs.client.replicas import Fetched, ReplicaReader
 from dlfs.counters import LatencyHistogram
 from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.chunk import BLOCK_SIZE, FLAG_BLOCK_SUMS, FLAG_LZ4, block_range, decode_record, verify_blocks
 from dlfs.format.index import Extent, Index
+from dlfs.mount.diskcache import SOURCE as DISK_CACHE
+from dlfs.mount.diskcache import DiskCache
+from dlfs.mount.localchunks import DIRECT_ALIGN, THREAD_BYTES, LocalChunks, ticket
 from dlfs.native import native
 
 log = logging.getLogger(__name__)
