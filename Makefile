@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh scripts/constra
 demo: install
 	$(VENV)/bin/python scripts/demo.py
 
+# Four workers (the tests mostly wait on daemons), one test file each at a time: a file's module fixtures
+# (a node, a cluster) start once; tests marked `serial` run alone (tests/conftest.py).
 test: install
-	$(VENV)/bin/python -m pytest -rs --durations=25
+	$(VENV)/bin/python -m pytest -rs --durations=25 -n 4 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .demo build *.egg-info

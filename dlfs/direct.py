@@ -207,7 +207,7 @@ class DirectReader:
         self._pid = -1
         self._broken = False  # the stream went out of step: attach anew before the next use
         self._sock: socket.socket  # set by _attach
-        self._shared: Any = None  # native.SharedCache
+        self._shared: Any = None  # native.CacheView: this client's half of the shared cache
         self._attach()
 
     # --- the connection ---
@@ -238,7 +238,7 @@ class DirectReader:
                     raise OSError(exc.errno, exc.message) from None
                 if len(fds) != 3:
                     raise OSError(errno.EPROTO, f"the mount sent {len(fds)} descriptors, not 3")
-                ctl = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)  # native.SharedCache makes our row writable
+                ctl = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)  # native.CacheView makes our row writable
                 arena = mmap.mmap(fds[1], 0, prot=mmap.PROT_READ)
                 self.index = Index(f"/proc/self/fd/{fds[2]}")
             finally:
@@ -249,8 +249,8 @@ class DirectReader:
             assert native is not None
             # The socket lives as long as any view: the mount gives the row back when it ends with the
             # row marked released (native/direct.c), or once this process is gone.
-            self._shared = native.SharedCache(ctl, arena, row=self.row, sections=self.index.sections(),
-                                              keep=self._sock)
+            self._shared = native.CacheView(ctl, arena, row=self.row, sections=self.index.sections(),
+                                            keep=self._sock)
             self._broken = False
         except BaseException:
             self._sock.close()

@@ -118,8 +118,8 @@ def check_kernel_fuse() -> Check:
 
 def check_native() -> Check:
     if importlib.util.find_spec("dlfs._native") is None:
-        return Check("dlfs C helper", WARN, "dlfs._native is not built: a mount serves every request from one "
-                     "Python thread", "make install (builds it with the package)")
+        return Check("dlfs C helper", FAIL, "dlfs._native is not built: a mount cannot start (its answers "
+                     "to the kernel are defined in C)", "make install (builds it with the package)")
     return Check("dlfs C helper", PASS, "dlfs._native is built")
 
 

@@ -7,6 +7,7 @@ its exit code; the FUSE boundary turns it into an errno.
 from __future__ import annotations
 
 import errno
+import os
 
 
 class DlfsError(Exception):
@@ -102,6 +103,15 @@ class MountError(DlfsError):
     """The mount could not be set up or torn down."""
 
     exit_code = 11
+
+
+class Refused(DlfsError):
+    """A request the mount answers with an errno by design (EROFS for a write, ENOTDIR, EISDIR,
+    ENAMETOOLONG, ENOSYS for what it never needs): an answer, not a failure, so never logged."""
+
+    def __init__(self, err: int, message: str = "") -> None:
+        super().__init__(message or os.strerror(err))
+        self.errno = err
 
 
 class CommandFailed(DlfsError):

@@ -2,7 +2,9 @@
 
 It must be loaded with RTLD_GLOBAL before pyfuse3, so that pyfuse3's libfuse session calls bind to the
 helper's hooks (native/fusehook.c) and its serving engine can take the device over (native/engine.c).
-Without the helper (or with DLFS_NO_NATIVE=1) pyfuse3 serves every request from Python.
+With DLFS_NO_NATIVE=1 pyfuse3 serves every request from Python; its answers still come from the
+helper's table (native/answer.c), loaded then without RTLD_GLOBAL so that neither hook nor engine
+takes effect. The helper is built by every install (setup.py); a mount needs it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ def _load() -> ModuleType | None:
 native = _load()
 
 
+def _table() -> ModuleType | None:
+    """The helper for its table of FUSE answers alone (DLFS_NO_NATIVE), or None where it is not built."""
+    if native is not None or not os.environ.get("DLFS_NO_NATIVE"):
+        return native
+    try:
+        return importlib.import_module("dlfs._native")  # RTLD_LOCAL: pyfuse3's calls do not bind to the hook
+    except ImportError:
+        return None
+
+
+# What pyfuse3's handlers answer metadata with (dlfs/mount/ops.py): the serving threads' own table.
+answers = _table()
+
+
 def fuse_hooked() -> bool:
     """True once the mount's FUSE session carries the inode in READ's fh (OPEN may then be skipped)."""
     return native is not None and native.fuse_hooked()
@@ -54,10 +70,8 @@ def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: i
     if not fuse_hooked():
         return False
     assert native is not None
-    t = index.totals
     return bool(native.engine_start(index.sections(), shared, row=row, timeout=timeout, threads=threads,
-                                    io_uring=io_uring, statfs_blocks=(t.bytes + 4095) // 4096, statfs_files=t.inodes,
-                                    xattr_name=xattr_name if control_path is not None else None,
+                                    io_uring=io_uring, xattr_name=xattr_name if control_path is not None else None,
                                     xattr_value=control_path, local_dir=local_dir))
 
 

@@ -22,6 +22,9 @@ from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import DlfsError, UsageError
 from dlfs.logs import set_context
+from dlfs.meta.engine import MetaEngine
+from dlfs.meta.engine_etcd import EtcdEngine
+from dlfs.meta.engine_sqlite import EmbeddedEngine
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.private import private_dirs, tighten_home
@@ -210,14 +213,13 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                     nursery.start_soon(_leave_at_exit, control, lease, name="dlfs-etcd-leave")
                 if "meta" in roles:
                     ledger = ClusterClient(cluster, nursery)
-                    meta_service = MetaService(meta_store, key, name, ledger, cluster.meta_nodes, memory,
-                                               control, lease)
+                    engine: MetaEngine = EmbeddedEngine(meta_store) if control is None else \
+                        EtcdEngine(meta_store, control, lease, name, cluster.meta_nodes, ledger)
+                    meta_service = MetaService(engine, key, name, ledger, memory)
                     services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)
                     nursery.start_soon(meta_service.expire_idle, name="dlfs-ingest-expiry")
-                    if meta_service.follower is not None:
-                        nursery.start_soon(meta_service.follower.run, name="dlfs-catalog-follower")
-                        nursery.start_soon(meta_service.upkeep, name="dlfs-control-upkeep")
+                    nursery.start_soon(meta_service.upkeep, name="dlfs-meta-upkeep")
                 if lease is not None:
                     # Membership: the node is alive in etcd while this lease is; etcd being down delays
                     # it (logged) but never stops the node serving chunks and indexes.

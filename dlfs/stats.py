@@ -298,7 +298,8 @@ def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int 
         raise UsageError("--interval must be more than 0 seconds")
     if count is not None and count < 1:
         raise UsageError("--count must be at least 1")
-    console = Console()
+    # Piped, a view is not wrapped at rich's default 80 columns (a long mountpoint would break its first line).
+    console = Console(width=None if sys.stdout.isatty() else 160)
     prev = read_sample(home, mountpoint)
     if not watch:
         cur = next_sample(home, mountpoint, prev, interval)

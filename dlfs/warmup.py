@@ -31,9 +31,9 @@ from dlfs.data.store import chunk_path
 from dlfs.errors import CorruptData, NotFound, Unreachable, UsageError
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import ROOT_INO, Extent, Index
-from dlfs.mount.cache import chunk_windows, window_size
 from dlfs.mount.diskcache import DiskCache
 from dlfs.mount.localchunks import THREAD_BYTES, open_local_chunks
+from dlfs.mount.planner import chunk_windows, window_size
 from dlfs.units import parse_size
 from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
@@ -196,7 +196,7 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
     cache (unless not `short_circuit`, as the mount's option), the rest into `disk` (skipped without
     one). `progress(event, files, bytes)` is told
     ("start", total files, total bytes) once, then ("done", files, bytes) as windows finish."""
-    from dlfs.mount.lifecycle import fetch_index  # the mount's index cache, shared with it
+    from dlfs.client.indexes import fetch_index  # the mount's index cache, shared with it
 
     meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": name, "version": version})
     info = reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)

@@ -21,8 +21,6 @@
 
 #include "answer.h"
 
-#define BLKSIZE (128 << 10)
-
 int dlfs_op_len(uint32_t opcode)
 {
     switch (opcode) {
@@ -93,7 +91,9 @@ static void *body(struct dlfs_reply *rp, size_t len)
     return rp->scratch;
 }
 
-static void fill_attr(struct fuse_attr *a, uint64_t ino, const struct dlfs_inode *n)
+/* --- the table: each metadata answer as a function of the index alone ------------------------- */
+
+void dlfs_attr_of(uint64_t ino, const struct dlfs_inode *n, struct fuse_attr *a)
 {
     memset(a, 0, sizeof *a);
     a->ino = ino;
@@ -102,8 +102,8 @@ static void fill_attr(struct fuse_attr *a, uint64_t ino, const struct dlfs_inode
     a->uid = n->uid;
     a->gid = n->gid;
     a->size = (uint64_t)n->size;
-    a->blocks = ((uint64_t)n->size + 511) / 512;
-    a->blksize = BLKSIZE;
+    a->blocks = ((uint64_t)n->size + 511) / 512; /* st_blocks counts 512-byte units, whatever the block size */
+    a->blksize = DLFS_BLKSIZE;
     int64_t sec = n->mtime_ns / 1000000000, nsec = n->mtime_ns % 1000000000;
     if (nsec < 0) {
         sec -= 1;
@@ -113,16 +113,113 @@ static void fill_attr(struct fuse_attr *a, uint64_t ino, const struct dlfs_inode
     a->mtimensec = a->atimensec = a->ctimensec = (uint32_t)nsec;
 }
 
+int dlfs_inode_of(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *n)
+{
+    return dlfs_ix_inode(ix, ino, n) < 0 ? -EIO : 0;
+}
+
+int64_t dlfs_entry_of(const struct dlfs_ix *ix, uint64_t parent, const char *name, size_t len, struct dlfs_inode *n)
+{
+    int64_t ino;
+    if (!n || (!name && len))
+        return -EINVAL;
+    if (len == 1 && name[0] == '.') {
+        ino = (int64_t)parent;
+    } else if (len == 2 && name[0] == '.' && name[1] == '.') { /* only NFS export asks */
+        struct dlfs_inode p;
+        if (dlfs_ix_inode(ix, parent, &p) < 0)
+            return -EIO;
+        ino = p.parent ? (int64_t)p.parent : (int64_t)parent;
+    } else {
+        ino = dlfs_ix_lookup(ix, parent, name, len);
+        if (ino == -ENOENT)
+            return 0; /* a negative entry */
+        if (ino < 0)
+            return ino;
+    }
+    return dlfs_ix_inode(ix, (uint64_t)ino, n) < 0 ? -EIO : ino;
+}
+
+int dlfs_dir_of(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *d)
+{
+    if (dlfs_ix_inode(ix, ino, d) < 0)
+        return -EIO;
+    if (!S_ISDIR(d->mode))
+        return -ENOTDIR;
+    return dlfs_ix_dir_ok(ix, d) ? 0 : -EIO;
+}
+
+int64_t dlfs_dirent_of(const struct dlfs_ix *ix, uint64_t dir, const struct dlfs_inode *d, uint64_t pos,
+                       const uint8_t **name, uint32_t *len, uint64_t *ino, struct dlfs_inode *n)
+{
+    if (!d || !name || !len || !ino)
+        return -EINVAL;
+    if (pos >= (uint64_t)d->count + 2)
+        return 0;
+    if (pos < 2) {
+        *ino = pos == 0 ? dir : (d->parent ? d->parent : dir);
+        *name = (const uint8_t *)"..";
+        *len = pos == 0 ? 1 : 2;
+    } else {
+        uint32_t child;
+        if (dlfs_ix_dirent(ix, d->ref + pos - 2, name, len, &child) < 0)
+            return -EIO;
+        *ino = child;
+    }
+    return dlfs_ix_inode(ix, *ino, n) < 0 ? -EIO : (int64_t)pos + 1;
+}
+
+int dlfs_link_of(const struct dlfs_ix *ix, uint64_t ino, const uint8_t **target, uint32_t *len)
+{
+    struct dlfs_inode n;
+    if (!target || !len || dlfs_ix_inode(ix, ino, &n) < 0)
+        return -EIO;
+    if (!S_ISLNK(n.mode))
+        return -EINVAL;
+    if (n.ref > ix->names_size || n.count > ix->names_size - n.ref)
+        return -EIO;
+    *target = ix->names + n.ref; /* straight from the mapping */
+    *len = n.count;
+    return 0;
+}
+
+int dlfs_access_of(const struct dlfs_ix *ix, uint64_t ino, uint32_t mask)
+{
+    struct dlfs_inode n;
+    if (mask & W_OK)
+        return -EROFS;
+    return dlfs_ix_inode(ix, ino, &n) < 0 ? -EIO : 0;
+}
+
+void dlfs_statfs_of(const struct dlfs_ix *ix, struct fuse_kstatfs *st)
+{
+    memset(st, 0, sizeof *st); /* nothing free: the version is complete and never grows */
+    st->bsize = st->frsize = DLFS_STATFS_BSIZE;
+    st->blocks = (ix->bytes + DLFS_STATFS_BSIZE - 1) / DLFS_STATFS_BSIZE;
+    st->files = ix->n_inodes;
+    st->namelen = DLFS_NAME_MAX;
+}
+
+/* --- metadata replies ------------------------------------------------------------------------ */
+
+/* -errno from the table as the reply: EIO is damage in the index, counted. */
+static int table_err(struct dlfs_reply *rp, struct dlfs_counters *c, int64_t err)
+{
+    return err == -EIO ? corrupt(rp, c) : reply_err(rp, (int)-err);
+}
+
 static void fill_entry(const struct dlfs_serve *sv, struct fuse_entry_out *e, uint64_t ino, const struct dlfs_inode *n)
 {
     memset(e, 0, sizeof *e);
+    e->entry_valid = sv->timeout_s; /* a miss (ino 0) is kept too */
+    e->entry_valid_nsec = sv->timeout_ns;
+    if (!ino)
+        return;
     e->nodeid = ino;
-    e->entry_valid = e->attr_valid = sv->timeout_s;
-    e->entry_valid_nsec = e->attr_valid_nsec = sv->timeout_ns;
-    fill_attr(&e->attr, ino, n);
+    e->attr_valid = sv->timeout_s;
+    e->attr_valid_nsec = sv->timeout_ns;
+    dlfs_attr_of(ino, n, &e->attr);
 }
-
-/* --- metadata -------------------------------------------------------------------------------- */
 
 static int lookup(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                   struct dlfs_counters *c)
@@ -131,24 +228,14 @@ static int lookup(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct
     size_t len = strnlen(name, rq->payload_len);
     if (len == rq->payload_len) /* no terminating NUL: not a name the kernel sends */
         return DLFS_FORWARD;
-    if (name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.')))
-        return DLFS_FORWARD; /* only NFS export asks; Python knows the parent */
     struct dlfs_inode n;
     DLFS_COUNT(c, lookups, 1);
-    int64_t ino = dlfs_ix_lookup(&sv->ix, rq->in->nodeid, name, len);
-    if (ino == -EIO || (ino > 0 && dlfs_ix_inode(&sv->ix, (uint64_t)ino, &n) < 0))
-        return corrupt(rp, c);
-    if (ino < 0 && ino != -ENOENT)
-        return reply_err(rp, (int)-ino);
-    struct fuse_entry_out *e = body(rp, sizeof *e);
-    if (ino > 0) {
-        fill_entry(sv, e, (uint64_t)ino, &n);
-        return DLFS_ANSWERED;
-    }
-    /* A negative entry: the mount's version never changes, so the kernel may keep the miss for the
+    int64_t ino = dlfs_entry_of(&sv->ix, rq->in->nodeid, name, len, &n);
+    if (ino < 0)
+        return table_err(rp, c, ino);
+    /* 0, a negative entry: the mount's version never changes, so the kernel may keep the miss for the
      * timeout (in its dentry cache: bounded by its shrinker, gone with the mount). */
-    e->entry_valid = sv->timeout_s;
-    e->entry_valid_nsec = sv->timeout_ns;
+    fill_entry(sv, body(rp, sizeof(struct fuse_entry_out)), (uint64_t)ino, &n);
     return DLFS_ANSWERED;
 }
 
@@ -157,23 +244,23 @@ static int getattr(const struct dlfs_serve *sv, const struct dlfs_req *rq, struc
 {
     struct dlfs_inode n;
     DLFS_COUNT(c, getattrs, 1);
-    if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &n) < 0)
-        return corrupt(rp, c);
+    int err = dlfs_inode_of(&sv->ix, rq->in->nodeid, &n);
+    if (err)
+        return table_err(rp, c, err);
     struct fuse_attr_out *a = body(rp, sizeof *a);
     a->attr_valid = sv->timeout_s;
     a->attr_valid_nsec = sv->timeout_ns;
-    fill_attr(&a->attr, rq->in->nodeid, &n);
+    dlfs_attr_of(rq->in->nodeid, &n, &a->attr);
     return DLFS_ANSWERED;
 }
 
 static int opendir(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                    struct dlfs_counters *c)
 {
-    struct dlfs_inode n;
-    if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &n) < 0)
-        return corrupt(rp, c);
-    if (!S_ISDIR(n.mode))
-        return reply_err(rp, ENOTDIR);
+    struct dlfs_inode d;
+    int err = dlfs_dir_of(&sv->ix, rq->in->nodeid, &d);
+    if (err)
+        return table_err(rp, c, err);
     struct fuse_open_out *o = body(rp, sizeof *o);
     o->fh = rq->in->nodeid;
     /* The listing never changes: let the kernel keep it. */
@@ -199,34 +286,25 @@ static size_t direntplus(const struct dlfs_serve *sv, char *buf, size_t room, co
     return size;
 }
 
-/* Positions as in Python's readdir: 0 ".", 1 "..", entry i at i + 2; an entry's next is its position + 1. */
 static int readdirplus(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                        struct dlfs_counters *c)
 {
     const struct fuse_read_in *r = rq->op;
     struct dlfs_inode d, n;
-    uint64_t ino = rq->in->nodeid;
     DLFS_COUNT(c, readdirs, 1);
-    if (dlfs_ix_inode(&sv->ix, ino, &d) < 0 || !S_ISDIR(d.mode) || !dlfs_ix_dir_ok(&sv->ix, &d))
-        return corrupt(rp, c);
+    int err = dlfs_dir_of(&sv->ix, rq->in->nodeid, &d);
+    if (err)
+        return table_err(rp, c, err);
     size_t room = r->size < rp->scratch_size ? r->size : rp->scratch_size, used = 0, want;
-    for (uint64_t pos = r->offset; pos < (uint64_t)d.count + 2; pos++) {
-        if (pos < 2) {
-            uint64_t target = pos == 0 ? ino : (d.parent ? d.parent : ino);
-            if (dlfs_ix_inode(&sv->ix, target, &n) < 0)
-                return corrupt(rp, c);
-            want = direntplus(sv, rp->scratch + used, room - used, (const uint8_t *)"..", pos == 0 ? 1 : 2, target,
-                              &n, pos + 1);
-        } else {
-            const uint8_t *name;
-            uint32_t len, child;
-            if (dlfs_ix_dirent(&sv->ix, d.ref + pos - 2, &name, &len, &child) < 0 ||
-                dlfs_ix_inode(&sv->ix, child, &n) < 0)
-                return corrupt(rp, c);
-            want = direntplus(sv, rp->scratch + used, room - used, name, len, child, &n, pos + 1);
-        }
-        if (!want)
-            break; /* the kernel asks again from here */
+    for (uint64_t pos = r->offset;; pos++) {
+        const uint8_t *name;
+        uint32_t len;
+        uint64_t ino;
+        int64_t next = dlfs_dirent_of(&sv->ix, rq->in->nodeid, &d, pos, &name, &len, &ino, &n);
+        if (next < 0)
+            return table_err(rp, c, next);
+        if (next == 0 || !(want = direntplus(sv, rp->scratch + used, room - used, name, len, ino, &n, (uint64_t)next)))
+            break; /* the end, or the kernel asks again from here */
         used += want;
     }
     add(rp, rp->scratch, used);
@@ -236,37 +314,27 @@ static int readdirplus(const struct dlfs_serve *sv, const struct dlfs_req *rq, s
 static int readlink_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                      struct dlfs_counters *c)
 {
-    struct dlfs_inode n;
-    if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &n) < 0)
-        return corrupt(rp, c);
-    if (!S_ISLNK(n.mode))
-        return reply_err(rp, EINVAL);
-    if (n.ref > sv->ix.names_size || n.count > sv->ix.names_size - n.ref)
-        return corrupt(rp, c);
-    add(rp, sv->ix.names + n.ref, n.count); /* straight from the mapping */
+    const uint8_t *target;
+    uint32_t len;
+    int err = dlfs_link_of(&sv->ix, rq->in->nodeid, &target, &len);
+    if (err)
+        return table_err(rp, c, err);
+    add(rp, target, len);
     return DLFS_ANSWERED;
 }
 
 static int statfs_(const struct dlfs_serve *sv, struct dlfs_reply *rp)
 {
     struct fuse_statfs_out *s = body(rp, sizeof *s);
-    s->st.blocks = sv->statfs_blocks;
-    s->st.files = sv->statfs_files;
-    s->st.bsize = s->st.frsize = 4096;
-    s->st.namelen = DLFS_NAME_MAX;
+    dlfs_statfs_of(&sv->ix, &s->st);
     return DLFS_ANSWERED;
 }
 
 static int access_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                    struct dlfs_counters *c)
 {
-    const struct fuse_access_in *a = rq->op;
-    struct dlfs_inode n;
-    if (a->mask & W_OK)
-        return reply_err(rp, EROFS);
-    if (dlfs_ix_inode(&sv->ix, rq->in->nodeid, &n) < 0)
-        return corrupt(rp, c);
-    return DLFS_ANSWERED;
+    int err = dlfs_access_of(&sv->ix, rq->in->nodeid, ((const struct fuse_access_in *)rq->op)->mask);
+    return err ? table_err(rp, c, err) : DLFS_ANSWERED;
 }
 
 /* A value of `len` bytes for GETXATTR's `size` (0: the size alone). */

@@ -87,12 +87,39 @@ struct dlfs_reply {
 void dlfs_local_fds_init(struct dlfs_local_fds *l);
 void dlfs_local_fds_close(struct dlfs_local_fds *l);
 
+/* --- the table: every metadata answer of the mount, as a function of the index alone ---------------
+ * The serving threads reply with these, and pyfuse3's handlers (dlfs/mount/ops.py) answer with them
+ * through dlfs._native (indexobj.c): each attribute, position, sum and errno is defined here once.
+ * Errors are -errno: EIO where the index is damaged or an inode out of range. */
+#define DLFS_BLKSIZE (128 << 10) /* st_blksize: what a reader should ask for at once */
+#define DLFS_STATFS_BSIZE 4096
+
+/* The attributes of inode `ino` (`n`, as dlfs_inode_of read it). */
+void dlfs_attr_of(uint64_t ino, const struct dlfs_inode *n, struct fuse_attr *a);
+/* Inode `ino` into `n`: 0, or -EIO if it is out of range. */
+int dlfs_inode_of(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *n);
+/* LOOKUP of `name` (`len` bytes) in `parent`, "." and ".." included: its inode (> 0) with `n` read,
+ * 0 for a negative entry (absent: the kernel keeps the miss), or -ENOTDIR, -ENAMETOOLONG, -EIO. */
+int64_t dlfs_entry_of(const struct dlfs_ix *ix, uint64_t parent, const char *name, size_t len, struct dlfs_inode *n);
+/* Directory `ino` into `d`: 0, -ENOTDIR, or -EIO (out of range, or its entries lie outside the index). */
+int dlfs_dir_of(const struct dlfs_ix *ix, uint64_t ino, struct dlfs_inode *d);
+/* The listing's entry at position `pos` of directory `dir` (`d` from dlfs_dir_of): 0 is ".", 1 "..",
+ * entry i of the directory is i + 2. Its name, inode and attributes (`n`), and the position after it
+ * (the offset the kernel asks from next: > 0); 0 past the end; -EIO. */
+int64_t dlfs_dirent_of(const struct dlfs_ix *ix, uint64_t dir, const struct dlfs_inode *d, uint64_t pos,
+                       const uint8_t **name, uint32_t *len, uint64_t *ino, struct dlfs_inode *n);
+/* A symlink's target, in the mapping: 0, -EINVAL (not a symlink), -EIO. */
+int dlfs_link_of(const struct dlfs_ix *ix, uint64_t ino, const uint8_t **target, uint32_t *len);
+/* ACCESS: 0, -EROFS (W_OK: nothing here can be written), -EIO. */
+int dlfs_access_of(const struct dlfs_ix *ix, uint64_t ino, uint32_t mask);
+/* STATFS: the version's bytes and inodes, nothing free, names up to DLFS_NAME_MAX. */
+void dlfs_statfs_of(const struct dlfs_ix *ix, struct fuse_kstatfs *st);
+
 /* What the mount serves from: set once before the serving threads start, read-only after. */
 struct dlfs_serve {
     struct dlfs_ix ix;
     uint64_t timeout_s;
     uint32_t timeout_ns;
-    uint64_t statfs_blocks, statfs_files;
     const char *xattr_name, *xattr_value; /* on the root; NULL if none */
     uint32_t xattr_len;
     const struct dlfs_shm *shm; /* NULL: no shared cache (every READ goes to Python) */

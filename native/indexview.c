@@ -33,6 +33,7 @@ int dlfs_ix_init(struct dlfs_ix *ix, const uint8_t *base, uint64_t len, uint64_t
     ix->n_dirents = n_dirents;
     ix->names_size = names_size;
     ix->n_extents = n_extents;
+    ix->bytes = h.bytes;
     return 0;
 }
 

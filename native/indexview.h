@@ -57,6 +57,7 @@ struct dlfs_extent {
 struct dlfs_ix {
     const uint8_t *inodes, *dirents, *names, *extents, *chunks;
     uint64_t n_inodes, n_dirents, names_size, n_extents, n_chunks;
+    uint64_t bytes; /* the header's: all files' bytes (statfs) */
 };
 
 /* Set `ix` from a mapping of `len` bytes and the sections' offsets and counts; -1 if the mapping does

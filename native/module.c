@@ -70,8 +70,8 @@ static void release_kept(void)
 }
 
 /* The serve struct for `sections` and these settings (no shared cache); -1 with an exception. */
-static int serve_from(PyObject *sections, double timeout, unsigned long long blocks, unsigned long long files,
-                      PyObject *xname, PyObject *xvalue, PyObject *local_dir, Py_buffer *view, struct dlfs_serve *sv)
+static int serve_from(PyObject *sections, double timeout, PyObject *xname, PyObject *xvalue, PyObject *local_dir,
+                      Py_buffer *view, struct dlfs_serve *sv)
 {
     memset(sv, 0, sizeof *sv);
     sv->local_dir = -1;
@@ -97,8 +97,6 @@ static int serve_from(PyObject *sections, double timeout, unsigned long long blo
     }
     sv->timeout_s = (uint64_t)timeout;
     sv->timeout_ns = (uint32_t)((timeout - (double)sv->timeout_s) * 1e9);
-    sv->statfs_blocks = blocks;
-    sv->statfs_files = files;
     if (local_dir != Py_None) {
         sv->local_dir = open(PyBytes_AS_STRING(local_dir), O_PATH | O_DIRECTORY | O_CLOEXEC);
         sv->sums = sv->local_dir >= 0 ? malloc(sizeof *sv->sums) : NULL;
@@ -148,14 +146,14 @@ int dlfs_engine_halt(int release)
 
 static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "statfs_blocks",
-                            "statfs_files", "xattr_name", "xattr_value", "local_dir", NULL};
+    static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "xattr_name",
+                            "xattr_value", "local_dir", NULL};
     PyObject *sections, *shared = Py_None, *xname = Py_None, *xvalue = Py_None, *local_dir = Py_None;
-    unsigned long long row = 0, blocks = 0, files = 0;
+    unsigned long long row = 0;
     double timeout = 0;
     int threads = 1, uring = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipKKOOO", names, &PyTuple_Type, &sections, &shared, &row,
-                                     &timeout, &threads, &uring, &blocks, &files, &xname, &xvalue, &local_dir))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipOOO", names, &PyTuple_Type, &sections, &shared, &row,
+                                     &timeout, &threads, &uring, &xname, &xvalue, &local_dir))
         return NULL;
     if (threads < 1) {
         PyErr_SetString(PyExc_ValueError, "threads must be at least 1");
@@ -166,7 +164,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         return NULL;
     }
     struct dlfs_serve sv;
-    if (serve_from(sections, timeout, blocks, files, xname, xvalue, local_dir, &kept.index, &sv) < 0)
+    if (serve_from(sections, timeout, xname, xvalue, local_dir, &kept.index, &sv) < 0)
         return NULL;
     kept.held = 1;
     kept.local_dir = sv.local_dir; /* ours until the engine has started, then the engine's */
@@ -211,18 +209,16 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 /* One request through answer.c, as a serving thread would take it (for tests of the C side). */
 static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"sections", "request", "timeout", "statfs_blocks", "statfs_files", "xattr_name",
-                            "xattr_value", "local_dir", NULL};
+    static char *names[] = {"sections", "request", "timeout", "xattr_name", "xattr_value", "local_dir", NULL};
     PyObject *sections, *xname = Py_None, *xvalue = Py_None, *local_dir = Py_None;
     Py_buffer req;
     double timeout = 1.0;
-    unsigned long long blocks = 0, files = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dKKOOO", names, &PyTuple_Type, &sections, &req, &timeout,
-                                     &blocks, &files, &xname, &xvalue, &local_dir))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dOOO", names, &PyTuple_Type, &sections, &req, &timeout, &xname,
+                                     &xvalue, &local_dir))
         return NULL;
     Py_buffer view;
     struct dlfs_serve sv;
-    if (serve_from(sections, timeout, blocks, files, xname, xvalue, local_dir, &view, &sv) < 0) {
+    if (serve_from(sections, timeout, xname, xvalue, local_dir, &view, &sv) < 0) {
         PyBuffer_Release(&req);
         return NULL;
     }
@@ -319,11 +315,11 @@ static PyObject *engine_running(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"engine_start", (PyCFunction)(void (*)(void))engine_start, METH_VARARGS | METH_KEYWORDS,
-     "engine_start(sections, shared=None, *, row, timeout, threads, io_uring, statfs_blocks, statfs_files, "
-     "xattr_name, xattr_value) -> bool: native threads take the mounted session's device over and answer "
+     "engine_start(sections, shared=None, *, row, timeout, threads, io_uring, xattr_name, xattr_value, local_dir) "
+     "-> bool: native threads take the mounted session's device over and answer "
      "from this index and shared cache; False if pyfuse3's session was not made through the hook."},
     {"answer", (PyCFunction)(void (*)(void))answer, METH_VARARGS | METH_KEYWORDS,
-     "answer(sections, request, *, timeout, statfs_blocks, statfs_files, xattr_name, xattr_value) -> "
+     "answer(sections, request, *, timeout, xattr_name, xattr_value, local_dir) -> "
      "(kind, reply): one FUSE request as the serving threads answer it (kind: answered, forward, no_reply)."},
     {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
     {"set_scan", set_scan, METH_O, "Scan mode on or off: serving threads read whole small local records themselves."},
@@ -354,7 +350,8 @@ static int add_layout(PyObject *m)
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && (dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 || add_layout(m) < 0 ||
+    if (m && (dlfs_owner_add_types(m) < 0 || dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 ||
+              add_layout(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0 ||
               PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0))
         Py_CLEAR(m);

@@ -13,10 +13,15 @@ int dlfs_index_from_sections(PyObject *sections, Py_buffer *view, struct dlfs_ix
 /* IndexView (indexobj.c), added to the module; -1 on failure. */
 int dlfs_index_add_types(PyObject *module);
 
-/* The types of dlfs.direct's shared cache (direct.c), added to the module; -1 on failure. */
+/* A dlfs.direct client's half of the shared cache, CacheView and Pin (direct.c), added to the module;
+ * -1 on failure. */
 int dlfs_direct_add_types(PyObject *module);
 
-/* The mount's SharedCache `obj` for the serving engine, which pins through `row`: its layout and its
- * consumption counters; -1 with a Python exception if `obj` is not the mount's. */
+/* The mount's half, CacheOwner (cacheowner.c), and shared_size and populate, added to the module; -1 on
+ * failure. */
+int dlfs_owner_add_types(PyObject *module);
+
+/* The mount's CacheOwner `obj` for the serving engine, which pins through `row`: its layout and its
+ * consumption counters; -1 with a Python exception if `obj` is not a CacheOwner. */
 int dlfs_shared_cache_of(PyObject *obj, uint64_t row, struct dlfs_shm **shm, struct dlfs_consume **consume);
 #endif

@@ -1,6 +1,7 @@
 /* The shared chunk cache's layout and pin protocol (see shm.h). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -47,6 +48,60 @@ void dlfs_shm_map(struct dlfs_shm *s, char *ctl, const char *arena)
     s->epochs = (uint64_t *)(ctl + s->h.epochs);
     s->rows = ctl + s->h.rows;
     s->mem = arena;
+}
+
+/* The arena must hold every slab the header names. */
+static int arena_fits(const struct dlfs_shm *s, uint64_t arena_len, char *why)
+{
+    if (s->h.nslabs * s->h.slab_size > arena_len) {
+        snprintf(why, DLFS_SHM_WHY, "cache arena smaller than its slabs");
+        return 0;
+    }
+    return 1;
+}
+
+int dlfs_shm_create(struct dlfs_shm *s, char *ctl, uint64_t ctl_len, const char *arena, uint64_t arena_len,
+                    uint64_t slab_size, uint64_t nslabs, uint64_t n_extents, uint64_t n_rows, char why[DLFS_SHM_WHY])
+{
+    if (!dlfs_shm_layout(&s->h, slab_size, nslabs, n_extents, n_rows)) {
+        snprintf(why, DLFS_SHM_WHY, "shared cache sizes out of range");
+        return -1;
+    }
+    if (s->h.total > ctl_len) {
+        snprintf(why, DLFS_SHM_WHY, "control region of %llu bytes; the layout needs %llu",
+                 (unsigned long long)ctl_len, (unsigned long long)s->h.total);
+        return -1;
+    }
+    if (!arena_fits(s, arena_len, why))
+        return -1;
+    memcpy(ctl, &s->h, sizeof s->h);
+    dlfs_shm_map(s, ctl, arena);
+    return 0;
+}
+
+int dlfs_shm_attach(struct dlfs_shm *s, char *ctl, uint64_t ctl_len, const char *arena, uint64_t arena_len,
+                    char why[DLFS_SHM_WHY])
+{
+    struct dlfs_shm_header h;
+    if (ctl_len < DLFS_SHM_HEADER_BYTES) {
+        snprintf(why, DLFS_SHM_WHY, "control region shorter than its header");
+        return -1;
+    }
+    memcpy(&h, ctl, sizeof h);
+    if (memcmp(h.magic, DLFS_SHM_MAGIC, 8) || h.version != DLFS_SHM_VERSION) {
+        snprintf(why, DLFS_SHM_WHY, "not a dlfs shared cache (bad magic or layout version)");
+        return -1;
+    }
+    /* Recomputed, not trusted: every section must be where these sizes put it. */
+    if (!dlfs_shm_layout(&s->h, h.slab_size, h.nslabs, h.n_extents, h.n_rows) || memcmp(&s->h, &h, sizeof h) ||
+        s->h.total > ctl_len) {
+        snprintf(why, DLFS_SHM_WHY, "shared cache header is inconsistent with its region");
+        return -1;
+    }
+    if (!arena_fits(s, arena_len, why))
+        return -1;
+    dlfs_shm_map(s, ctl, arena);
+    return 0;
 }
 
 static void refuse(const struct dlfs_shm *s, uint64_t row)

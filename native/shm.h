@@ -1,9 +1,10 @@
 #ifndef DLFS_SHM_H
 #define DLFS_SHM_H
 /* The shared chunk cache of a mount: the one C definition of its control region's layout and of the
- * pin protocol, used by dlfs.direct's Python types (direct.c) and by the mount's serving threads
- * (answer.c). The mount's cache arena (slabs of read-ahead) is a memfd that client processes map
- * read-only; a second memfd, the control region, says where each cached record is and who holds what:
+ * pin protocol, used by the Python types of its two halves (the mount's CacheOwner, cacheowner.c; a
+ * dlfs.direct client's CacheView, direct.c) and by the mount's serving threads (answer.c). The mount's
+ * cache arena (slabs of read-ahead) is a memfd that client processes map read-only; a second memfd, the
+ * control region, says where each cached record is and who holds what:
  *
  *   header   128 B                   magic "DLFSSHM2", version, rows, slab size, slabs, extents,
  *                                    section offsets, row stride, total size
@@ -64,6 +65,16 @@ uint64_t dlfs_shm_layout(struct dlfs_shm_header *h, uint64_t slab_size, uint64_t
                          uint64_t n_rows);
 /* Point `s` at the sections of a control region laid out as `s->h` says, and at the arena. */
 void dlfs_shm_map(struct dlfs_shm *s, char *ctl, const char *arena);
+
+#define DLFS_SHM_WHY 96 /* bytes of the reason create/attach give for a refusal */
+/* The mount's: lay a new control region out for these sizes, write its header and map it with the
+ * arena: 0, or -1 with the reason in `why` (sizes out of range, a region or arena too small). */
+int dlfs_shm_create(struct dlfs_shm *s, char *ctl, uint64_t ctl_len, const char *arena, uint64_t arena_len,
+                    uint64_t slab_size, uint64_t nslabs, uint64_t n_extents, uint64_t n_rows, char why[DLFS_SHM_WHY]);
+/* A client's: map a region the mount made, its header held against the layout recomputed from its sizes
+ * (shared memory is never trusted): 0, or -1 with the reason in `why`. */
+int dlfs_shm_attach(struct dlfs_shm *s, char *ctl, uint64_t ctl_len, const char *arena, uint64_t arena_len,
+                    char why[DLFS_SHM_WHY]);
 
 static inline struct dlfs_shm_row_head *dlfs_shm_row_head(const struct dlfs_shm *s, uint64_t row)
 {

@@ -6,6 +6,7 @@ still mounted under the test's directories, stops the node with SIGTERM and chec
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,42 @@ CLI_TIMEOUT = 120.0
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse and fusermount3")
+
+# `make test` runs the suite on several pytest-xdist workers; a test marked `serial` changes or measures
+# what the whole machine shares (drop_caches, a kernel parameter, a memory cgroup), so it runs alone.
+SERIAL = "serial: runs with no other test in progress (it drops the page cache, sets a kernel parameter, "\
+         "or makes a memory cgroup of a fixed name)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", SERIAL)
+
+
+@contextmanager
+def _alone_if_serial(item: pytest.Item) -> Iterator[None]:
+    """Across the workers of one run: a `serial` test holds `all` exclusively, every other test holds it
+    shared. `gate` gives the serial one priority: while it waits for `all`, no new test starts."""
+    basetemp = item.config.option.basetemp
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not basetemp:
+        yield
+        return
+    run_dir = Path(basetemp).parent  # pytest-N/, the parent of every worker's popen-gwK/
+    with ExitStack() as stack:
+        gate, every = (stack.enter_context(open(run_dir / f"dlfs-{name}.lock", "a")) for name in ("gate", "all"))
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if item.get_closest_marker("serial") is not None:
+            fcntl.flock(every, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(every, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Outside pytest-timeout's own hook: the wait for the lock is not part of a test's time limit.
+    with _alone_if_serial(item):
+        yield
 
 
 def dlfs_env(home: Path) -> dict[str, str]:
@@ -255,6 +292,14 @@ def mount_stats(home: Path, mountpoint: Path, until: Callable[[dict], bool] = la
         if time.monotonic() > deadline:
             raise AssertionError(f"no stats from the mount at {mountpoint} within {timeout} s")
         time.sleep(0.1)
+
+
+def mount_stats_from_now(home: Path, mountpoint: Path, timeout: float = 5.0) -> dict:
+    """The first counters the mount writes after this call: they count everything done before it."""
+    then = mount_stats(home, mountpoint, timeout=timeout)["time"]
+    doc = mount_stats(home, mountpoint, until=lambda s: s["time"] > then, timeout=timeout)
+    assert doc["time"] > then, f"the mount at {mountpoint} wrote no stats for {timeout} s"
+    return doc
 
 
 def mount_pids(home: Path) -> list[int]:

@@ -1,23 +1,32 @@
 """The native engine's answers (native/answer.c), request by request, without a mount: crafted FUSE
-requests against real index files, decoded with an independent reading of the kernel ABI (fusewire.py),
-and compared with what the Python handlers (dlfs/mount/ops.py) would say. Crafted indexes whose offsets
-point outside their sections get EIO for the request that touched them, and nothing else."""
+requests against real index files, decoded with an independent reading of the kernel ABI (fusewire.py).
+The Python handlers (dlfs/mount/ops.py) answer metadata from the same C table: every answer they give
+is held against the engine's for the same request, and ops.py sets no field of an answer itself. Crafted
+indexes whose offsets point outside their sections get EIO for the request that touched them, and
+nothing else."""
 
 from __future__ import annotations
 
+import ast
 import errno
 import io
 import os
 import random
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import fusewire as fw
+import pyfuse3
 import pytest
+import trio
 
 from dlfs.data.store import chunk_path
+from dlfs.errors import DlfsError
 from dlfs.format.chunk import FLAG_LZ4, ChunkWriter
 from dlfs.format.index import DIRENT, Index, IndexWriter
+from dlfs.mount.ops import DlfsOperations
 from dlfs.native import native
 
 pytestmark = pytest.mark.skipif(native is None, reason="dlfs's C helper is not built (or DLFS_NO_NATIVE is set)")
@@ -74,8 +83,10 @@ def test_lookup_hits_misses_and_not_a_directory(index: Index) -> None:
     too_long = ask(index, fw.request(fw.LOOKUP, 1, LONG + b"n\0"))  # refused, never cut to LONG
     assert isinstance(too_long, fw.Reply) and too_long.error == errno.ENAMETOOLONG
     assert ask(index, fw.request(fw.LOOKUP, 2, b"x\0")).error == errno.ENOTDIR  # type: ignore[union-attr]
-    # "." and ".." (NFS export only) and a name without its NUL go to Python.
-    assert ask(index, fw.request(fw.LOOKUP, 3, b"..\0")) == "forward"
+    # "." and ".." (NFS export only) from the index's parent links; a name without its NUL goes to Python.
+    assert fw.entry(ask(index, fw.request(fw.LOOKUP, 3, b"..\0")).body)[0] == 1  # type: ignore[union-attr]
+    assert fw.entry(ask(index, fw.request(fw.LOOKUP, 3, b".\0")).body)[0] == 3  # type: ignore[union-attr]
+    assert fw.entry(ask(index, fw.request(fw.LOOKUP, 1, b"..\0")).body)[0] == 1  # type: ignore[union-attr]
     assert ask(index, fw.request(fw.LOOKUP, 1, b"a")) == "forward"
 
 
@@ -124,9 +135,10 @@ def test_trivial_requests(index: Index) -> None:
     assert ask(index, fw.request(fw.ACCESS, 2, fw.ACCESS_IN.pack(os.R_OK, 0))).error == 0  # type: ignore[union-attr]
     assert ask(index, fw.request(fw.FORGET, 2, bytes(8))) == "no_reply"
     assert ask(index, fw.request(fw.INTERRUPT, 0, bytes(8))) == "no_reply"
-    r = ask(index, fw.request(fw.STATFS, 1), statfs_blocks=7, statfs_files=6)
+    # From the index's header: 300 bytes of files are one 4 KiB block; 6 inodes; nothing free.
+    r = ask(index, fw.request(fw.STATFS, 1))
     blocks, bfree, bavail, files, ffree, bsize, namelen, frsize, *_ = fw.STATFS_OUT.unpack(r.body)  # type: ignore[union-attr]
-    assert (blocks, bfree, bavail, files, ffree, bsize, namelen, frsize) == (7, 0, 0, 6, 0, 4096, 255, 4096)
+    assert (blocks, bfree, bavail, files, ffree, bsize, namelen, frsize) == (1, 0, 0, 6, 0, 4096, 255, 4096)
     # What C does not answer goes to Python untouched: writes, SETATTR, a truncated argument struct.
     assert ask(index, fw.request(fw.SETATTR, 2, bytes(88))) == "forward"
     assert ask(index, fw.request(fw.GETATTR, 2, bytes(4))) == "forward"
@@ -187,6 +199,109 @@ def test_crafted_offsets_give_eio_for_that_request_alone(tmp_path: Path, damage:
     for i, e in enumerate(errors):
         if i not in expect_eio | {4}:
             assert e != errno.EIO, (damage, i, errors)
+
+
+# --- the Python handlers answer from this table -------------------------------------------------
+def _c_attr(buf: bytes, at: int) -> tuple[int, ...]:
+    """Every field of a reply's struct fuse_attr, times in signed nanoseconds (flags left out)."""
+    ino, size, blocks, atime, mtime, ctime, ans, mns, cns, mode, nlink, uid, gid, rdev, blksize, _ = \
+        fw.ATTR.unpack_from(buf, at)
+    signed = [t - (1 << 64) if t >= 1 << 63 else t for t in (atime, mtime, ctime)]
+    return (ino, size, blocks, signed[0] * 10**9 + ans, signed[1] * 10**9 + mns, signed[2] * 10**9 + cns, mode,
+            nlink, uid, gid, rdev, blksize)
+
+
+def _py_attr(a: Any) -> tuple[int, ...]:
+    return (a.st_ino, a.st_size, a.st_blocks, a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns, a.st_mode, a.st_nlink,
+            a.st_uid, a.st_gid, a.st_rdev, a.st_blksize)
+
+
+def _through_ops(handler: Callable[..., Any], *args: Any) -> Any:
+    """A handler's answer, or the errno its FUSE boundary gave."""
+    try:
+        return trio.run(handler, *args)
+    except pyfuse3.FUSEError as exc:
+        return exc.errno
+
+
+def _listing(ops: DlfsOperations, ino: int, pos: int) -> list[tuple[bytes, int, int, tuple[int, ...]]] | int:
+    """What ops.readdir hands readdir_reply from `pos` on, or the errno; (name, inode, next, attributes)."""
+    try:
+        return [(name, a.st_ino, following, _py_attr(a)) for name, a, following in ops.listing(ino, pos)]
+    except DlfsError as exc:
+        return exc.errno
+
+
+def _c_listing(index: Index, ino: int, pos: int) -> list[tuple[bytes, int, int, tuple[int, ...]]] | int:
+    r = ask(index, fw.request(fw.READDIRPLUS, ino, fw.read_in(pos, 1 << 16)))
+    assert isinstance(r, fw.Reply)
+    if r.error:
+        return r.error
+    out, at = [], 0
+    for name, child, following, _ in fw.direntplus(r.body):
+        at_attr = r.body.index(name, at) - fw.DIRENT.size - fw.ATTR.size  # this entry's struct fuse_attr
+        out.append((name, child, following, _c_attr(r.body, at_attr)))
+        at = at_attr + fw.ATTR.size + fw.DIRENT.size + len(name)
+    return out
+
+
+@pytest.mark.parametrize("damage", [None, "dir-count", "child-ino", "name-offset", "symlink"])
+def test_python_handlers_answer_as_the_engine_does(tmp_path: Path, index: Index, damage: str | None) -> None:
+    # Every metadata request, through ops.py's handlers (and their FUSE boundary) and through the engine,
+    # over a sound index and over damaged ones: the same attributes, entries, positions, sums and errnos.
+    ix = index if damage is None else _crafted(tmp_path, damage)
+    ops = DlfsOperations(ix, None, "t@1")  # type: ignore[arg-type]  # metadata never reads data
+    n = ix.totals.inodes
+    for ino in range(0, n + 2):
+        r = ask(ix, fw.request(fw.GETATTR, ino, fw.GETATTR_IN.pack(0, 0, 0)))
+        py = _through_ops(ops.getattr, ino)
+        assert (_py_attr(py) if not isinstance(py, int) else py) == \
+               (_c_attr(r.body, fw.ATTR_OUT.size) if not r.error else r.error), (damage, ino)  # type: ignore[union-attr]
+        if not r.error:  # type: ignore[union-attr]
+            assert py.attr_timeout == fw.ATTR_OUT.unpack_from(r.body)[0] == TIMEOUT  # type: ignore[union-attr]
+        r = ask(ix, fw.request(fw.READLINK, ino))
+        assert _through_ops(ops.readlink, ino, None) == (r.body if not r.error else r.error)  # type: ignore[union-attr]
+        r = ask(ix, fw.request(fw.OPENDIR, ino, fw.OPEN_IN.pack(os.O_RDONLY, 0)))
+        assert _through_ops(ops.opendir, ino, None) == (ino if not r.error else r.error), (damage, ino)  # type: ignore[union-attr]
+        for mask in (os.R_OK, os.W_OK):
+            r = ask(ix, fw.request(fw.ACCESS, ino, fw.ACCESS_IN.pack(mask, 0)))
+            assert _through_ops(ops.access, ino, mask, None) == (True if not r.error else r.error)  # type: ignore[union-attr]
+        names = {b".", b"..", b"", b"nope", LONG, LONG + b"n", b"a", b"b", b"d", b"l", b"x", b"q"}
+        for name in sorted(names):
+            r = ask(ix, fw.request(fw.LOOKUP, ino, name + b"\0"))
+            py = _through_ops(ops.lookup, ino, name)
+            if r.error:  # type: ignore[union-attr]
+                assert py == r.error, (damage, ino, name)  # type: ignore[union-attr]
+                continue
+            nodeid, timeout, _ = fw.entry(r.body)  # type: ignore[union-attr]
+            # st_ino 0 is the negative entry, kept for the same timeout.
+            assert (py.st_ino, py.entry_timeout, _py_attr(py)) == \
+                   (nodeid, timeout, _c_attr(r.body, fw.ENTRY_OUT.size)), (damage, ino, name)  # type: ignore[union-attr]
+        count = ix.inode(ino).count if 1 <= ino <= n else 0
+        # Every offset the kernel may ask from, and past the end ("dir-count" claims a million entries).
+        for pos in sorted(set(range(min(count, 6) + 4)) | {count + 1, count + 2, count + 3}):
+            assert _listing(ops, ino, pos) == _c_listing(ix, ino, pos), (damage, ino, pos)
+    r = ask(ix, fw.request(fw.STATFS, 1))
+    s = _through_ops(ops.statfs, None)
+    blocks, bfree, bavail, files, ffree, bsize, namelen, frsize, *_ = fw.STATFS_OUT.unpack(r.body)  # type: ignore[union-attr]
+    assert (s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree, s.f_favail, s.f_bsize, s.f_namemax, s.f_frsize) == \
+           (blocks, bfree, bavail, files, ffree, ffree, bsize, namelen, frsize)
+
+
+def test_ops_sets_no_field_of_an_answer_but_its_timeouts() -> None:
+    # The table is C's alone: ops.py assigns none of an answer's fields (st_*, f_*) and names none of the
+    # table's numbers (the block size, 512-byte blocks, 4 KiB statfs blocks, the name limit).
+    import dlfs.mount.ops as ops_module
+
+    tree = ast.parse(Path(ops_module.__file__).read_text())
+    stores = {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+              for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+              for t in ([t] if not isinstance(t, ast.Tuple) else t.elts) if isinstance(t, ast.Attribute)}
+    assert {s for s in stores if s.startswith(("st_", "f_"))} == set()
+    assert {"entry_timeout", "attr_timeout"} <= stores
+    numbers = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and type(node.value) is int}
+    assert numbers & {255, 511, 512, 4095, 4096, 128 << 10} == set()
+    assert not {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & {"BLKSIZE", "NAME_MAX"}
 
 
 def _chunk_file(tmp_path: Path, cid: bytes, data: bytes | memoryview) -> tuple[Path, Path]:

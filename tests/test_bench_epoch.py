@@ -257,6 +257,7 @@ def test_cpu_cost_spreads_cpu_over_files_and_bytes() -> None:
     assert cpu_cost(0.0, 0, 0) == {"cpu_us_per_file": None, "cpu_s_per_gb": None}
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(60)
 def test_timed_epoch_on_local_disk_records_how_it_read(tmp_path: Path) -> None:
     info = _sample(tmp_path / "src")
@@ -301,6 +302,7 @@ def test_pick_preads_are_aligned_whole_and_deterministic() -> None:
         pick_preads([10, 4095], 1)
 
 
+@pytest.mark.serial
 @needs_root
 @pytest.mark.timeout(60)
 def test_pread_pass_on_local_disk_reads_checks_and_counts_storage(tmp_path: Path) -> None:
@@ -348,6 +350,7 @@ def test_block_device_is_the_disk_under_a_directory_or_said_missing(tmp_path: Pa
                                            f"0:{os.minor(os.stat('/proc').st_dev)}, not a block device)")
 
 
+@pytest.mark.serial
 @needs_root
 @pytest.mark.timeout(60)
 def test_sequential_pass_on_local_disk_reads_every_file_whole_both_ways(tmp_path: Path) -> None:

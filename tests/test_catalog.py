@@ -91,15 +91,15 @@ def test_commits_of_one_name_from_worker_threads_get_distinct_versions(tmp_path:
     blob = make_index([(cid, data, recs)])
     sessions = []
     for _ in range(6):
-        sid = store.begin("ds")
-        store.put_index(sid, 0, blob)
+        sid = store.ingests.begin("ds")
+        store.ingests.put_index(sid, 0, blob)
         sessions.append(sid)
     checksum = file_checksum_of(blob, tmp_path)
     infos, errors = [], []
 
     def commit(sid: str) -> None:
         try:
-            _, index = store.staged_chunks(sid, len(blob), checksum)
+            _, index = store.ingests.staged_chunks(sid, len(blob), checksum)
             infos.append(store.commit(sid, index, len(blob), checksum))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)

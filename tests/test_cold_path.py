@@ -21,7 +21,7 @@ from damage import inode_of
 from dlfs.bench.baselines import drop_caches
 from dlfs.format.index import Index
 
-pytestmark = needs_fuse
+pytestmark = [needs_fuse, pytest.mark.serial]  # it drops the page cache between reads
 MiB = 1 << 20
 # Sizes across the record (4 MiB) and chunk (8 MiB) boundaries, 1 byte to 40 MB.
 BIG_SIZES = {"one": 1, "page": 4096, "rec": 4 * MiB, "rec1": 4 * MiB + 1, "chunk": 8 * MiB - 3,

@@ -188,4 +188,6 @@ def test_an_ingest_failing_while_etcd_is_down_is_finished_by_its_node(tmp_path: 
         # No `dlfs gc`: the node that took the abort finishes it once etcd answers.
         wait_until("the aborted ingest's chunks are freed", lambda: [chunk_files(n.home) for n in nodes] == [[], []],
                    60)
-        assert "its abort is finished" in nodes[0].log.read_text() + nodes[1].log.read_text()
+        # Logged once the abort's collection has returned, a moment after the data nodes deleted the chunks.
+        wait_until("the abort's log line", lambda: "its abort is finished" in nodes[0].log.read_text()
+                   + nodes[1].log.read_text(), 10)

@@ -75,11 +75,11 @@ def commit_one(store: MetaStore, name: str, seed: int, where: Path) -> VersionIn
 
     cid, data, recs, _ = make_chunk(seed)
     blob = make_index([(cid, data, recs)])
-    sid = store.begin(name)
-    store.put_index(sid, 0, blob)
+    sid = store.ingests.begin(name)
+    store.ingests.put_index(sid, 0, blob)
     (where / "blob.idx").write_bytes(blob)
     checksum = file_checksum(where / "blob.idx")
-    _, index = store.staged_chunks(sid, len(blob), checksum)
+    _, index = store.ingests.staged_chunks(sid, len(blob), checksum)
     try:
         return store.commit(sid, index, len(blob), checksum)
     finally:

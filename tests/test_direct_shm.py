@@ -1,12 +1,14 @@
-"""The shared cache's pin table in C (native/shm.h, native/direct.c), without a mount: rows handed out
-under epochs, releases of an earlier attachment and below zero refused, slab numbers from shared memory
-range-checked; a client's request cut short ends its stream; populate never writes."""
+"""The shared cache's pin table in C (native/shm.h; the mount's half native/cacheowner.c, a client's
+native/direct.c), without a mount: each half does its own job only, rows handed out under epochs,
+releases of an earlier attachment and below zero refused, slab numbers from shared memory range-checked;
+a client's request cut short ends its stream; populate never writes."""
 
 from __future__ import annotations
 
 import errno
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -47,16 +49,16 @@ class Region:
         os.ftruncate(self.arena_fd, NSLABS * SLAB)
         self.ctl = mmap.mmap(self.ctl_fd, size)
         self.arena = mmap.mmap(self.arena_fd, NSLABS * SLAB)
-        self.mount = native.SharedCache(self.ctl, self.arena, create=True, slab_size=SLAB, nslabs=NSLABS,
-                                        n_extents=self.index.totals.extents, n_rows=ROWS)
+        self.mount = native.CacheOwner(self.ctl, self.arena, slab_size=SLAB, nslabs=NSLABS,
+                                       n_extents=self.index.totals.extents, n_rows=ROWS)
         self.arena[: len(self.payloads[1])] = self.payloads[1]  # f3: extent 1, not compressed
         self.mount.publish(1, 0, 0)
 
     def client(self, row: int) -> Any:
-        """A client's SharedCache on `row`, mapped as dlfs.direct maps it: read-only."""
-        return native.SharedCache(mmap.mmap(self.ctl_fd, 0, prot=mmap.PROT_READ),
-                                  mmap.mmap(self.arena_fd, 0, prot=mmap.PROT_READ), row=row,
-                                  sections=self.index.sections())
+        """A client's CacheView on `row`, mapped as dlfs.direct maps it: read-only."""
+        return native.CacheView(mmap.mmap(self.ctl_fd, 0, prot=mmap.PROT_READ),
+                                mmap.mmap(self.arena_fd, 0, prot=mmap.PROT_READ), row=row,
+                                sections=self.index.sections())
 
     def close(self) -> None:
         os.close(self.ctl_fd)
@@ -126,13 +128,108 @@ def test_a_slab_number_out_of_range_is_refused(region: Region) -> None:
 def test_a_client_maps_only_its_own_row_writable(region: Region) -> None:
     region.mount.hand_out(0)
     with pytest.raises(ValueError, match="read-only"):
-        native.SharedCache(mmap.mmap(region.ctl_fd, 0), region.arena, row=0, sections=region.index.sections())
+        native.CacheView(mmap.mmap(region.ctl_fd, 0), region.arena, row=0, sections=region.index.sections())
     with pytest.raises(ValueError, match="not handed out"):
         region.client(1)
 
 
+OWNER_ONLY = ("publish", "unpublish", "retire", "pinned", "pin_for", "unpin_for", "hand_out", "released", "clear_row",
+              "where", "served", "reset_served", "set_pending", "take_consumed", "consumed_fd", "consumed_dropped",
+              "refused_releases")
+VIEW_ONLY = ("read_many", "take", "detach", "row", "epoch", "live_pins")
+
+
+def test_each_half_does_its_own_job_only(region: Region) -> None:
+    """A client's CacheView has none of the mount's methods (it cannot publish, retire or hand rows out),
+    the mount's CacheOwner none of a client's, and the serving engine takes the owner alone."""
+    mount = region.mount
+    mount.hand_out(1)
+    client = region.client(1)
+    for name in OWNER_ONLY:
+        assert hasattr(mount, name) and not hasattr(client, name), name
+    for name in VIEW_ONLY:
+        assert hasattr(client, name) and not hasattr(mount, name), name
+    with pytest.raises(AttributeError):
+        client.publish(2, 1, 0)
+    with pytest.raises(AttributeError):
+        client.retire(0)
+    assert mount.where(2) is None and mount.where(1) == (0, 0)  # nothing the client did reached the table
+    with pytest.raises(AttributeError):
+        mount.read_many([b"f3"])
+    # The mount lays the region out, so it needs it writable; a client refuses a writable one (above).
+    with pytest.raises(BufferError):
+        native.CacheOwner(mmap.mmap(region.ctl_fd, 0, prot=mmap.PROT_READ), region.arena, slab_size=SLAB,
+                          nslabs=NSLABS, n_extents=region.index.totals.extents, n_rows=ROWS)
+    with pytest.raises(TypeError, match="CacheOwner"):
+        native.engine_start(region.index.sections(), client, row=0)
+    # Made whole or not at all: neither half exists without what it stands on.
+    with pytest.raises(TypeError):
+        native.CacheOwner()
+    with pytest.raises(TypeError):
+        native.CacheView.__new__(native.CacheView)
+
+
+def test_named_getters_say_what_the_numbered_ones_did(region: Region) -> None:
+    """Each attribute once picked by a number (0..9 of the one SharedCache) against what the control region
+    itself holds, on the half that has it."""
+    mount = region.mount
+    for _ in range(3):  # an epoch that is no other number here
+        epoch = mount.hand_out(2)
+    client = region.client(2)
+    (_, version, n_rows, slab_size, nslabs, n_extents, _, _, _, epochs, *_) = HEAD.unpack_from(region.ctl)
+    assert version == 2 and (slab_size, nslabs, n_extents, n_rows) == (SLAB, NSLABS, region.index.totals.extents, ROWS)
+    for half in (mount, client):  # 0..3: the layout's sizes, on both
+        assert (half.slab_size, half.nslabs, half.n_extents, half.n_rows) == (slab_size, nslabs, n_extents, n_rows)
+    # 6, 7: the client's row and the epoch it was handed out under, as the epochs section says.
+    assert client.row == 2 and client.epoch == epoch == struct.unpack_from("<Q", region.ctl, epochs + 16)[0] == 3
+    # 8: pins its views hold, the same count its row holds in shared memory.
+    assert client.live_pins == 0
+    view = client.read_many([b"f3"])[0]
+    assert client.live_pins == 1 == client.row_pins(2) == mount.row_pins(2)
+    view.release()
+    assert client.live_pins == 0 == mount.row_pins(2)
+    # 4, 5: the mount's consumed queue: an eventfd, not readable while nothing waits in it.
+    assert os.readlink(f"/proc/self/fd/{mount.consumed_fd}") == "anon_inode:[eventfd]"
+    assert select.select([mount.consumed_fd], [], [], 0)[0] == [] and mount.take_consumed() == []
+    assert mount.consumed_dropped == 0
+    # 9: refused releases, one per release below zero.
+    assert mount.refused_releases == 0
+    assert mount.unpin_for(2, 0) is False and mount.refused_releases == 1
+
+
+def test_a_region_that_does_not_add_up_is_refused(region: Region) -> None:
+    """The layout code both halves share (native/shm.c): a client recomputes the layout from the header's
+    sizes and trusts nothing else; the mount refuses a region or an arena too small for its sizes."""
+    region.mount.hand_out(0)
+    ctl = mmap.mmap(region.ctl_fd, 0)
+    with pytest.raises(ValueError, match="the layout needs"):
+        native.CacheOwner(memoryview(ctl)[:4096], region.arena, slab_size=SLAB, nslabs=NSLABS,
+                          n_extents=region.index.totals.extents, n_rows=ROWS)
+    with pytest.raises(ValueError, match="arena smaller than its slabs"):
+        native.CacheOwner(bytearray(len(ctl)), bytearray(SLAB), slab_size=SLAB, nslabs=NSLABS,
+                          n_extents=region.index.totals.extents, n_rows=ROWS)
+    with pytest.raises(ValueError, match="sizes out of range"):
+        native.CacheOwner(bytearray(len(ctl)), region.arena, slab_size=0, nslabs=NSLABS, n_extents=1, n_rows=ROWS)
+    struct.pack_into("<I", ctl, 8, 3)  # another layout version
+    with pytest.raises(ValueError, match="layout version"):
+        region.client(0)
+    struct.pack_into("<I", ctl, 8, 2)
+    region.client(0).detach()  # the header as it was: attached
+    offsets = HEAD.unpack_from(ctl)[8]  # the header's offset of the offsets section, at byte 56
+    struct.pack_into("<Q", ctl, 56, offsets + 8)  # moved: not where the sizes put it
+    with pytest.raises(ValueError, match="inconsistent"):
+        region.client(0)
+    struct.pack_into("<Q", ctl, 56, offsets)
+    region.client(0).detach()
+    with pytest.raises(ValueError, match="arena smaller than its slabs"):
+        native.CacheView(mmap.mmap(region.ctl_fd, 0, prot=mmap.PROT_READ), bytes(SLAB), row=0,
+                         sections=region.index.sections())
+    with pytest.raises(ValueError, match=f"row {ROWS} outside 0..{ROWS - 1}"):
+        region.client(ROWS)
+
+
 class _NoPins:
-    """A client's SharedCache, holding no pins."""
+    """A client's CacheView, holding no pins."""
 
     detached = False
 
@@ -201,7 +298,7 @@ def test_populate_never_writes() -> None:
 @pytest.mark.parametrize("how", ["peer pidfd", "pidfd_open", "start time"])
 def test_a_client_process_is_gone_once_it_exits(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """However the mount watches a client (by kernel), it sees the process go, and not before."""
-    from dlfs.mount import rows
+    from dlfs.mount import pinrows as rows
 
     if how == "start time":
         def no_pidfd(pid: int) -> int:

@@ -193,6 +193,7 @@ def test_a_mount_killed_under_load_is_cleared_by_umount(node: Node, tmp_path: Pa
     assert read_and_drop(again / "big.bin") == tree["big.bin"]
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not URING_PARAM.exists(), reason="this kernel has no FUSE over io_uring (Linux 6.14+)")
 def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tree: dict[str, bytes]) -> None:

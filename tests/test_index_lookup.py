@@ -173,10 +173,9 @@ def test_direct_path_resolution_answers_alike(tree: tuple[Index, dict[int, dict[
     fd = os.memfd_create("dlfs-test-control", os.MFD_CLOEXEC)
     os.ftruncate(fd, native.shared_size(1 << 16, 1, index.totals.extents, 2))
     ctl, arena = mmap.mmap(fd, 0), mmap.mmap(-1, 1 << 16)
-    mount = native.SharedCache(ctl, arena, create=True, slab_size=1 << 16, nslabs=1, n_extents=index.totals.extents,
-                               n_rows=2)
+    mount = native.CacheOwner(ctl, arena, slab_size=1 << 16, nslabs=1, n_extents=index.totals.extents, n_rows=2)
     mount.hand_out(1)
-    client = native.SharedCache(mmap.mmap(fd, 0, prot=mmap.PROT_READ), arena, row=1, sections=index.sections())
+    client = native.CacheView(mmap.mmap(fd, 0, prot=mmap.PROT_READ), arena, row=1, sections=index.sections())
     os.close(fd)
     path_of = {1: b"", dirs[1][b"sub"]: b"sub/", dirs[1][b"empty"]: b"empty/"}
     asks: list[tuple[bytes, Any]] = []

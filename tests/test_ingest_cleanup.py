@@ -26,7 +26,7 @@ from dlfs.config import load_cluster, parse_cluster_file
 from dlfs.data.store import chunk_path
 from dlfs.errors import SourceError
 from dlfs.ingest.walk import Selection, Tree, walk
-from dlfs.meta.store import TTL_ENV
+from dlfs.meta.sessions import TTL_ENV
 from dlfs.wire.protocol import Msg
 
 TTL = 2.0  # the session TTL these tests give the node (seconds)

@@ -25,6 +25,8 @@ from dlfs.mount.cache import MIN_AUTO_CACHE, auto_cache_size
 from dlfs.mount.localchunks import cached_pages
 from dlfs.units import human_bytes
 
+pytestmark = pytest.mark.serial  # memory cgroups, drop_caches, and memory measured while it runs
+
 LIMIT = 256 << 20
 FILE_SIZE = 256 << 10
 N_FILES = int(2.3 * LIMIT) // FILE_SIZE

@@ -23,6 +23,7 @@ from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import CorruptData, ProtocolError, status_of
 from dlfs.meta.catalog import VersionInfo
+from dlfs.meta.engine_sqlite import EmbeddedEngine
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.mount.directsock import ControlServer
@@ -69,7 +70,7 @@ class NoLedger:
 
 def request_schemas(tmp_path: Path) -> dict[str, dict[int, type]]:
     """Every handler table there is: what each service takes, by message id."""
-    meta = MetaService(MetaStore(tmp_path / "meta"), b"k" * 32, "n", NoLedger())
+    meta = MetaService(EmbeddedEngine(MetaStore(tmp_path / "meta")), b"k" * 32, "n", NoLedger())
     data = DataService(ChunkStore(tmp_path / "data"), b"k" * 32, "n")
     tables: dict[str, dict[int, type]] = {"control": {m: kind for m, (kind, _) in ControlServer.HANDLERS.items()}}
     for name, svc in (("meta", meta), ("data", data), ("any", Service(b"k" * 32, "n"))):

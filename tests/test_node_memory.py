@@ -19,6 +19,7 @@ from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import NotFound, ProtocolError, Unreachable
 from dlfs.format.chunk import ChunkWriter
+from dlfs.meta.engine_sqlite import EmbeddedEngine
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.metrics import NodeCollector
@@ -107,7 +108,7 @@ async def test_a_request_over_the_caps_is_refused_and_the_daemon_keeps_serving(t
 @pytest.mark.timeout(20)
 async def test_a_reply_whose_size_is_known_is_reserved_before_it_is_read(tmp_path: Path) -> None:
     memory = MemoryBudget("node t", total=4 * MiB, per_connection=1 * MiB, wait=5)
-    svc = MetaService(MetaStore(tmp_path / "meta"), KEY, "t", ledger=None, memory=memory)  # type: ignore[arg-type]
+    svc = MetaService(EmbeddedEngine(MetaStore(tmp_path / "meta")), KEY, "t", ledger=None, memory=memory)  # type: ignore[arg-type]
     async with serving(svc) as address, connect(address, KEY, "meta") as conn:
         with pytest.raises(ProtocolError, match="refuses a request of 2.1 MB"):
             await conn.call(Msg.READ_INDEX, {"name": "d", "version": 1, "offset": 0, "length": 2 * MiB})

@@ -13,13 +13,22 @@ import random
 import re
 import socket
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import trio
-from conftest import Node, mount_stats, needs_fuse, run_dlfs, running_cluster, start_node_process, wait_for_node
+from conftest import (
+    Node,
+    mount_stats_from_now,
+    needs_fuse,
+    run_dlfs,
+    running_cluster,
+    start_node_process,
+    wait_for_node,
+)
 from etcdlab import local_etcd
 
 from dlfs.bench.baselines import drop_caches
@@ -286,6 +295,7 @@ def served(node: Node, of: Node, cid: str) -> bytes:
     return trio.run(ask)
 
 
+@pytest.mark.serial
 @needs_fuse
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("engine", ["native", "python"])
@@ -321,8 +331,8 @@ def test_a_repaired_replica_is_read_from_its_new_file(cluster: tuple[list[Node],
         time.sleep(RECHECK)  # how long a mount may trust what it found of a chunk file
         for path in src.rglob("*.bin"):
             assert (mnt / path.relative_to(src)).read_bytes() == path.read_bytes(), path
-        time.sleep(1.5)  # the mount publishes its counters once a second
-        failed = {k: v for k, v in mount_stats(n1.home, mnt)["engine"].items() if k.endswith("_failures") and v}
+        counted = mount_stats_from_now(n1.home, mnt)  # counters written after the reads
+        failed = {k: v for k, v in counted["engine"].items() if k.endswith("_failures") and v}
         assert not failed, failed
         # Not even a fallback to the daemon: the mount's own reads of the chunk files found the new ones.
         log = n1.mount_log("data").read_text()
@@ -331,6 +341,7 @@ def test_a_repaired_replica_is_read_from_its_new_file(cluster: tuple[list[Node],
         n1.umount(mnt)
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(30)
 def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LocalChunks keeps descriptors, and trusts them (or that a chunk is absent) for RECHECK seconds at
@@ -338,7 +349,12 @@ def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch
     check is passed over until it is replaced."""
     import dlfs.mount.localchunks as local
 
-    monkeypatch.setattr(local, "RECHECK", 0.2)
+    now = [0.0]  # LocalChunks's clock, moved by the test: RECHECK passes exactly when the test says so
+    monkeypatch.setattr(local, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def recheck_passes() -> None:
+        now[0] += local.RECHECK
+
     cid = bytes.fromhex("ab" + "00" * 15)
     path = tmp_path / "chunks" / "ab" / cid.hex()
     path.parent.mkdir(parents=True)
@@ -352,7 +368,7 @@ def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch
         assert await read() is None  # not here (yet)
         path.write_bytes(b"A" * 65536)
         assert await read() is None  # absent, as of less than RECHECK ago
-        time.sleep(0.25)
+        recheck_passes()
         assert await read() == b"AAAA"  # arrived
         with open(path, "r+b") as f:
             f.write(b"ZZZZ")  # spoiled in place ...
@@ -360,17 +376,17 @@ def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch
         path.write_bytes(b"B" * 65536)  # ... deleted, and replaced by repair
         drop_caches()
         assert await read() == b"ZZZZ"  # within RECHECK the kept descriptor is trusted
-        time.sleep(0.25)
+        recheck_passes()
         assert await read() == b"BBBB"
         chunks.failed(cid)  # its bytes failed their check: not read again while it is this file
-        time.sleep(0.25)
+        recheck_passes()
         assert await read() is None
         path.unlink()
         path.write_bytes(b"C" * 65536)
-        time.sleep(0.25)
+        recheck_passes()
         assert await read() == b"CCCC"  # a new file: read again
         path.unlink()
-        time.sleep(0.25)
+        recheck_passes()
         assert await read() is None  # deleted by hand: the replicas', not the old inode's
 
     try:

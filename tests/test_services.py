@@ -24,6 +24,7 @@ from dlfs.data.store import ChunkStore
 from dlfs.errors import AuthError, Conflict, CorruptData, DlfsError, NotFound, ProtocolError, Unreachable
 from dlfs.format.chunk import ChunkWriter, Record, decode_record
 from dlfs.format.index import IndexWriter
+from dlfs.meta.engine_sqlite import EmbeddedEngine
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.node import NodeOptions, run_node
@@ -577,7 +578,7 @@ async def test_chunk_pinned_during_a_collection_is_not_collected(tmp_path: Path)
     old = make_chunk(50)
     reused = make_chunk(51)  # stored, held by nothing: the new ingest will reuse it
     ledger = MemoryLedger({old[0], reused[0]})
-    svc = MetaService(MetaStore(tmp_path / "meta"), b"k" * 32, "n", ledger)
+    svc = MetaService(EmbeddedEngine(MetaStore(tmp_path / "meta")), b"k" * 32, "n", ledger)
 
     async def call(msg: Msg, meta: dict, data: bytes = b"") -> dict:
         return await call_handler(svc, msg, meta, data)

@@ -143,7 +143,7 @@ async def dataset_chunks(client: ClusterClient, home: Path, versions: list[Versi
     the versions that name each; the indexes are fetched into the local index cache. With
     `unreadable`, a version whose index no metadata daemon can send intact is left out and noted
     there ("name@version" -> why) rather than raised."""
-    from dlfs.mount.lifecycle import fetch_index  # the mount's index cache, shared with it
+    from dlfs.client.indexes import fetch_index  # the mount's index cache, shared with it
 
     if versions is None:
         versions = await live_versions(client)

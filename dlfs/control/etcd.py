@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +281,7 @@ class Etcd:
                 raise
 
     # --- watches --------------------------------------------------------------------------------------
-    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
+    async def watch(self, prefix: str, start_revision: int) -> AsyncGenerator[int, None]:
         """Yield the revision of every change under `prefix` from `start_revision` on. Ends (returns)
         when the stream breaks or stays silent WATCH_IDLE; the caller re-reads and watches again."""
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix).encode("latin-1")),

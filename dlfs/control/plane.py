@@ -144,11 +144,6 @@ def _record(info: VersionInfo, holder: str, freed: bool = False, session: str = 
     return json.dumps({"info": info.to_wire(), "holder": holder, "freed": freed, "session": session})
 
 
-def mounts_phrase(mounts: list[MountRecord]) -> str:
-    nodes = sorted({m.node for m in mounts})
-    return f"{len(mounts)} mount{'s' if len(mounts) != 1 else ''} on {', '.join(nodes)}"
-
-
 class ControlPlane:
     def __init__(self, cfg: EtcdConfig) -> None:
         self.cfg = cfg

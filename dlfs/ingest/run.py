@@ -43,6 +43,10 @@ INDEX_PIECE = 8 << 20
 UPLOADERS = 3
 MIN_CHUNK_SIZE = 64 << 10
 ABORT_WAIT = 30.0  # seconds a failed ingest waits for its session to be given up and its chunks freed
+# Seconds a chunk being stored when the ingest stops (a failed sibling, Ctrl-C) has to finish: what it
+# started on a daemon (a staged file, a stored chunk) then belongs to the session before the session
+# is given up, instead of landing after the abort and staying behind.
+DRAIN_WAIT = 10.0
 DIRECT_ALIGN = 4096  # O_DIRECT's unit of length (and of the buffer's address: mmap'd buffers are page-aligned)
 KEEPALIVE_DEFAULT = 60.0  # seconds between keepalives where the metadata daemon does not say its TTL
 
@@ -178,18 +182,48 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
         if progress:
             progress.advance(nfiles, nbytes)
 
+    storing: set[trio.CancelScope] = set()  # the chunks being stored now, each shielded (see DRAIN_WAIT)
+    stopping = trio.Event()
+    drained = trio.CancelScope()  # bound_drain's, cancelled by the last uploader to finish
+    uploading = [UPLOADERS]
+
     async def upload(recv: trio.MemoryReceiveChannel[Packed]) -> None:
+        try:
+            await upload_all(recv)
+        finally:
+            uploading[0] -= 1
+            if not uploading[0]:
+                drained.cancel()
+
+    async def upload_all(recv: trio.MemoryReceiveChannel[Packed]) -> None:
         async with recv:
-            async for p in recv:
+            async for p in recv:  # once the ingest stops, the next receive raises Cancelled
                 try:
-                    await _store_chunk(client, session, p, stats, local)
+                    with trio.CancelScope(shield=True) as scope:
+                        if stopping.is_set():
+                            scope.deadline = trio.current_time() + DRAIN_WAIT
+                        storing.add(scope)
+                        try:
+                            await _store_chunk(client, session, p, stats, local)
+                        finally:
+                            storing.discard(scope)
                 finally:
                     pool.put(p.buf)
+
+    async def bound_drain() -> None:
+        with drained:
+            try:
+                await trio.sleep_forever()
+            finally:  # the ingest stops (or finished): what is still being stored has DRAIN_WAIT left
+                stopping.set()
+                for scope in storing:
+                    scope.deadline = min(scope.deadline, trio.current_time() + DRAIN_WAIT)
 
     def pack() -> dict[int, tuple[int, int]]:
         return Packer(source, tree, writer, chunk_size, compress, pool, emit, tick).run()
 
     async with open_nursery() as n:
+        n.start_soon(bound_drain)
         for _ in range(UPLOADERS):
             n.start_soon(upload, recv.clone())
         recv.close()

@@ -52,7 +52,7 @@ class CatalogFollower:
         self.caller = caller
         self.lock = trio.Lock()  # one reconcile at a time: two would fetch the same index twice
         self.wake = trio.Event()
-        self.collect: Callable[[], Awaitable[Any]] | None = None  # set by the service: frees removed versions
+        self.collect: Callable[[], Awaitable[Any]] | None = None  # set by the engine's run: frees removed versions
         self.unavailable = ""  # why etcd could not be read, while it cannot
 
     async def reconcile(self) -> list[VersionRecord]:
@@ -113,7 +113,7 @@ class CatalogFollower:
         order = sorted(self.peers, key=lambda p: p.name != rec.holder)
         errors = []
         for peer in order:
-            path = self.store.staging_file()
+            path = self.store.ingests.scratch_file()
             try:
                 await self._fetch_from(peer, rec, path)
                 await trio.to_thread.run_sync(install or self.store.apply_peer, rec.info, path)

@@ -2,56 +2,33 @@
 
     catalog.db                 every dataset's committed versions (SQLite, dlfs/meta/catalog.py)
     index/<name>/<version>.idx the committed index files, immutable
-    staging/<session>.idx      an ingest's index while it uploads; never visible until commit
+    staging/                   ingests' indexes while they upload (dlfs/meta/sessions.py, `ingests`)
+
+A commit moves a staged index into place and records it; every other change here is a catalog row
+and the index file it names, kept in step (an index file is in place before its row is recorded).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 import time
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from dlfs.config import check_dataset_name
-from dlfs.errors import Conflict, CorruptData, DlfsError, NotFound, ProtocolError, StorageFull, UsageError
-from dlfs.format.index import MAX_INDEX_BYTES, Index, file_checksum
-from dlfs.meta.catalog import Catalog, CatalogDamaged, ChunkTable, VersionInfo
-from dlfs.private import DIR_MODE, FILE_MODE, private_dirs
+from msgspec.structs import replace
 
-__all__ = ["MetaStore", "Session", "VersionInfo"]
+from dlfs.errors import CorruptData, DlfsError, NotFound
+from dlfs.format.index import Index, file_checksum
+from dlfs.meta.catalog import Catalog, CatalogDamaged, ChunkTable, VersionInfo
+from dlfs.meta.sessions import IngestSessions, os_error
+from dlfs.private import DIR_MODE, private_dirs
+
+__all__ = ["MetaStore", "VersionInfo"]
 
 log = logging.getLogger(__name__)
 NS = 10**9  # nanoseconds a second: an index file's mtime in ns is its commit time
-SESSION_TTL = 180.0  # seconds an ingest session outlives its last request; a live client keeps it alive
-TTL_ENV = "DLFS_SESSION_TTL"  # overrides SESSION_TTL (tests shorten it)
-
-
-def session_ttl() -> float:
-    """SESSION_TTL, or $DLFS_SESSION_TTL where set."""
-    raw = os.environ.get(TTL_ENV)
-    if not raw:
-        return SESSION_TTL
-    try:
-        ttl = float(raw)
-    except ValueError:
-        ttl = 0.0
-    if not 0 < ttl < 1e9:
-        raise UsageError(f"${TTL_ENV} must be a positive number of seconds, not {raw!r}")
-    return ttl
-
-
-@dataclass
-class Session:
-    name: str
-    path: Path
-    pins: set[bytes]
-    touched: float
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -64,15 +41,9 @@ class MetaStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.index_dir = root / "index"
-        self.staging = root / "staging"
         private_dirs(self.index_dir)
         self.catalog = self._open_catalog()
-        # Sessions live only as long as this daemon: an ingest that outlived it starts over.
-        shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(mode=DIR_MODE)
-        self.sessions: dict[str, Session] = {}
-        self.expired: list[str] = []  # sessions dropped for idleness, for the cluster's record of them to go too
-        self.session_ttl = session_ttl()
+        self.ingests = IngestSessions(root / "staging")
         self._learn_chunk_sets()
 
     def _open_catalog(self) -> Catalog:
@@ -183,7 +154,7 @@ class MetaStore:
             os.replace(src, dest)
             _fsync_dir(dest.parent)
         except OSError as exc:
-            raise _os_error(exc, what) from None
+            raise os_error(exc, what) from None
         return dest
 
     def restore_index(self, info: VersionInfo, fetched: Path) -> bool:
@@ -240,73 +211,10 @@ class MetaStore:
             # A live version whose file is gone is damage (`dlfs verify` names it), not absence.
             raise CorruptData(f"index of {name}@{version}: its file is missing on this metadata daemon") from None
 
-    # --- ingest sessions -------------------------------------------------------------------
-    def begin(self, name: str) -> str:
-        check_dataset_name(name)
-        self.expire_sessions()
-        sid = secrets.token_hex(8)
-        path = self.staging / f"{sid}.idx"
-        path.touch(mode=FILE_MODE)
-        self.sessions[sid] = Session(name, path, set(), time.monotonic())
-        return sid
-
-    def session(self, sid: str) -> Session:
-        s = self.sessions.get(sid)
-        if s is None:
-            raise Conflict(f"ingest session {sid} is unknown (the node restarted or it expired); run the ingest again")
-        s.touched = time.monotonic()
-        return s
-
-    def expire_sessions(self) -> None:
-        now = time.monotonic()
-        for sid, s in list(self.sessions.items()):
-            if now - s.touched > self.session_ttl:
-                log.info("dropping idle ingest session %s of %s", sid, s.name)
-                self.abort(sid)
-                self.expired.append(sid)
-
-    def put_index(self, sid: str, offset: int, data: bytes | bytearray) -> None:
-        """Bytes of a session's index at `offset`: in order (at most up to what is staged, so a piece
-        may be sent again, never past a hole) and within MAX_INDEX_BYTES, so a commit hashes only
-        bytes that were sent, never a sparse file a peer declared."""
-        s = self.session(sid)
-        if offset + len(data) > MAX_INDEX_BYTES:
-            raise ProtocolError(f"index of {s.name} would pass {MAX_INDEX_BYTES >> 30} GiB, the most an index may hold")
-        try:
-            with open(s.path, "r+b") as f:
-                staged = os.fstat(f.fileno()).st_size
-                if offset > staged:
-                    raise ProtocolError(f"index piece of {s.name} at offset {offset} is past the {staged} bytes staged: "
-                                        "pieces are sent in order")
-                f.seek(offset)
-                f.write(data)
-        except OSError as exc:
-            raise _os_error(exc, f"cannot stage the index of {s.name}") from None
-
-    def abort(self, sid: str) -> set[bytes]:
-        """Drop a session and its staged index; returns the chunks it had pinned."""
-        s = self.sessions.pop(sid, None)
-        if s is None:
-            return set()
-        s.path.unlink(missing_ok=True)
-        return s.pins
-
-    def staged_chunks(self, sid: str, size: int, checksum: int) -> tuple[Session, Index]:
-        """Check the staged index is whole and the one the client meant; returns it opened."""
-        s = self.session(sid)
-        actual = s.path.stat().st_size
-        if size > MAX_INDEX_BYTES:
-            raise ProtocolError(f"index of {s.name} declared {size} bytes, over the {MAX_INDEX_BYTES >> 30} GiB an index may hold")
-        if actual != size:
-            raise CorruptData(f"staged index of {s.name} has {actual} bytes, the client sent {size}")
-        if file_checksum(s.path) != checksum:
-            raise CorruptData(f"staged index of {s.name} does not match the client's checksum")
-        return s, Index(s.path)
-
     def commit(self, sid: str, index: Index, size: int, checksum: int) -> VersionInfo:
         """Publish a staged index as the dataset's next version: the number is taken, the index file
         put in place and the version recorded in one catalog transaction."""
-        s = self.session(sid)
+        s = self.ingests.session(sid)
         t = index.totals
         info = VersionInfo(s.name, 0, size, checksum, t.files, t.bytes, t.chunks, t.chunk_size, time.time())
         chunks = chunk_table(index)  # recorded with the version: collection never parses an index
@@ -321,15 +229,15 @@ class MetaStore:
             for dest in placed:  # in place, but the version was not recorded: it never was
                 dest.unlink(missing_ok=True)
             raise
-        self.sessions.pop(sid, None)
+        self.ingests.end(sid)
         return info
 
     def install(self, sid: str, info: VersionInfo, index: Index) -> None:
         """Put a staged index in place under the number the cluster gave it (etcd), and record it."""
-        s = self.session(sid)
+        s = self.ingests.session(sid)
         self._put_in_place(s.path, info.name, info.version, info.created, f"cannot commit {info.name}")
         self.catalog.insert(info, chunk_table(index))
-        self.sessions.pop(sid, None)
+        self.ingests.end(sid)
 
     def tombstone(self, info: VersionInfo) -> None:
         """A peer's or the cluster's removal of a version; its index stays until its chunks are freed."""
@@ -364,12 +272,14 @@ class MetaStore:
         return self._learn(info)
 
     def remove(self, name: str, version: int | None = None) -> list[VersionInfo]:
-        """Tombstone a dataset (or one version) in the catalog; its index files go."""
+        """Tombstone a dataset (or one version) in the catalog; its index files go. Returns the versions
+        as tombstoned (`removed` set, as etcd's removal returns them)."""
         gone = [self.get(name, version)] if version is not None else [v for v in self.catalog.versions(name) if not v.removed]
         if not gone:
             raise NotFound(f"no dataset named {name!r}")
-        self._tombstone(name, {v.version for v in gone}, time.time())
-        return gone
+        now = time.time()
+        self._tombstone(name, {v.version for v in gone}, now)
+        return [replace(v, removed=now) for v in gone]
 
     def _tombstone(self, name: str, versions: set[int], when: float) -> None:
         self.catalog.tombstone(name, versions, when, forget_chunks=True)
@@ -407,18 +317,9 @@ class MetaStore:
             raise ValueError("a live version needs its index")
         return self.catalog.insert(info, self._place_fetched(info, fetched))
 
-    def staging_file(self) -> Path:
-        return self.staging / f"peer-{secrets.token_hex(8)}.idx"
-
-    def pins(self) -> set[bytes]:
-        return {c for s in self.sessions.values() for c in s.pins}
-
     def live_chunks(self) -> set[bytes]:
         """Every chunk a committed version or an open ingest still needs."""
-        live = self.committed_chunks()
-        for s in self.sessions.values():
-            live |= s.pins
-        return live
+        return self.committed_chunks() | self.ingests.pins()
 
     def committed_chunks(self) -> set[bytes]:
         """Every chunk a committed, live version references; CorruptData naming a live version whose
@@ -471,10 +372,3 @@ def _lost_phrase(lost: list[str]) -> str:
     more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
     return f"; {len(lost)} unreadable index files kept as *.idx.damaged, their versions lost ({', '.join(lost[:5])}{more})"
 
-
-def _os_error(exc: OSError, what: str) -> DlfsError:
-    import errno
-
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFull(f"{what}: the metadata daemon's disk is full")
-    return DlfsError(f"{what}: {exc.strerror}")

@@ -20,11 +20,12 @@ import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.indexes import fetch_index
 from dlfs.client.replicas import RETRY_TIMEOUT
 from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster, check_dataset_name
-from dlfs.errors import CorruptData, MountError, NotFound, UsageError
-from dlfs.format.index import Index, file_checksum
+from dlfs.errors import MountError, NotFound, UsageError
+from dlfs.format.index import Index
 from dlfs.logs import set_context
 from dlfs.mount.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.mount.directsock import ControlServer, control_socket_path
@@ -45,7 +46,7 @@ from dlfs.mount.records import (
 )
 from dlfs.mount.statsfile import MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
-from dlfs.private import private_dirs, private_opener, tighten_home
+from dlfs.private import tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
 from dlfs.procs import Holder, holders, running, set_title, start_ticks
 from dlfs.tasks import open_nursery
@@ -56,7 +57,6 @@ from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
 URING_START = 2.0  # seconds the engine may take to try FUSE over io_uring before a mount says it did not start
-INDEX_PIECE = 16 << 20
 READ_AHEAD_KB = 4096
 URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
 MOUNT_PROCESS_NAME = "dlfs-mount"  # its name in top and pgrep; `ps -ef` shows `dlfs mount NAME@V MNT`
@@ -163,32 +163,6 @@ def want_io_uring(mode: str, param: Path = URING_PARAM, cache_size: int | None =
     return True
 
 
-async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> Path:
-    """The version's index in the local index cache, fetched once and checked by its checksum."""
-    cache_dir = private_dirs(home / "mounts" / "index")
-    path = cache_dir / f"{info.name}.{info.version}.{info.index_sum:016x}.idx"
-    if path.exists() and path.stat().st_size == info.index_size:
-        if await trio.to_thread.run_sync(file_checksum, path) == info.index_sum:
-            return path
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb", opener=private_opener) as f:
-            offset = 0
-            while offset < info.index_size:
-                _, piece = await client.call_meta(Msg.READ_INDEX, {"name": info.name, "version": info.version,
-                                                                    "offset": offset, "length": INDEX_PIECE})
-                if not piece:
-                    raise CorruptData(f"index of {info.name}@{info.version} ends early at {offset} bytes")
-                f.write(piece)
-                offset += len(piece)
-        if await trio.to_thread.run_sync(file_checksum, tmp) != info.index_sum:
-            raise CorruptData(f"index of {info.name}@{info.version} arrived corrupt (checksum mismatch)")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 async def hold_version(stack: AsyncExitStack, nursery: trio.Nursery, opts: MountOptions, info: VersionInfo,
                        label: str) -> None:
     """The mount's lease on its version in etcd, kept alive until it ends: a `dlfs rm` anywhere then
@@ -253,6 +227,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
+        nursery.start_soon(cache.window_worker, name="dlfs-window-worker")
         nursery.start_soon(watch_memory, cache, opts.memory, name="dlfs-memory-watch")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")

@@ -1,6 +1,9 @@
 """pyfuse3 Operations: thin handlers over the mmap'd index and the chunk cache.
 
-Metadata never leaves this process. Domain errors become FUSEError(errno) here and nowhere else.
+Metadata is answered from the table the native serving threads answer with (native/answer.h, through
+dlfs.native.answers): no attribute, listing position or statfs sum is defined here. Handlers raise dlfs
+errors (dlfs/errors.py: Refused where an errno is the answer itself); `fuse_boundary` alone turns them
+into errnos.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from functools import wraps
 from time import perf_counter
 from typing import Any, TypeVar
@@ -17,37 +20,57 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from dlfs.counters import LatencyHistogram
-from dlfs.errors import CorruptData, DlfsError
-from dlfs.format.index import NAME_MAX, Index, Inode
+from dlfs.errors import CorruptData, DlfsError, MountError, Refused
+from dlfs.format.index import Index
 from dlfs.mount.cache import ChunkCache
-from dlfs.native import fuse_hooked
+from dlfs.native import answers, fuse_hooked
 
 log = logging.getLogger(__name__)
 # A mounted version never changes: the kernel may keep names and attributes as long as it likes.
 TIMEOUT = 86400.0
-BLKSIZE = 128 << 10
 CONTROL_XATTR = b"user.dlfs.control"  # on the root: the mount's control socket (dlfs.direct)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
-def fuse_errors(fn: F) -> F:
-    """Map dlfs errors to errnos at the FUSE boundary."""
+def fuse_boundary(fn: F) -> F:
+    """The one place where a handler's errors become errnos. A Refused is the answer itself; any other
+    DlfsError gives its errno, any other exception EIO (a bug must cost one request, never the mount,
+    which pyfuse3 would end); those two are counted and logged once, by inode and dataset."""
 
     @wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def boundary(self: DlfsOperations, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
+            return await fn(self, *args, **kwargs)
+        except Refused as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
         except DlfsError as exc:
-            log.error("%s: %s", fn.__name__, exc)
+            self.errors += 1
+            log.error("%s of %s in %s: %s", fn.__name__, _named(args), self.label, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:
-            # A bug must cost one request an EIO, never the whole mount (pyfuse3 would end it).
-            log.exception("%s failed", fn.__name__)
+            self.errors += 1
+            log.exception("%s of %s in %s failed", fn.__name__, _named(args), self.label)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
-    return wrapper  # type: ignore[return-value]
+    return boundary  # type: ignore[return-value]
+
+
+def _named(args: tuple[Any, ...]) -> str:
+    """How a log line names a request's file: its inode (the mount's st_ino; every handler that has one
+    takes it first), never a path found by scanning the index, which on a million-file dataset would
+    stall the event loop for every failure."""
+    if args and type(args[0]) is int:
+        return f"inode {args[0]} (find MOUNTPOINT -inum {args[0]})"
+    return "the mount"
+
+
+def _answer(r: int) -> int:
+    """A table answer (>= 0) as it is, or its -errno as a dlfs error."""
+    if r == -errno.EIO:
+        raise CorruptData("the index is damaged there, or the inode is out of range")
+    if r < 0:
+        raise Refused(-r)
+    return r
 
 
 def _new_attrs() -> pyfuse3.EntryAttributes:
@@ -55,128 +78,97 @@ def _new_attrs() -> pyfuse3.EntryAttributes:
     a.generation = 0
     a.entry_timeout = TIMEOUT
     a.attr_timeout = TIMEOUT
-    a.st_rdev = 0
-    a.st_blksize = BLKSIZE
     return a
 
 
-async def _erofs(*args: Any, **kwargs: Any) -> Any:
-    raise pyfuse3.FUSEError(errno.EROFS)
+@fuse_boundary
+async def _erofs(self: DlfsOperations, *args: Any, **kwargs: Any) -> Any:
+    raise Refused(errno.EROFS)
 
 
 class DlfsOperations(pyfuse3.Operations):
     def __init__(self, index: Index, cache: ChunkCache, label: str) -> None:
         super().__init__()
+        if answers is None:  # setup.py builds it with the package: only a broken install lacks it
+            raise MountError("dlfs's C helper (dlfs._native) is not built; a mount answers from it: "
+                             "reinstall dlfs (make install)")
+        self.table: Any = answers  # native/answer.h's table, as the serving threads answer
         self.index = index
+        self.sections = index.sections()  # where the table reads the index
         self.cache = cache
         self.label = label
         self.reads = 0
         self.bytes_read = 0
-        self.errors = 0
+        self.errors = 0  # requests that failed (not those refused by design)
         self.read_seconds = LatencyHistogram()
         self.control_path: bytes | None = None  # the control socket dlfs.direct attaches to
 
-    def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
-        return self.fill(_new_attrs(), node.ino)
-
-    def fill(self, a: pyfuse3.EntryAttributes, ino: int) -> pyfuse3.EntryAttributes:
-        """Set an inode's own fields on `a` (whose constant fields are already set)."""
-        mode, uid, gid, nlink, size, mtime_ns, _, _, _ = self.index.inode_fields(ino)
-        a.st_ino = ino
-        a.st_mode = mode
-        a.st_nlink = nlink
-        a.st_uid = uid
-        a.st_gid = gid
-        a.st_size = size
-        a.st_blocks = (size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime_ns
+    def attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = _new_attrs()
+        _answer(self.table.attr_of(self.sections, ino, a))
         return a
 
-    @fuse_errors
+    def listing(self, ino: int, pos: int) -> Iterator[tuple[bytes, pyfuse3.EntryAttributes, int]]:
+        """Directory `ino`'s listing from position `pos`: (name, attributes, the next position). One
+        attributes object serves the whole listing: readdir_reply copies it at once."""
+        a = _new_attrs()
+        while True:
+            name, pos = self.table.dirent_of(self.sections, ino, pos, a)
+            if _answer(pos) == 0:
+                return
+            yield name, a, pos
+
+    @fuse_boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        if name == b".":
-            return self.attrs(self.index.inode(parent_inode))
-        if name == b"..":
-            return self.attrs(self.index.inode(self.index.inode(parent_inode).parent))
-        ino = self.index.lookup(parent_inode, name)
-        if ino == -errno.ENOENT:
-            # A negative entry, as the native engine answers: the mount's version never changes, so the
-            # kernel may keep the miss (in its dentry cache, bounded, gone with the mount): ENOENT.
-            miss = _new_attrs()
-            miss.st_ino = 0
-            return miss
-        if ino < 0:
-            raise pyfuse3.FUSEError(-ino)  # ENOTDIR, ENAMETOOLONG
-        return self.attrs(self.index.inode(ino))
+        # st_ino 0 is a negative entry: the version never changes, so the kernel keeps the miss (ENOENT).
+        a = _new_attrs()
+        _answer(self.table.entry_of(self.sections, parent_inode, name, a))
+        return a
 
     async def forget(self, inode_list: Any) -> None:
         pass  # inodes live in the index for the life of the mount
 
-    @fuse_errors
+    @fuse_boundary
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return self.attrs(self.index.inode(inode))
+        return self.attrs(inode)
 
-    @fuse_errors
+    @fuse_boundary
     async def readlink(self, inode: int, ctx: Any) -> bytes:
-        node = self.index.inode(inode)
-        if not stat.S_ISLNK(node.mode):
-            raise pyfuse3.FUSEError(errno.EINVAL)
-        return self.index.readlink(inode)
+        target = self.table.link_of(self.sections, inode)
+        return _answer(target) if isinstance(target, int) else target  # type: ignore[return-value]
 
-    @fuse_errors
+    @fuse_boundary
     async def opendir(self, inode: int, ctx: Any) -> int:
-        if not stat.S_ISDIR(self.index.inode(inode).mode):
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        _answer(self.table.dir_of(self.sections, inode))
         return inode
 
-    @fuse_errors
+    @fuse_boundary
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # Positions 0 and 1 are "." and ".."; entry i of the directory is position i + 2.
-        if start_id == 0:
-            node = self.index.inode(fh)
-            if not pyfuse3.readdir_reply(token, b".", self.attrs(node), 1):
-                return
-            start_id = 1
-        if start_id == 1:
-            node = self.index.inode(fh)
-            if not pyfuse3.readdir_reply(token, b"..", self.attrs(self.index.inode(node.parent)), 2):
-                return
-            start_id = 2
-        # One attributes object for the whole listing: readdir_reply copies it at once.
-        a = _new_attrs()
-        for pos, name, ino in self.index.entries(fh, start_id - 2):
-            if not pyfuse3.readdir_reply(token, name, self.fill(a, ino), pos + 3):
+        for name, attrs, following in self.listing(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, attrs, following):
                 break
 
     async def releasedir(self, fh: int) -> None:
         pass
 
-    @fuse_errors
+    @fuse_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
-            raise pyfuse3.FUSEError(errno.EROFS)
-        if stat.S_ISDIR(self.index.inode(inode).mode):
-            raise pyfuse3.FUSEError(errno.EISDIR)
+            raise Refused(errno.EROFS)
+        if stat.S_ISDIR(self.attrs(inode).st_mode):
+            raise Refused(errno.EISDIR)
         if fuse_hooked():
             # no_open: the kernel stops sending OPEN and RELEASE and keeps every file's pages, and
             # READ still names the file (native/fusehook.c). The mount is ro, so the VFS refuses writes.
-            raise pyfuse3.FUSEError(errno.ENOSYS)
+            raise Refused(errno.ENOSYS)
         # The handle is the inode itself: open and release need no state at all.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
+    @fuse_boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         # A view into the cache block is enough: pyfuse3 copies it straight into the reply.
         t0 = perf_counter()
-        try:
-            data = await self._read(fh, off, size)
-        except DlfsError as exc:
-            self.errors += 1
-            log.error("read of %s in %s failed: %s", _named(fh), self.label, exc)
-            raise pyfuse3.FUSEError(exc.errno if not isinstance(exc, CorruptData) else errno.EIO) from None
-        except Exception:
-            self.errors += 1
-            log.exception("read of %s in %s failed", _named(fh), self.label)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        data = await self._read(fh, off, size)
         self.reads += 1
         self.bytes_read += len(data)
         self.read_seconds.observe(perf_counter() - t0)
@@ -222,9 +214,10 @@ class DlfsOperations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         pass
 
+    @fuse_boundary
     async def flush(self, fh: int) -> None:
         # ENOSYS once makes the kernel stop sending FLUSH on every close: nothing is ever dirty.
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+        raise Refused(errno.ENOSYS)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         pass  # nothing is ever dirty
@@ -232,30 +225,23 @@ class DlfsOperations(pyfuse3.Operations):
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         pass
 
-    @fuse_errors
+    @fuse_boundary
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
-        t = self.index.totals
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = (t.bytes + 4095) // 4096
-        s.f_bfree = s.f_bavail = 0
-        s.f_files = t.inodes
-        s.f_ffree = s.f_favail = 0
-        s.f_namemax = NAME_MAX
+        self.table.statfs_of(self.sections, s)
         return s
 
-    @fuse_errors
+    @fuse_boundary
     async def access(self, inode: int, mode: int, ctx: Any) -> bool:
-        if mode & os.W_OK:
-            raise pyfuse3.FUSEError(errno.EROFS)
-        self.index.inode(inode)
+        _answer(self.table.access_of(self.sections, inode, mode))
         return True
 
+    @fuse_boundary
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         # Not listed by listxattr: a copy of the tree must not carry it along.
         if inode == pyfuse3.ROOT_INODE and name == CONTROL_XATTR and self.control_path is not None:
             return self.control_path
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        raise Refused(pyfuse3.ENOATTR)
 
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         return []
@@ -263,9 +249,3 @@ class DlfsOperations(pyfuse3.Operations):
     # Nothing changes a mounted version.
     setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _erofs  # type: ignore[assignment]
     create = write = setxattr = removexattr = _erofs  # type: ignore[assignment]
-
-
-def _named(ino: int) -> str:
-    """How a log line names a file: its inode (the mount's st_ino), never a path found by scanning the
-    index, which on a million-file dataset would stall the event loop for every failed read."""
-    return f"inode {ino} (find MOUNTPOINT -inum {ino})"

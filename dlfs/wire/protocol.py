@@ -31,7 +31,7 @@ socket is the mount owner's alone (mode 0600, and its peer's uid is checked):
 
     DIRECT_ATTACH  request  {"pid"}
                    response {"row", "label", "mountpoint"}, sent with three descriptors (SCM_RIGHTS):
-                            the shared cache's control region and arena (native/direct.c) and the index
+                            the shared cache's control region and arena (native/shm.h) and the index
     DIRECT_READ    request  {"exts": [extent, ...]} (at most DIRECT_BATCH)
                    response {"at": [[slab, offset] | None, ...], "errors": [[i, status, message], ...]};
                             each [slab, offset] is pinned for the client's row; a None not named in

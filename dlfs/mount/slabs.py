@@ -1,0 +1,130 @@
+"""The cache's memory: one arena of fixed-size slabs in a memfd, mapped once, shared with the mount's
+serving threads and dlfs.direct clients (native/shm.h).
+
+A slab holds one read-ahead window and the slack of reading it page-aligned (O_DIRECT). Freed slabs
+are reused most-recent first, so a stream keeps reusing the few slabs it has in flight (this VM's
+first touch of fresh memory costs 1-2 s per GB); fresh ones are faulted in ahead of use by a thread.
+A slab that a client still pins when its records are dropped waits, retired, until its pins are
+released. Free slabs' pages go back to the kernel on demand (trim): memfd pages are reclaimable no
+other way when there is no swap. Which slab holds what is the cache's business, not this module's.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import trio
+
+from dlfs.native import native
+
+NO_SLAB = -1
+PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
+
+
+class Slabs:
+    """The arena and which of its slabs are free, retired or given back. One owner: the chunk cache."""
+
+    def __init__(self, capacity: int, slab_size: int) -> None:
+        self.slab_size = slab_size
+        self.nslabs = max(capacity // slab_size, 4)
+        self.capacity = self.nslabs * slab_size
+        # A memfd, lazily touched: a large cache costs address space, not memory, until used; the
+        # same pages are mapped by dlfs.direct clients.
+        self.fd: int | None = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.capacity)
+        self.arena = mmap.mmap(self.fd, self.capacity)
+        self.mem = memoryview(self.arena)
+        self.pins: Any = None  # the shared table, which counts clients' pins per slab (set once it exists)
+        self._free = list(range(self.nslabs - 1, -1, -1))  # a stack: the most recently freed is reused first
+        self._retired: list[int] = []  # slabs whose records are gone but that a client still pins
+        self._punched: set[int] = set()  # free slabs whose pages went back to the kernel
+        self.given_back = 0  # bytes of free slabs returned to the kernel so far
+        self.retired_pinned = 0  # slabs a client still pinned when their records were dropped
+        # Fresh slabs are taken in ascending order (the free stack's bottom); those below `fresh` have
+        # been faulted in, by prefault_worker or by use.
+        self.fresh, self._taken_high = 0, -1
+        self._want_fresh = trio.Event()
+
+    def view(self, slab: int) -> memoryview:
+        return self.mem[slab * self.slab_size : (slab + 1) * self.slab_size]
+
+    def has_free(self) -> bool:
+        if not self._free and self._retired:
+            self.reclaim_retired()
+        return bool(self._free)
+
+    def take(self) -> int:
+        """A free slab (has_free() must be true)."""
+        slab = self._free.pop()
+        self._punched.discard(slab)
+        if slab > self._taken_high:
+            self._taken_high = slab
+            if self.fresh - slab <= PREFAULT_AHEAD // 2:
+                self._want_fresh.set()
+        return slab
+
+    def give(self, slab: int) -> None:
+        """A slab taken but never filled: free again at once (nothing can pin it)."""
+        self._free.append(slab)
+
+    def release(self, slab: int) -> None:
+        """A slab whose records are all dropped: free now, or once no client pins it."""
+        if self.pins is None or self.pins.retire(slab):
+            self._free.append(slab)
+        else:
+            self._retired.append(slab)
+            self.retired_pinned += 1
+
+    def reclaim_retired(self) -> None:
+        still: list[int] = []
+        for slab in self._retired:
+            (self._free if self.pins.pinned(slab) == 0 else still).append(slab)
+        self._retired = still
+
+    @property
+    def retired(self) -> int:
+        """Retired slabs still pinned."""
+        if self._retired:
+            self.reclaim_retired()
+        return len(self._retired)
+
+    def trim(self) -> int:
+        """Return the pages of every free slab to the kernel (no record is in one, no client pins one);
+        bytes given back. A slab taken again is faulted in afresh."""
+        if self._retired:
+            self.reclaim_retired()
+        n = 0
+        touched = max(self.fresh, self._taken_high + 1)  # slabs above were never faulted in
+        for slab in self._free:
+            if slab < touched and slab not in self._punched:
+                self.arena.madvise(mmap.MADV_REMOVE, slab * self.slab_size, self.slab_size)
+                self._punched.add(slab)
+                n += self.slab_size
+        self.given_back += n
+        return n
+
+    async def prefault_worker(self) -> None:
+        """Run for the mount's life: keep PREFAULT_AHEAD fresh slabs faulted in ahead of use, in a
+        thread (first touch of fresh memory is slow on VMs, and would stall the event loop mid-read)."""
+        if native is None:
+            return
+        while True:
+            target = min(self.nslabs, self._taken_high + 1 + PREFAULT_AHEAD)
+            start = max(self.fresh, self._taken_high + 1)
+            if start >= target or self._taken_high < 0:  # nothing read yet: an idle mount costs no memory
+                self.fresh = max(self.fresh, target)
+                self._want_fresh = trio.Event()
+                await self._want_fresh.wait()
+                continue
+            # A slab of the range may be taken and filled while this runs: populate writes no byte.
+            await trio.to_thread.run_sync(native.populate, self.arena, start * self.slab_size,
+                                          (target - start) * self.slab_size)
+            self.fresh = target
+
+    def close(self) -> None:
+        """Let go of the memfd (the mapping goes with the last reference to it)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

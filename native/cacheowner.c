@@ -1,0 +1,406 @@
+/* CacheOwner: the mount's half of its shared chunk cache (layout and pin protocol: shm.h).
+ *
+ * It lays the control region out, publishes records into slabs and retires slabs, hands the pin table's
+ * rows out to dlfs.direct clients and takes them back, and pins for a client over the control socket. It
+ * also counts what the kernel was sent of each record (shm.h's dlfs_consume), for the serving threads
+ * and the Python handlers alike, and queues the records that count completed for the cache to drop.
+ * A client's half is CacheView (direct.c); only the mount makes a CacheOwner. */
+#include "cacheregion.h" /* Python.h, before any system header */
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "module.h"
+
+#define CONSUMED_RING 65536 /* extents consumed and not yet dropped by the cache */
+#define TAKE_BATCH 4096
+
+typedef struct {
+    PyObject_HEAD
+    struct dlfs_region r; /* first, as every half's (cacheregion.h) */
+    struct dlfs_consume consume;
+    int has_consume;
+    uint32_t max_row; /* rows ever pinned through, the ones a retire must sum */
+    uint64_t refused; /* refused pins and releases of the rows it cleared */
+} CacheOwner;
+
+static PyTypeObject CacheOwnerType;
+
+static void owner_dealloc(CacheOwner *o)
+{
+    dlfs_region_release(&o->r);
+    if (o->has_consume)
+        dlfs_consume_free(&o->consume);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+/* Made whole or not at all: no method ever sees a half-made owner. */
+static PyObject *owner_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"ctl", "arena", "slab_size", "nslabs", "n_extents", "n_rows", NULL};
+    PyObject *ctl, *arena;
+    unsigned long long slab_size, nslabs, n_extents, n_rows;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKK", names, &ctl, &arena, &slab_size, &nslabs, &n_extents,
+                                     &n_rows))
+        return NULL;
+    CacheOwner *o = (CacheOwner *)type->tp_alloc(type, 0);
+    if (!o)
+        return NULL;
+    if (dlfs_region_hold(&o->r, ctl, arena, 1) < 0 ||
+        dlfs_region_create(&o->r, slab_size, nslabs, n_extents, n_rows) < 0)
+        goto fail;
+    if (dlfs_consume_init(&o->consume, n_extents, CONSUMED_RING) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    o->has_consume = 1;
+    return (PyObject *)o;
+fail:
+    Py_DECREF(o);
+    return NULL;
+}
+
+static PyObject *owner_publish(CacheOwner *o, PyObject *args)
+{
+    unsigned long long ext, slab, off;
+    if (!PyArg_ParseTuple(args, "KKK", &ext, &slab, &off) ||
+        dlfs_in_range(ext, o->r.shm.h.n_extents, "extent") < 0 || dlfs_in_range(slab, o->r.shm.h.nslabs, "slab") < 0)
+        return NULL;
+    if (off >= o->r.shm.h.slab_size) {
+        PyErr_Format(PyExc_ValueError, "offset %llu outside a slab", off);
+        return NULL;
+    }
+    /* A record published anew has sent the kernel nothing yet. */
+    __atomic_store_n(&o->consume.served[ext], 0, __ATOMIC_RELAXED);
+    dlfs_shm_publish(&o->r.shm, ext, slab, (uint32_t)off);
+    Py_RETURN_NONE;
+}
+
+static PyObject *owner_unpublish(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long ext;
+    if (dlfs_index_arg(arg, o->r.shm.h.n_extents, "extent", &ext) < 0)
+        return NULL;
+    dlfs_shm_unpublish(&o->r.shm, ext);
+    Py_RETURN_NONE;
+}
+
+static PyObject *owner_retire(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long slab;
+    if (dlfs_index_arg(arg, o->r.shm.h.nslabs, "slab", &slab) < 0)
+        return NULL;
+    __atomic_fetch_add(&o->r.shm.gens[slab], 1, __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(dlfs_shm_pins_on(&o->r.shm, slab, o->max_row) == 0);
+}
+
+static PyObject *owner_pinned(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long slab;
+    if (dlfs_index_arg(arg, o->r.shm.h.nslabs, "slab", &slab) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(dlfs_shm_pins_on(&o->r.shm, slab, o->max_row));
+}
+
+/* Rows up to `row` may hold pins from now on: retires must sum them. */
+static void row_in_use(CacheOwner *o, uint64_t row)
+{
+    if (row >= o->max_row)
+        o->max_row = (uint32_t)row + 1;
+}
+
+/* A (row, slab) pair of arguments, in range: 0, or -1 with an exception. */
+static int row_slab_args(CacheOwner *o, PyObject *args, unsigned long *row, unsigned long long *slab)
+{
+    if (!PyArg_ParseTuple(args, "kK", row, slab) || dlfs_in_range(*row, o->r.shm.h.n_rows, "row") < 0 ||
+        dlfs_in_range(*slab, o->r.shm.h.nslabs, "slab") < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *owner_pin_for(CacheOwner *o, PyObject *args)
+{
+    unsigned long row;
+    unsigned long long slab;
+    if (row_slab_args(o, args, &row, &slab) < 0)
+        return NULL;
+    row_in_use(o, row);
+    __atomic_fetch_add(&dlfs_shm_row(&o->r.shm, row)[slab], 1, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static PyObject *owner_unpin_for(CacheOwner *o, PyObject *args)
+{
+    unsigned long row;
+    unsigned long long slab;
+    if (row_slab_args(o, args, &row, &slab) < 0)
+        return NULL;
+    struct dlfs_pinner p = {row, dlfs_shm_epoch(&o->r.shm, row)};
+    return PyBool_FromLong(dlfs_shm_unpin(&o->r.shm, p, (uint32_t)slab));
+}
+
+static PyObject *owner_hand_out(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long row;
+    if (dlfs_index_arg(arg, o->r.shm.h.n_rows, "row", &row) < 0)
+        return NULL;
+    row_in_use(o, row);
+    return PyLong_FromUnsignedLongLong(dlfs_shm_hand_out(&o->r.shm, row));
+}
+
+static PyObject *owner_released(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long row;
+    if (dlfs_index_arg(arg, o->r.shm.h.n_rows, "row", &row) < 0)
+        return NULL;
+    return PyBool_FromLong(dlfs_shm_released(&o->r.shm, row));
+}
+
+static PyObject *owner_clear_row(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long row;
+    uint64_t refused;
+    if (dlfs_index_arg(arg, o->r.shm.h.n_rows, "row", &row) < 0)
+        return NULL;
+    row_in_use(o, row);
+    uint64_t freed = dlfs_shm_clear_row(&o->r.shm, row, &refused);
+    o->refused += refused;
+    return PyLong_FromUnsignedLongLong(freed);
+}
+
+static PyObject *owner_where(CacheOwner *o, PyObject *arg)
+{
+    const struct dlfs_shm *shm = &o->r.shm;
+    unsigned long long ext;
+    if (dlfs_index_arg(arg, shm->h.n_extents, "extent", &ext) < 0)
+        return NULL;
+    uint64_t e = __atomic_load_n(&shm->entries[ext], __ATOMIC_SEQ_CST);
+    uint64_t slab = (e & DLFS_SHM_SLAB_LIMIT) - 1;
+    uint32_t off = __atomic_load_n(&shm->offsets[ext], __ATOMIC_SEQ_CST);
+    /* Shared memory: a slab or offset out of range is no place to pin or read. */
+    if (!e || slab >= shm->h.nslabs || off >= shm->h.slab_size)
+        Py_RETURN_NONE;
+    return Py_BuildValue("KI", (unsigned long long)slab, off);
+}
+
+static PyObject *owner_served(CacheOwner *o, PyObject *args)
+{
+    unsigned long long ext;
+    unsigned int n, len;
+    if (!PyArg_ParseTuple(args, "KII", &ext, &n, &len) || dlfs_in_range(ext, o->r.shm.h.n_extents, "extent") < 0)
+        return NULL;
+    return PyBool_FromLong(dlfs_consume_add(&o->consume, ext, n, len));
+}
+
+static PyObject *owner_reset_served(CacheOwner *o, PyObject *arg)
+{
+    unsigned long long ext;
+    if (dlfs_index_arg(arg, o->r.shm.h.n_extents, "extent", &ext) < 0)
+        return NULL;
+    __atomic_store_n(&o->consume.served[ext], 0, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+/* set_pending(exts, on): the cache starts (or ends) fetching these records; READs of them wait in C meanwhile. */
+static PyObject *owner_set_pending(CacheOwner *o, PyObject *args)
+{
+    PyObject *exts;
+    int on;
+    if (!PyArg_ParseTuple(args, "Op", &exts, &on))
+        return NULL;
+    PyObject *seq = PySequence_Fast(exts, "set_pending takes a sequence of extents");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long ext;
+        if (dlfs_index_arg(items[i], o->r.shm.h.n_extents, "extent", &ext) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        dlfs_consume_set_pending(&o->consume, ext, on);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *owner_take_consumed(CacheOwner *o, PyObject *unused)
+{
+    uint32_t got[TAKE_BATCH];
+    uint32_t n = dlfs_consume_take(&o->consume, got, TAKE_BATCH);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(got[i]);
+        if (!v) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *owner_consumed_fd(CacheOwner *o, void *unused)
+{
+    return PyLong_FromLong(o->consume.wake_fd);
+}
+
+static PyObject *owner_consumed_dropped(CacheOwner *o, void *unused)
+{
+    pthread_mutex_lock(&o->consume.lock); /* counted under it by the serving threads */
+    uint64_t n = o->consume.dropped;
+    pthread_mutex_unlock(&o->consume.lock);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+/* Pins and releases refused (shm.h) in rows still in use, and in those cleared before. */
+static PyObject *owner_refused_releases(CacheOwner *o, void *unused)
+{
+    uint64_t n = o->refused;
+    for (uint64_t r = 0; r < o->max_row; r++)
+        n += __atomic_load_n(&dlfs_shm_row_head(&o->r.shm, r)->refused, __ATOMIC_RELAXED);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+static PyGetSetDef owner_getset[] = {
+    DLFS_REGION_GETSET,
+    {"consumed_fd", (getter)owner_consumed_fd, NULL, "an eventfd, readable while consumed extents wait", NULL},
+    {"consumed_dropped", (getter)owner_consumed_dropped, NULL, "consumed extents the full queue could not hold",
+     NULL},
+    {"refused_releases", (getter)owner_refused_releases, NULL,
+     "pins and releases refused (of an earlier attachment, or below zero)", NULL},
+    {NULL},
+};
+
+static PyMethodDef owner_methods[] = {
+    DLFS_REGION_METHODS,
+    {"publish", (PyCFunction)owner_publish, METH_VARARGS, "publish(ext, slab, offset): the record is in this slab."},
+    {"unpublish", (PyCFunction)owner_unpublish, METH_O, "unpublish(ext): the record is no longer to be pinned."},
+    {"retire", (PyCFunction)owner_retire, METH_O,
+     "retire(slab) -> bool: no new pins on it; True if none are held (it may be reused now)."},
+    {"pinned", (PyCFunction)owner_pinned, METH_O, "pinned(slab) -> pins held on it by every client."},
+    {"pin_for", (PyCFunction)owner_pin_for, METH_VARARGS, "pin_for(row, slab): pin a slab for a client."},
+    {"unpin_for", (PyCFunction)owner_unpin_for, METH_VARARGS,
+     "unpin_for(row, slab) -> bool: let go of a pin taken for a client that never received it."},
+    {"hand_out", (PyCFunction)owner_hand_out, METH_O, "hand_out(row) -> epoch: the row belongs to a new attachment."},
+    {"released", (PyCFunction)owner_released, METH_O,
+     "released(row) -> bool: the row's owner holds no view of it and takes no more pins."},
+    {"clear_row", (PyCFunction)owner_clear_row, METH_O,
+     "clear_row(row) -> pins reclaimed: its owner released it or is gone."},
+    {"where", (PyCFunction)owner_where, METH_O, "where(ext) -> (slab, offset) or None."},
+    {"served", (PyCFunction)owner_served, METH_VARARGS,
+     "served(ext, n, raw_len) -> bool: n more bytes of the record went to the kernel; True if that completed it."},
+    {"reset_served", (PyCFunction)owner_reset_served, METH_O,
+     "reset_served(ext): the record is kept anew (outside a slab): nothing of it has been sent."},
+    {"set_pending", (PyCFunction)owner_set_pending, METH_VARARGS,
+     "set_pending(exts, on): these records are (no longer) being fetched; the engine parks READs of them."},
+    {"take_consumed", (PyCFunction)owner_take_consumed, METH_NOARGS,
+     "take_consumed() -> [ext]: records the serving threads completed, for the cache to drop."},
+    {NULL},
+};
+
+static PyTypeObject CacheOwnerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dlfs._native.CacheOwner",
+    .tp_basicsize = sizeof(CacheOwner),
+    .tp_dealloc = (destructor)owner_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "CacheOwner(ctl, arena, slab_size, nslabs, n_extents, n_rows): the mount's half of its shared chunk "
+              "cache. Lays the control region `ctl` (a writable mapping) out for the arena's slabs, publishes "
+              "records and retires slabs, hands pin rows out and takes them back, counts what the kernel was sent.",
+    .tp_methods = owner_methods,
+    .tp_getset = owner_getset,
+    .tp_new = owner_new,
+};
+
+/* For the serving engine: the mount's cache, with a row of its own counted in every retire. */
+int dlfs_shared_cache_of(PyObject *obj, uint64_t row, struct dlfs_shm **shm, struct dlfs_consume **consume)
+{
+    if (!PyObject_TypeCheck(obj, &CacheOwnerType)) {
+        PyErr_SetString(PyExc_TypeError, "expected the mount's dlfs._native.CacheOwner");
+        return -1;
+    }
+    CacheOwner *o = (CacheOwner *)obj;
+    if (dlfs_in_range(row, o->r.shm.h.n_rows, "row") < 0)
+        return -1;
+    row_in_use(o, row);
+    *shm = &o->r.shm;
+    *consume = &o->consume;
+    return 0;
+}
+
+static PyObject *shared_size(PyObject *self, PyObject *args)
+{
+    unsigned long long slab_size, nslabs, n_extents, n_rows;
+    struct dlfs_shm_header h;
+    if (!PyArg_ParseTuple(args, "KKKK", &slab_size, &nslabs, &n_extents, &n_rows))
+        return NULL;
+    if (!dlfs_shm_layout(&h, slab_size, nslabs, n_extents, n_rows)) {
+        PyErr_SetString(PyExc_ValueError, "shared cache sizes out of range");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(h.total);
+}
+
+/* Fault fresh memory in with the GIL released: this VM's first touch costs about 1 s per GB, which the
+ * mount's event loop should not pay inside a read. The range may hold slabs being filled meanwhile, so
+ * nothing here writes a byte: before Linux 5.14 (no MADV_POPULATE_WRITE) a read of each page allocates
+ * it in the memfd just the same, and the first write costs a minor fault only. */
+static PyObject *populate(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"buffer", "offset", "length", "fallback", NULL};
+    Py_buffer view;
+    unsigned long long off, len;
+    int fallback = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*KK|$p", names, &view, &off, &len, &fallback))
+        return NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    if (off > (unsigned long long)view.len || len > (unsigned long long)view.len - off || off % page) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "populate: range outside the buffer, or not page-aligned");
+        return NULL;
+    }
+    int rc = -1, err = EINVAL;
+    Py_BEGIN_ALLOW_THREADS
+    if (!fallback) {
+        rc = madvise((char *)view.buf + off, len, MADV_POPULATE_WRITE);
+        err = rc ? errno : 0;
+    }
+    if (rc != 0 && err == EINVAL) { /* before Linux 5.14, or `fallback` (tests) */
+        const volatile char *p = (const char *)view.buf + off;
+        for (unsigned long long i = 0; i < len; i += (unsigned long long)page)
+            (void)p[i];
+        rc = err = 0;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (rc != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef functions[] = {
+    {"populate", (PyCFunction)(void (*)(void))populate, METH_VARARGS | METH_KEYWORDS,
+     "populate(buffer, offset, length, *, fallback=False): fault the range in now, without the GIL and without "
+     "writing to it (MADV_POPULATE_WRITE; else, or with `fallback` (tests), a read of each page)."},
+    {"shared_size", shared_size, METH_VARARGS,
+     "shared_size(slab_size, nslabs, n_extents, n_rows) -> bytes of the control region."},
+    {NULL},
+};
+
+int dlfs_owner_add_types(PyObject *module)
+{
+    if (PyType_Ready(&CacheOwnerType) < 0)
+        return -1;
+    Py_INCREF(&CacheOwnerType);
+    if (PyModule_AddObject(module, "CacheOwner", (PyObject *)&CacheOwnerType) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "SLAB_LIMIT", DLFS_SHM_SLAB_LIMIT) < 0)
+        return -1;
+    return PyModule_AddFunctions(module, functions);
+}

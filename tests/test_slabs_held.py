@@ -1,0 +1,117 @@
+"""The cache's memory and what it holds, each on its own: slabs (reuse, retirement while pinned, giving
+back) and held records (publication, consumption, bounds), over a real shared table and no node."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+
+from dlfs.mount.held import Held
+from dlfs.mount.slabs import NO_SLAB, Slabs
+from dlfs.native import native
+
+SLAB = 64 << 10
+needs_native = pytest.mark.skipif(native is None, reason="needs dlfs's C helper")
+
+
+def _owner(slabs: Slabs, n_extents: int = 64, rows: int = 2) -> object:
+    size = native.shared_size(slabs.slab_size, slabs.nslabs, n_extents, rows)
+    fd = os.memfd_create("test-ctl", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    ctl = mmap.mmap(fd, size)
+    os.close(fd)
+    owner = native.CacheOwner(ctl, slabs.arena, slab_size=slabs.slab_size, nslabs=slabs.nslabs,
+                              n_extents=n_extents, n_rows=rows)
+    slabs.pins = owner
+    return owner
+
+
+def test_the_slab_freed_last_is_taken_first_and_fresh_ones_in_order() -> None:
+    slabs = Slabs(8 * SLAB, SLAB)
+    assert slabs.nslabs == 8 and slabs.capacity == 8 * SLAB
+    taken = [slabs.take() for _ in range(3)]
+    assert taken == [0, 1, 2]  # fresh slabs from the bottom, in order
+    slabs.release(1)
+    slabs.release(2)
+    assert slabs.take() == 2 and slabs.take() == 1  # a stream keeps reusing the memory it just freed
+    slabs.give(1)
+    assert slabs.take() == 1
+    while slabs.has_free():
+        slabs.take()
+    assert not slabs.has_free()
+    slabs.close()
+
+
+def test_only_free_slabs_that_were_touched_are_given_back() -> None:
+    slabs = Slabs(8 * SLAB, SLAB)
+    a, b = slabs.take(), slabs.take()
+    slabs.view(a)[:] = b"x" * SLAB
+    slabs.release(a)
+    # Slab a was freed after use; b is still held; the six above were never touched.
+    assert slabs.trim() == SLAB and slabs.given_back == SLAB
+    assert slabs.trim() == 0  # given back once
+    assert slabs.take() == a  # taken again: faulted in afresh, given back again once freed
+    slabs.release(a)
+    slabs.release(b)
+    assert slabs.trim() == 2 * SLAB
+    slabs.close()
+
+
+@needs_native
+def test_a_pinned_slab_is_retired_until_its_pin_goes() -> None:
+    slabs = Slabs(4 * SLAB, SLAB)
+    owner = _owner(slabs)
+    held = Held(slabs, owner)
+    slab = slabs.take()
+    data = bytes(range(256)) * 16
+    slabs.view(slab)[: len(data)] = data
+    held.add(slab, 0, {5: slabs.view(slab)[: len(data)]}, {5: 0})
+    assert owner.where(5) == (slab, 0)
+    owner.pin_for(0, slab)  # a client (row 0) pins record 5's slab
+    assert held.evict_for_slab()  # dropped while pinned: the slab waits, retired
+    assert owner.where(5) is None and 5 not in held
+    assert slabs.retired == 1 and slabs.retired_pinned == 1
+    free_before = len(slabs._free)
+    owner.unpin_for(0, slab)
+    assert slabs.retired == 0 and len(slabs._free) == free_before + 1
+    slabs.close()
+
+
+@needs_native
+def test_a_record_is_dropped_once_every_byte_went_to_the_kernel_and_its_block_with_the_last() -> None:
+    slabs = Slabs(8 * SLAB, SLAB)
+    owner = _owner(slabs)
+    held = Held(slabs, owner)
+    slab = slabs.take()
+    view = slabs.view(slab)
+    held.add(slab, 0, {1: view[:1000], 2: view[1000:3000]}, {1: 0, 2: 1000})
+    assert held.cached_bytes == SLAB and held.hit(1) is not None
+    assert not held.served(1, 600)
+    assert held.served(1, 400)  # all 1000 bytes: consumed
+    assert held.take_consumed(1) and owner.where(1) is None and 1 not in held
+    assert owner.where(2) == (slab, 1000) and held.cached_bytes == SLAB  # the block still holds record 2
+    assert held.served(2, 2000) and held.take_consumed(2)
+    assert held.cached_bytes == 0 and held.consumed == 2 and held.evictions == 0
+    assert not held.take_consumed(2)  # once
+    assert slabs.take() == slab  # its slab is free again, and reused first
+    slabs.close()
+
+
+def test_records_outside_the_arena_and_the_scratch_area_stay_within_their_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dlfs.mount.held as held_mod
+
+    monkeypatch.setattr(held_mod, "OWN_MEMORY", 3000)
+    slabs = Slabs(16 * SLAB, SLAB)
+    held = Held(slabs)  # no shared table: served bytes counted here
+    held.readahead_cap = 0  # read-ahead has no room: every block goes to the scratch area
+    for ext in range(10):
+        held.add(NO_SLAB, 1000, {ext: b"r" * 1000}, {})
+        assert held.own_size <= 3000
+    assert held.own_size == 3000 and sorted(held.records) == [7, 8, 9]  # least recently used dropped first
+    assert held.evictions == 7
+    for ext in range(10, 10 + 3):  # slabs into scratch: bounded by an eighth of the arena
+        held.add(slabs.take(), 0, {ext: b"s"}, {})
+    assert held.scratch_size <= held.scratch_cap
+    slabs.close()
