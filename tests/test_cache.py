@@ -156,38 +156,6 @@ async def test_a_stream_keeps_its_next_windows_in_flight(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(60)
-async def test_a_streams_first_read_is_answered_from_its_blocks_while_its_window_comes(tmp_path: Path) -> None:
-    """A file of four 300 KB records (block sums) read in order from this machine's chunk files: the
-    first READ is answered from just its blocks while its window is fetched beside it, the READs after
-    it hit the window, and the bytes sent early count toward consuming the record: every record is
-    dropped once read, no slab stays taken, and each window is fetched once."""
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        size = 300_000
-        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(21, [size] * 4)])
-        assert index.extent(0).record.has_block_sums
-        cache = ChunkCache(index, client, capacity=64 * (1 << 20), readahead=1 << 20)
-        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
-        n.start_soon(cache.window_worker)
-        n.start_soon(cache.prefetch_worker)
-        await trio.testing.wait_all_tasks_blocked()
-        piece = 128 << 10
-        for ext in range(4):
-            for lo in range(0, size, piece):
-                hi = min(lo + piece, size)
-                got = bytes(await cache.read(ext, lo, hi, 0, 4, size=piece))
-                assert got == payloads[ext][lo:hi], (ext, lo)
-                cache.consume(ext, len(got))
-        assert cache.early_reads == 1 and cache.misses == 1, cache.stats()
-        await trio.testing.wait_all_tasks_blocked()
-        windows = len({cache.window_of(ext) for ext in range(4)})
-        assert cache.fetches == windows + 1, cache.stats()  # each window once, and the first READ's blocks
-        assert cache.consumed == 4 and cache.stats()["cached_bytes"] == 0 and not any(e in cache for e in range(4))
-        assert cache.slabs.has_free() and len(cache.slabs._free) == cache.slabs.nslabs
-        n.cancel_scope.cancel()
-
-
-@pytest.mark.timeout(60)
 async def test_a_second_cold_epoch_reads_ahead_as_the_first(tmp_path: Path) -> None:
     """Records sent whole to the kernel are passed over by read-ahead only until the kernel asks for
     one again (it dropped pages): the second epoch then fetches windows, not single records."""

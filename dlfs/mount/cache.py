@@ -17,9 +17,8 @@ and a slab whose records are all consumed is free again. The cache therefore hol
 not been used yet, not a second copy of the page cache.
 
 A miss that is part of a stream fetches what of its window is not here yet (one request, one slab) and
-queues the file's next windows (and a small file's chunk) for background prefetch workers; a stream's
-first READ is answered from its own blocks while its window comes beside it; a random read fetches
-what it asks: a small record alone, or the 4 KiB blocks of a big one.
+queues the file's next windows (and a small file's chunk) for background prefetch workers; a random
+read fetches what it asks: a small record alone, or the 4 KiB blocks of a big one.
 
 Scan resistant (CoorDL's no-thrash idea): blocks stay resident until used; once read-ahead's part is
 full, misses fetch just their own record (no read-ahead, no prefetch) into a small LRU scratch area,
@@ -108,15 +107,7 @@ class ChunkCache:
         # reaches the disk in the order it was queued (the workers are scheduled in any order).
         self._queued: dict[int, int] = {}
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
-        # Windows claimed by a stream's first READ, answered from its own blocks (_answer_early):
-        # fetched at once by window_worker, ahead of read-ahead; and the bytes of their records sent to
-        # the kernel before they landed.
-        self._claimed_send, self._claimed_recv = trio.open_memory_channel[
-            tuple[list[int], int, trio.Event, tuple[int, int, int]]](math.inf)
-        self._early: dict[int, int] = {}
-        self._early_on = False  # window_worker runs (a cache driven without it answers no READ early)
         self.hits = self.misses = self.prefetched_bytes = 0
-        self.early_reads = 0  # a stream's first READs answered from their own blocks while the window came
         self.block_reads = 0  # random reads served from just the blocks they asked for
 
     # --- the parts, as the rest of the mount sees them ---
@@ -274,16 +265,13 @@ class ChunkCache:
                    size: int = 0) -> bytes | bytearray | memoryview:
         """Bytes [lo, hi) of extent `ext`'s record for a read of the file made of extents [first, end),
         fetched as its access pattern asks (planner.py): a sequential read brings the record's window
-        and keeps the file's next windows in flight ahead of it (a stream's first READ is answered from
-        its own blocks while the window comes); a small file (one record) brings its window and queues
+        and keeps the file's next windows in flight ahead of it; a small file (one record) brings its window and queues
         the rest of its chunk for the prefetch workers (an epoch reads its neighbours too, in whatever
         order: read-ahead's bound decides how far that goes); any other read inside a record with block
         sums fetches just the 4 KiB blocks it covers, of a small record of a big file (its tail) the
         record alone."""
         sequential = self.planner.sequential(ext, lo, hi, first, size)
         small_file = end - first == 1
-        if sequential and self._answer_early(ext, lo, hi, first, end):
-            return await self.fetcher.blocks(ext, lo, hi)
         if sequential:
             return (await self.record(ext, (first, end), chunk=small_file))[lo:hi]
         if self._present(ext):
@@ -294,53 +282,6 @@ class ChunkCache:
             return await self.fetcher.blocks(ext, lo, hi)
         # A small piece of a big file (its tail record) read at random: the record alone.
         return (await self.record(ext, ahead=small_file, chunk=small_file))[lo:hi]
-
-    def _answer_early(self, ext: int, lo: int, hi: int, first: int, end: int) -> bool:
-        """Whether a sequential READ that misses is answered from just its own blocks while its window
-        is fetched beside it (claimed here, so the READs after it park in C until it lands). A window
-        is a slab (several ms from disk) and the kernel's first READ of a file is small: answered in a
-        fraction of that, the reader copies while the rest lands. Only for records with block sums
-        (the READ's bytes are checked on their own), stored plain, bigger than the READ, in this
-        machine's chunk files (the disk is idle at a stream's start; a network link would carry the
-        READ's bytes twice, and the disk cache keeps windows, not block sums)."""
-        e = self.index.extent(ext)
-        rec = e.record
-        if (not self._early_on or self._present(ext) or not rec.flags & FLAG_BLOCK_SUMS
-                or rec.flags & FLAG_LZ4 or hi - lo >= rec.raw_len or self.fetcher.local is None
-                or not self.fetcher.local.holds(self.index.chunk(e.chunk).id)):
-            return False
-        self.planner.asked_again(ext)
-        if not self._readahead_room():
-            return False
-        run = self.planner.run(ext, self._present)
-        length = self.planner.span(run)[1]
-        if length > self.window:
-            return False
-        self._claimed_send.send_nowait((run, length, self._claim(run, length), (ext, first, end)))
-        self.misses += 1
-        self.early_reads += 1
-        return True
-
-    async def window_worker(self) -> None:
-        """Run for the mount's life: fetch the windows claimed by READs answered early, each at once
-        and urgently (a reader waits on the rest of it)."""
-        self._early_on = True
-        try:
-            async with trio.open_nursery() as nursery:
-                async for run, length, done, stream in self._claimed_recv:
-                    nursery.start_soon(self._fetch_claimed, run, length, done, stream)
-        finally:
-            self._early_on = False
-
-    async def _fetch_claimed(self, run: list[int], length: int, done: trio.Event,
-                             stream: tuple[int, int, int]) -> None:
-        # The stream's next windows are queued in the same step as this one reaches the disk's queue
-        # (no checkpoint between): the prefetch workers wake after it, so this window is read first.
-        self._stream_ahead(*stream)
-        try:
-            await self._fetch(run, None, claimed=(length, done))
-        except DlfsError as exc:  # its parked READs then come to Python, which reports it
-            log.debug("window of extent %d stopped: %s", run[0], exc)
 
     async def record(self, ext: int, stream: tuple[int, int] | None = None, ahead: bool = True,
                      direct: bool = False, chunk: bool = False) -> bytes | bytearray | memoryview:
@@ -384,8 +325,6 @@ class ChunkCache:
     def consume(self, ext: int, nbytes: int) -> None:
         """`nbytes` of extent `ext` went to the kernel, which keeps them: once all have, drop it."""
         if ext not in self.held:
-            if ext in self._inflight:  # answered early (from its blocks): counted once it lands
-                self._early[ext] = self._early.get(ext, 0) + nbytes
             return
         if self.held.served(ext, nbytes):
             self._consumed(ext)
@@ -435,8 +374,6 @@ class ChunkCache:
         self._inflight_size -= length
         for i in run:
             self._inflight.pop(i, None)
-            if i not in self.held:
-                self._early.pop(i, None)
         done.set()
         if self.shared is not None:
             # Published (or failed) first, then no longer pending, then the parked READs looked at.
@@ -444,25 +381,22 @@ class ChunkCache:
             if native is not None:
                 native.wake_parked()
 
-    async def _fetch(self, run: list[int], need: int | None, direct: bool = False, order: int | None = None,
-                     claimed: tuple[int, trio.Event] | None = None) -> bytes | memoryview | None:
+    async def _fetch(self, run: list[int], need: int | None, direct: bool = False,
+                     order: int | None = None) -> bytes | memoryview | None:
         """Fetch the records of `run` (ascending, in one window of a chunk) as one range into one slab;
         returns `need`'s bytes (CorruptData/Unreachable if no replica has them), None for a prefetch
-        (`order`: its ticket, taken when it was queued). `claimed`: the run's length and event, claimed
-        already (_claim): fetched urgently."""
+        (`order`: its ticket, taken when it was queued)."""
         extents = [self.index.extent(i) for i in run]
         chunk = self.index.chunk(extents[0].chunk)
         base, length = self.planner.span(run)
         slab = self._take_slab() if length <= self.window else NO_SLAB
         if slab == NO_SLAB and length <= self.window:  # every slab pinned or being filled: no read-ahead
             if need is None:
-                if claimed is not None:
-                    self._unclaim(run, *claimed)
                 return None
             run, extents = [need], [self.index.extent(need)]
             base, length = extents[0].record.offset, extents[0].record.stored_len
         into = self.slabs.view(slab) if slab != NO_SLAB else None
-        done = claimed[1] if claimed is not None else self._claim(run, length)
+        done = self._claim(run, length)
         slab_kept = False
 
         async def keep(got: Sequence[Buffer], node: str) -> bytes | memoryview | None:
@@ -481,7 +415,7 @@ class ChunkCache:
 
         try:
             return await self.fetcher.ranges(chunk.id, [(base, length)], into, keep,
-                                             urgent=need is not None or claimed is not None, order=order)
+                                             urgent=need is not None, order=order)
         finally:
             if not slab_kept and slab != NO_SLAB:
                 self.slabs.give(slab)
@@ -501,10 +435,6 @@ class ChunkCache:
         else:
             kept, offsets, own = verify_window(*args)
         self.held.add(slab, own, kept, offsets, direct)
-        for i in kept:  # what of them went to the kernel while they came (answered early)
-            early = self._early.pop(i, 0)
-            if early:
-                self.consume(i, early)
         return kept[need] if need is not None else None
 
     # --- read-ahead ---
@@ -540,7 +470,7 @@ class ChunkCache:
 
     def stats(self) -> dict[str, int]:
         out = {"hits": self.hits, "misses": self.misses, "stream_waits": self.planner.stream_waits,
-               "early_reads": self.early_reads, "block_reads": self.block_reads, "generations": self.planner.generations,
+               "block_reads": self.block_reads, "generations": self.planner.generations,
                "prefetched_bytes": self.prefetched_bytes, "consumed": self.held.consumed,
                "evictions": self.held.evictions, "cached_bytes": self.held.cached_bytes,
                "retired_slabs": self.slabs.retired, "retired_pinned": self.slabs.retired_pinned,

@@ -136,7 +136,7 @@ class Fetcher:
 
     async def blocks(self, ext: int, lo: int, hi: int) -> memoryview:
         """Bytes [lo, hi) of extent `ext`'s record, reading only the 4 KiB blocks that hold them and
-        their sums (a random read inside a big record, or a stream's first READ); kept nowhere: the
+        their sums (a random read inside a big record); kept nowhere: the
         kernel keeps what it is sent."""
         e = self.index.extent(ext)
         cid = self.index.chunk(e.chunk).id

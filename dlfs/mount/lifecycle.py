@@ -227,7 +227,6 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
-        nursery.start_soon(cache.window_worker, name="dlfs-window-worker")
         nursery.start_soon(watch_memory, cache, opts.memory, name="dlfs-memory-watch")
         label = f"{info.name}@{info.version}"
         set_context(f"dataset={label}")

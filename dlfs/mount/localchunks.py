@@ -233,10 +233,6 @@ class LocalChunks:
             self._bad[cid] = (st.st_dev, st.st_ino, st.st_ctime_ns)
         self.forget(cid)
 
-    def holds(self, cid: bytes) -> bool:
-        """Whether chunk `cid` is read here (its file is on this machine and has not failed a check)."""
-        return self._fd(cid) is not None
-
     def _fd(self, cid: bytes) -> int | None:
         if self._current(cid):
             fd = self._fds.get(cid)
