@@ -278,8 +278,8 @@ def mounted(node: Node, tmp_path: Path) -> Iterator[Callable[..., Path]]:
 def mount_stats(home: Path, mountpoint: Path, until: Callable[[dict], bool] = lambda s: True,
                 timeout: float = 5.0) -> dict:
     """The counters a mount publishes (dlfs/mount/statsfile.py), once `until` holds of them or `timeout` has
-    passed (the mount writes them once a second)."""
-    from dlfs.mount.statsfile import stats_file
+    passed (the mount writes them once a second, and at once when asked with SAMPLE_NOW)."""
+    from dlfs.mount.statsfile import SAMPLE_NOW, stats_file
 
     deadline = time.monotonic() + timeout
     while True:
@@ -291,6 +291,11 @@ def mount_stats(home: Path, mountpoint: Path, until: Callable[[dict], bool] = la
             return doc
         if time.monotonic() > deadline:
             raise AssertionError(f"no stats from the mount at {mountpoint} within {timeout} s")
+        if doc is not None:  # its writer runs: a new sample now
+            try:
+                os.kill(doc["pid"], SAMPLE_NOW)
+            except ProcessLookupError:
+                pass
         time.sleep(0.1)
 
 

@@ -31,7 +31,8 @@ from dlfs.procmounts import mounts_under
 
 log = logging.getLogger(__name__)
 MOUNT_TIMEOUT = 30.0
-STATS_TIMEOUT = 30.0  # for a mount to go idle after a workload (the stats are written once a second)
+STATS_TIMEOUT = 30.0  # for a mount to go idle after a workload
+IDLE_GAP = 0.25  # seconds over which a mount's fetch counters stay unchanged: it is idle (prefetches done)
 # The mount's published counters of what it read to serve reads: chunk bytes read from this node's chunk
 # files in place or fetched over the network, prefetches included (dlfs/mount/statsfile.py).
 FETCH_COUNTERS = ("fetched_bytes", "fetches")
@@ -380,8 +381,10 @@ class DlfsMount(System):
 
     def mount_counters(self, after: float, timeout: float = STATS_TIMEOUT) -> dict[str, int]:
         """FETCH_COUNTERS from the mount's published stats (`dlfs stats`'s sample) once it is idle: the
-        first sample written at or after `after` (time.time()) whose counters equal those of the sample
-        before it, also written after `after` (nothing fetched for a second: prefetches are done)."""
+        first sample written at or after `after` (time.time()) whose counters equal those of a sample
+        written IDLE_GAP or more before it, also after `after` (nothing fetched meanwhile: prefetches are
+        done). The mount is asked for each sample (SAMPLE_NOW) rather than waited for (once a second)."""
+        from dlfs.mount.statsfile import SAMPLE_NOW
         from dlfs.stats import read_sample
 
         deadline = time.monotonic() + timeout
@@ -395,7 +398,7 @@ class DlfsMount(System):
                 time.sleep(0.05)
                 continue
             missing_file = None
-            if doc["time"] >= after and (prev is None or doc["time"] > prev["time"]):
+            if doc["time"] >= after and (prev is None or doc["time"] >= prev["time"] + IDLE_GAP):
                 missing = [k for k in FETCH_COUNTERS if k not in doc]
                 if missing:
                     raise DlfsError(f"the dlfs mount's stats have no {', '.join(missing)}: the bench cannot count "
@@ -403,6 +406,11 @@ class DlfsMount(System):
                 if prev is not None and all(doc[k] == prev[k] for k in FETCH_COUNTERS):
                     return {k: int(doc[k]) for k in FETCH_COUNTERS}
                 prev = doc
+            if self._pid is not None and time.time() >= (after if prev is None else prev["time"] + IDLE_GAP):
+                try:  # its writer runs (it wrote the file read above): a sample now, not in up to a second
+                    os.kill(self._pid, SAMPLE_NOW)
+                except ProcessLookupError:
+                    pass  # gone: its stats file too, said on the next read
             time.sleep(0.05)
         raise DlfsError(missing_file or f"the dlfs mount at {self.root} kept fetching for {timeout:.0f} s "
                         "after a workload ended")

@@ -44,7 +44,7 @@ from dlfs.mount.records import (
     read_record,
     write_record,
 )
-from dlfs.mount.statsfile import MountStats, stats_file
+from dlfs.mount.statsfile import SAMPLE_NOW, MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
@@ -199,6 +199,8 @@ def _raise_read_ahead(dev: int) -> None:
 
 async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     """Mount and serve until unmounted or signalled; `ready` is told once the mount is live."""
+    # Asked for a stats sample before the writer listens, or after it stopped: not a reason to die.
+    signal.signal(SAMPLE_NOW, signal.SIG_IGN)
     tighten_home(opts.home)  # its index cache, records and control socket: once, before any is made
     arena = arena_for_cache(opts.cache_size)
     choice = choose_for(opts.cluster, arena, f"mount of {opts.dataset}")
