@@ -19,6 +19,7 @@ import subprocess
 import sys
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -139,6 +140,40 @@ def test_size_bound_evicts_least_recently_read(tmp_path: Path) -> None:
     assert again.size_bound() == 3 * MiB
     again.close()
     assert consistent(tmp_path / "c") == 3 * MiB
+
+
+def test_without_a_size_it_keeps_a_tenth_of_its_file_system_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    import dlfs.mount.diskcache as diskcache
+
+    cache = DiskCache(tmp_path / "c")
+    assert cache.size_bound() is None
+    real = os.statvfs
+    free = [400 * MiB]  # of a 1600 MiB file system, as it looks to the cache
+
+    def statvfs(path: Any) -> Any:
+        st = real(path)
+        fields = list(st)
+        fields[0] = fields[1] = 4096  # f_bsize, f_frsize
+        fields[2] = 1600 * MiB // 4096  # f_blocks
+        fields[4] = free[0] // 4096  # f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(diskcache.os, "statvfs", statvfs)
+    for i in range(4):
+        cache.store(cid_of(i), [(0, MiB)], [content(cid_of(i), 0, MiB)])
+    assert cache.held_bytes() == 4 * MiB  # 400 MiB free of 1600: over a tenth, nothing goes
+    free[0] = 160 * MiB - 2 * MiB  # now 2 MiB short of a tenth: the least recently read go first
+    cache.store(cid_of(4), [(0, MiB)], [content(cid_of(4), 0, MiB)])
+    assert cache.held_bytes() < 5 * MiB and read(cache, cid_of(0), [(0, 10)]) is None
+    assert read(cache, cid_of(4), [(0, 10)]) is not None
+    free[0] = 0  # nothing left: it keeps next to nothing, says so once, and never fails a store
+    with caplog.at_level("WARNING", logger="dlfs.mount.diskcache"):
+        cache.store(cid_of(5), [(0, MiB)], [content(cid_of(5), 0, MiB)])
+        cache.store(cid_of(6), [(0, MiB)], [content(cid_of(6), 0, MiB)])
+    assert cache.held_bytes() <= MiB
+    assert sum("less than 10% free" in r.getMessage() for r in caplog.records) == 1
+    cache.close()
 
 
 def test_write_behind_never_waits_and_drops_when_behind(tmp_path: Path) -> None:
@@ -292,7 +327,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, dict[str, b
 
 def mounted_epoch(node: Node, base: Path, cache_dir: Path, files: dict[str, bytes], name: str) -> dict[str, int]:
     """Mount (no chunk files of its own, disk cache at `cache_dir`), read every file, unmount; bytes by source."""
-    mnt = node.mount("imgs", base / name, "--no-short-circuit", "--cache-dir", str(cache_dir))
+    mnt = node.mount("imgs", base / name, "--no-short-circuit", "--cache-dir", str(cache_dir), "--cache-dir-size", "1G")
     try:
         epoch(mnt, files)
         sources = wait_stats(node, mnt, sum(len(b) for b in files.values()))
@@ -355,10 +390,13 @@ def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str
     node, files, base = dataset
     total = sum(len(b) for b in files.values())
     cache_dir = base / "cache-warm"
-    out = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--rate", "200MB/s").stdout
+    # A size of its own: by default the cache keeps 10% of its file system free, which a busy test
+    # machine's disk may not have.
+    out = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--cache-dir-size", "1G",
+                   "--rate", "200MB/s").stdout
     assert f"warmed imgs@1: {len(files)} files" in out, out
     assert consistent_held(cache_dir) >= total
-    again = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir).stdout
+    again = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--cache-dir-size", "1G").stdout
     assert "already there" in again and "fetched 0 B" in again, again
     sources = mounted_epoch(node, base, cache_dir, files, "w1")
     assert network_bytes(sources) == 0 and sources[SOURCE] >= total
@@ -371,7 +409,7 @@ def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str
 def test_warmup_of_paths_beside_a_running_mount(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
     node, files, base = dataset
     cache_dir = base / "cache-shared"
-    mnt = node.mount("imgs", base / "s1", "--no-short-circuit", "--cache-dir", str(cache_dir))
+    mnt = node.mount("imgs", base / "s1", "--no-short-circuit", "--cache-dir", str(cache_dir), "--cache-dir-size", "1G")
     try:
         mounts = json.loads(node.run("mounts", "--json").stdout)["mounts"]
         assert [m["cache_dir"] for m in mounts if m["mountpoint"] == str(mnt)] == [str(cache_dir)]
