@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from conftest import trio_wait_for
 from test_services import make_chunk, make_index, running_node
 
 from dlfs.client.cluster import ClusterClient
@@ -126,13 +127,18 @@ async def test_a_small_file_miss_queues_its_chunk_within_the_readahead_bound(tmp
             got = await cache.read(ext, 0, len(payloads[ext]), ext, ext + 1, len(payloads[ext]))
             assert bytes(got) == payloads[ext]
             cache.consume(ext, len(got))  # the kernel has it, as the FUSE handlers say
-            await trio.testing.wait_all_tasks_blocked()
+            # Every fetch landed (a task waiting on a disk thread counts as blocked, so blocked tasks alone,
+            # what this once waited for, could leave one in flight).
+            await trio_wait_for(lambda: not cache._inflight and not cache._queued, 10, "prefetches to land")
             st = cache.stats()
             held.append(st["cached_bytes"] - st["own_bytes"])  # slabs (decompressed records are bounded apart)
         chunk0 = {e for e in range(8) if e in cache}
         assert chunk0 == set(range(8)) - {4}, "the first miss's chunk was prefetched whole (it fits the bound)"
         assert cache.prefetched_bytes > 0
-        assert max(held) <= 3 * cache.slab_size, held
+        # Read-ahead's bound, and the window the miss itself needed: when the prefetch beside it lands
+        # first and fills the bound, that window goes to the scratch area. (This once allowed the bound
+        # alone, which held only when the miss's window landed first: it failed 2 runs in 9.)
+        assert max(held) <= 3 * cache.slab_size + cache.slab_size, held
         n.cancel_scope.cancel()
 
 
