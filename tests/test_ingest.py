@@ -15,6 +15,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import dlfs.ingest.run
 import dlfs.ingest.source
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import load_cluster
-from dlfs.errors import CorruptData, SourceError
+from dlfs.errors import CorruptData, SourceError, Unreachable
 from dlfs.format.chunk import (
     BLOCK_SIZE,
     BLOCK_SUMS_MIN,
@@ -246,6 +247,34 @@ async def test_a_damaged_staged_chunk_is_refused(node: Node, tmp_path: Path, mon
         await ingest(load_cluster(None, node.home), str(tmp_path / "src"), "damaged", 64 << 10)
     assert dataset_rows(node) == [] and chunk_files(node.home) == []
     assert not list((node.home / "data/tmp").iterdir())
+
+
+@pytest.mark.timeout(60)
+async def test_a_chunk_being_stored_when_another_fails_is_finished_before_the_abort(
+        node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One uploader is still writing its staged chunk when another's fails: its store finishes (the
+    # daemon takes the file) before the session is aborted, which then frees it. Cancelled mid-way as it
+    # once was, its PUT_STAGED never went and the staged file stayed in data/tmp (for STAGE_TTL).
+    make_files(tmp_path / "src", 24, 30_000)
+    real = dlfs.ingest.run._write_staged
+    calls: list[str] = []
+    broke = threading.Event()  # the packer's and uploaders' threads wait on it, not the event loop
+
+    def slow_or_failing(path: str, data: memoryview) -> None:
+        calls.append(path)
+        if len(calls) == 1:  # the first: still writing when the second fails
+            assert broke.wait(10)
+            return real(path, data)
+        broke.set()
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(dlfs.ingest.run, "_write_staged", slow_or_failing)
+    with pytest.raises(Unreachable, match="Input/output error"):
+        await ingest(load_cluster(None, node.home), str(tmp_path / "src"), "half", 64 << 10)
+    assert len(calls) >= 2
+    assert dataset_rows(node) == [] and chunk_files(node.home) == []
+    left = sorted(p.name for p in (node.home / "data/tmp").iterdir())
+    assert left == sorted(Path(p).name for p in calls[1:]), (left, calls)
 
 
 @pytest.mark.timeout(60)
