@@ -43,9 +43,9 @@ INDEX_PIECE = 8 << 20
 UPLOADERS = 3
 MIN_CHUNK_SIZE = 64 << 10
 ABORT_WAIT = 30.0  # seconds a failed ingest waits for its session to be given up and its chunks freed
-# Seconds a chunk being stored when the ingest stops (a failed sibling, Ctrl-C) has to finish: what it
-# started on a daemon (a staged file, a stored chunk) then belongs to the session before the session
-# is given up, instead of landing after the abort and staying behind.
+# Seconds a chunk being stored when the ingest stops (a failed sibling, a cancelled caller; not Ctrl-C,
+# which stops at once) has to finish: what it started on a daemon (a staged file, a stored chunk) then
+# belongs to the session before the session is given up, instead of landing after the abort.
 DRAIN_WAIT = 10.0
 DIRECT_ALIGN = 4096  # O_DIRECT's unit of length (and of the buffer's address: mmap'd buffers are page-aligned)
 KEEPALIVE_DEFAULT = 60.0  # seconds between keepalives where the metadata daemon does not say its TTL
@@ -232,8 +232,12 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
             # tree first; the packer stops at its next chunk.
             try:
                 extents = await trio.to_thread.run_sync(pack, abandon_on_cancel=True)
-            except BaseException:
+            except BaseException as exc:
                 stop.set()
+                if isinstance(exc, KeyboardInterrupt):  # Ctrl-C stops at once: no store is waited for
+                    stopping.set()
+                    for scope in storing:
+                        scope.cancel()
                 raise
     build_index(tree, extents, writer)
     newest = None if force else await _holding(client, name, writer.body_sum())
