@@ -28,6 +28,13 @@ def _owner(slabs: Slabs, n_extents: int = 64, rows: int = 2) -> object:
     return owner
 
 
+def _held(nslabs: int) -> tuple[Slabs, object, Held]:
+    """An arena of `nslabs` slabs, its shared table and what it holds."""
+    slabs = Slabs(nslabs * SLAB, SLAB)
+    owner = _owner(slabs)
+    return slabs, owner, Held(slabs, owner)
+
+
 def test_the_slab_freed_last_is_taken_first_and_fresh_ones_in_order() -> None:
     slabs = Slabs(8 * SLAB, SLAB)
     assert slabs.nslabs == 8 and slabs.capacity == 8 * SLAB
@@ -61,9 +68,7 @@ def test_only_free_slabs_that_were_touched_are_given_back() -> None:
 
 @needs_native
 def test_a_pinned_slab_is_retired_until_its_pin_goes() -> None:
-    slabs = Slabs(4 * SLAB, SLAB)
-    owner = _owner(slabs)
-    held = Held(slabs, owner)
+    slabs, owner, held = _held(4)
     slab = slabs.take()
     data = bytes(range(256)) * 16
     slabs.view(slab)[: len(data)] = data
@@ -81,9 +86,7 @@ def test_a_pinned_slab_is_retired_until_its_pin_goes() -> None:
 
 @needs_native
 def test_a_record_is_dropped_once_every_byte_went_to_the_kernel_and_its_block_with_the_last() -> None:
-    slabs = Slabs(8 * SLAB, SLAB)
-    owner = _owner(slabs)
-    held = Held(slabs, owner)
+    slabs, owner, held = _held(8)
     slab = slabs.take()
     view = slabs.view(slab)
     held.add(slab, 0, {1: view[:1000], 2: view[1000:3000]}, {1: 0, 2: 1000})

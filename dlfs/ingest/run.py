@@ -183,7 +183,6 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
             progress.advance(nfiles, nbytes)
 
     storing: set[trio.CancelScope] = set()  # the chunks being stored now, each shielded (see DRAIN_WAIT)
-    stopping = trio.Event()
     drained = trio.CancelScope()  # bound_drain's, cancelled by the last uploader to finish
     uploading = [UPLOADERS]
 
@@ -197,11 +196,11 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
 
     async def upload_all(recv: trio.MemoryReceiveChannel[Packed]) -> None:
         async with recv:
-            async for p in recv:  # once the ingest stops, the next receive raises Cancelled
+            # Once the ingest stops, the next receive raises Cancelled: no store starts after that, and
+            # one under way is in `storing` (added before its first checkpoint) when bound_drain bounds it.
+            async for p in recv:
                 try:
                     with trio.CancelScope(shield=True) as scope:
-                        if stopping.is_set():
-                            scope.deadline = trio.current_time() + DRAIN_WAIT
                         storing.add(scope)
                         try:
                             await _store_chunk(client, session, p, stats, local)
@@ -215,7 +214,6 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
             try:
                 await trio.sleep_forever()
             finally:  # the ingest stops (or finished): what is still being stored has DRAIN_WAIT left
-                stopping.set()
                 for scope in storing:
                     scope.deadline = min(scope.deadline, trio.current_time() + DRAIN_WAIT)
 
@@ -235,7 +233,6 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
             except BaseException as exc:
                 stop.set()
                 if isinstance(exc, KeyboardInterrupt):  # Ctrl-C stops at once: no store is waited for
-                    stopping.set()
                     for scope in storing:
                         scope.cancel()
                 raise
