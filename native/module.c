@@ -350,7 +350,7 @@ static int add_layout(PyObject *m)
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && (dlfs_owner_add_types(m) < 0 || dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 ||
+    if (m && (dlfs_owner_add_types(m) < 0 || dlfs_arena_add_functions(m) < 0 || dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 ||
               add_layout(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0 ||
               PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0))

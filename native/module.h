@@ -21,6 +21,9 @@ int dlfs_direct_add_types(PyObject *module);
  * failure. */
 int dlfs_owner_add_types(PyObject *module);
 
+/* huge_arena (hugearena.c), added to the module; -1 on failure. */
+int dlfs_arena_add_functions(PyObject *module);
+
 /* The mount's CacheOwner `obj` for the serving engine, which pins through `row`: its layout and its
  * consumption counters; -1 with a Python exception if `obj` is not a CacheOwner. */
 int dlfs_shared_cache_of(PyObject *obj, uint64_t row, struct dlfs_shm **shm, struct dlfs_consume **consume);

@@ -107,16 +107,23 @@ def _settled(c: Cold, key: str, at_least: int, mnt: Path | None = None) -> dict:
 
 @pytest.mark.timeout(120)
 def test_big_files_streamed_cold_are_byte_exact_and_wait_in_c(cold: Cold) -> None:
-    before = _engine(cold)
-    drop_caches()
-    for name in BIG_SIZES:
-        assert _read(cold.mnt / "big" / name) == (cold.src / "big" / name).read_bytes(), name
-    reads = sum(-(-size // MiB) for size in BIG_SIZES.values())  # 1 MiB READs at least
-    after = _settled(cold, "reads", before["reads"] + reads)
-    eng, eng0 = after["engine"], before["engine"]
-    parked = eng["parked"] - eng0["parked"]
-    python = after["python_reads"] - before["python_reads"]
-    assert parked > 0, "READs that arrived before their window waited in C"
+    # Whether a READ arrives while its window is on the way is a race (a busy machine may have every
+    # window land first, or send every READ before the first claim): cold passes until one parks.
+    for _attempt in range(5):
+        before = _engine(cold)
+        drop_caches()
+        for name in BIG_SIZES:
+            assert _read(cold.mnt / "big" / name) == (cold.src / "big" / name).read_bytes(), name
+        reads = sum(-(-size // MiB) for size in BIG_SIZES.values())  # 1 MiB READs at least
+        after = _settled(cold, "reads", before["reads"] + reads)
+        eng, eng0 = after["engine"], before["engine"]
+        parked = eng["parked"] - eng0["parked"]
+        python = after["python_reads"] - before["python_reads"]
+        if parked > 0:
+            break
+    assert parked > 0, "READs that arrived before their window waited in C (in 5 cold passes)"
+    # Its windows landed in slabs on 2 MiB pages (a private huge tmpfs: the mount runs as root here).
+    assert after["cache_huge_pages"] is os.path.isdir("/sys/kernel/mm/transparent_hugepage")
     assert eng["parked_answered"] - eng0["parked_answered"] == parked and eng["parked_forwarded"] == eng0["parked_forwarded"]
     # The first READ of each file reaches Python (nothing is coming yet); most of the rest do not.
     assert python < (after["reads"] - before["reads"]) / 2, (python, after["reads"] - before["reads"])

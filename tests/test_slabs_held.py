@@ -118,3 +118,56 @@ def test_records_outside_the_arena_and_the_scratch_area_stay_within_their_bounds
         held.add(slabs.take(), 0, {ext: b"s"}, {})
     assert held.scratch_size <= held.scratch_cap
     slabs.close()
+
+
+def _smaps_of(address: int) -> dict[str, int]:
+    """The kB fields of this process's mapping that starts at `address`."""
+    out: dict[str, int] = {}
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                if found:
+                    break
+                found = int(head.split("-")[0], 16) == address
+            elif found and line.rstrip().endswith("kB"):
+                out[head.rstrip(":")] = int(line.split()[1])
+    return out
+
+
+@needs_native
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="a private tmpfs on huge pages needs root and a kernel with transparent huge pages")
+def test_the_arena_is_on_huge_pages_shared_by_its_fd_and_leaves_no_mount_behind() -> None:
+    import ctypes
+
+    with open("/proc/self/mountinfo") as f:
+        mounts = f.read()
+    slabs = Slabs(8 * (2 << 20), 2 << 20)
+    assert slabs.huge
+    with open("/proc/self/mountinfo") as f:
+        assert f.read() == mounts  # the tmpfs was mounted in a namespace that is gone
+    anchor = ctypes.c_char.from_buffer(slabs.arena)
+    address = ctypes.addressof(anchor)
+    del anchor
+    assert address % (2 << 20) == 0  # mapped where 2 MiB pages fit
+    native.populate(slabs.arena, 0, slabs.capacity)
+    assert _smaps_of(address).get("ShmemPmdMapped", 0) >= 8 * 2048  # every slab on 2 MiB pages
+    # What a dlfs.direct client maps from the descriptor is the same memory.
+    assert slabs.fd is not None
+    client = mmap.mmap(slabs.fd, slabs.capacity, prot=mmap.PROT_READ)
+    slabs.view(3)[:5] = b"hello"
+    assert client[3 * (2 << 20) : 3 * (2 << 20) + 5] == b"hello"
+    client.close()
+    used = os.fstat(slabs.fd).st_blocks
+    for _ in range(4):
+        slabs.release(slabs.take())
+    assert slabs.trim() > 0 and os.fstat(slabs.fd).st_blocks < used  # free slabs' pages go back
+    slabs.close()
+
+
+@needs_native
+def test_an_arena_that_cannot_be_made_on_huge_pages_says_why() -> None:
+    with pytest.raises(OSError, match="no huge-page cache arena: mounting a tmpfs"):
+        native.huge_arena("/nonexistent/dlfs-test", 1 << 20)

@@ -227,6 +227,8 @@ class ClusterClient:
             except ControlUnavailable:
                 raise  # every metadata daemon would say the same
             except Unreachable as exc:
+                # A connection torn down because this client stops (Ctrl-C) is no fault of the daemon's.
+                await trio.lowlevel.checkpoint_if_cancelled()
                 last = exc
                 log.warning("metadata daemon on %s: %s", spec.name, exc)
         raise last or Unreachable("no metadata daemon in the cluster")

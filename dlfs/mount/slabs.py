@@ -1,26 +1,48 @@
-"""The cache's memory: one arena of fixed-size slabs in a memfd, mapped once, shared with the mount's
-serving threads and dlfs.direct clients (native/shm.h).
+"""The cache's memory: one arena of fixed-size slabs in a shared file, mapped once, shared with the
+mount's serving threads and dlfs.direct clients (native/shm.h).
+
+The file is on 2 MiB pages where the mount can have them (native/hugearena.c: an unnamed file of a
+private tmpfs; else a memfd, which gets them where the admin allows shared memory huge pages): a
+window read from the disk with O_DIRECT is then one request of a few segments, not four of 254.
 
 A slab holds one read-ahead window and the slack of reading it page-aligned (O_DIRECT). Freed slabs
 are reused most-recent first, so a stream keeps reusing the few slabs it has in flight (this VM's
 first touch of fresh memory costs 1-2 s per GB); fresh ones are faulted in ahead of use by a thread.
 A slab that a client still pins when its records are dropped waits, retired, until its pins are
-released. Free slabs' pages go back to the kernel on demand (trim): memfd pages are reclaimable no
+released. Free slabs' pages go back to the kernel on demand (trim): its pages (shared memory) are reclaimable no
 other way when there is no swap. Which slab holds what is the cache's business, not this module's.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import tempfile
 from typing import Any
 
 import trio
 
 from dlfs.native import native
 
+log = logging.getLogger(__name__)
 NO_SLAB = -1
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
+
+
+def arena_file(size: int) -> tuple[int, bool]:
+    """A shared file of `size` bytes for the arena, and whether it is on huge pages for certain: a
+    private huge tmpfs's (root may mount one), else a memfd."""
+    if native is not None:
+        try:
+            fd = native.huge_arena(tempfile.gettempdir(), size)
+            log.info("the cache is on 2 MiB pages (a private tmpfs)")
+            return fd, True
+        except OSError as exc:
+            log.info("%s; the cache is a memfd", exc)
+    fd = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd, False
 
 
 class Slabs:
@@ -30,11 +52,13 @@ class Slabs:
         self.slab_size = slab_size
         self.nslabs = max(capacity // slab_size, 4)
         self.capacity = self.nslabs * slab_size
-        # A memfd, lazily touched: a large cache costs address space, not memory, until used; the
-        # same pages are mapped by dlfs.direct clients.
-        self.fd: int | None = os.memfd_create("dlfs-cache", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.capacity)
+        # Lazily touched: a large cache costs address space, not memory, until used; the same pages
+        # are mapped by dlfs.direct clients.
+        self.fd: int | None
+        self.fd, self.huge = arena_file(self.capacity)
         self.arena = mmap.mmap(self.fd, self.capacity)
+        if not self.huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.arena.madvise(mmap.MADV_HUGEPAGE)  # heeded where shmem_enabled says "advise"
         self.mem = memoryview(self.arena)
         self.pins: Any = None  # the shared table, which counts clients' pins per slab (set once it exists)
         self._free = list(range(self.nslabs - 1, -1, -1))  # a stack: the most recently freed is reused first
@@ -124,7 +148,7 @@ class Slabs:
             self.fresh = target
 
     def close(self) -> None:
-        """Let go of the memfd (the mapping goes with the last reference to it)."""
+        """Let go of the file (the mapping goes with the last reference to it)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

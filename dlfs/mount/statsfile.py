@@ -75,7 +75,7 @@ class MountStats:
             "python_reads": ops.reads, "engine": eng,
             "cache_hits": c.hits + native_reads - blocks, "cache_misses": c.misses + blocks, "cache_evictions": c.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
-            "cache_given_back": c.given_back,
+            "cache_given_back": c.given_back, "cache_huge_pages": c.slabs.huge,
             "fetches": c.fetches + blocks, "fetched_bytes": c.fetched_bytes + block_bytes,
             "fetch_seconds": c.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
