@@ -374,7 +374,7 @@ void dlfs_local_fds_init(struct dlfs_local_fds *l)
 {
     for (int i = 0; i < DLFS_LOCAL_FDS; i++) {
         l->chunk[i] = -1;
-        l->fd[i] = -1;
+        l->fd[i] = l->direct[i] = -1;
         l->ino[i] = l->dev[i] = l->checked[i] = 0;
     }
     l->next = 0;
@@ -382,9 +382,12 @@ void dlfs_local_fds_init(struct dlfs_local_fds *l)
 
 void dlfs_local_fds_close(struct dlfs_local_fds *l)
 {
-    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
+    for (int i = 0; i < DLFS_LOCAL_FDS; i++) {
         if (l->fd[i] >= 0)
             close(l->fd[i]);
+        if (l->direct[i] >= 0)
+            close(l->direct[i]);
+    }
     dlfs_local_fds_init(l);
 }
 
@@ -464,14 +467,18 @@ static void local_forget(struct dlfs_local_fds *l, int i)
 {
     if (l->fd[i] >= 0)
         close(l->fd[i]);
+    if (l->direct[i] >= 0)
+        close(l->direct[i]);
+    l->direct[i] = -1;
     l->chunk[i] = -1;
     l->fd[i] = -1;
 }
 
-/* This machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is not here.
+/* The slot of this machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is
+ * not here.
  * A kept descriptor (or a kept "not here") is trusted for DLFS_LOCAL_RECHECK_NS, then checked against
  * the path: gone, replaced (another inode) or arrived, it is opened again. */
-static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
+static int local_slot(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
 {
     static const char hex[] = "0123456789abcdef";
     int slot = -1;
@@ -482,7 +489,7 @@ static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint6
         }
     uint64_t now = coarse_ns();
     if (slot >= 0 && now - l->checked[slot] < DLFS_LOCAL_RECHECK_NS)
-        return l->fd[slot];
+        return l->fd[slot] >= 0 ? slot : -1;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, ci);
     if (!id)
         return -1;
@@ -501,7 +508,7 @@ static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint6
         if (here ? l->fd[slot] >= 0 && (uint64_t)st.st_ino == l->ino[slot] && (uint64_t)st.st_dev == l->dev[slot]
                  : l->fd[slot] < 0) {
             l->checked[slot] = now; /* as it was */
-            return l->fd[slot];
+            return l->fd[slot] >= 0 ? slot : -1;
         }
         local_forget(l, slot);
     } else {
@@ -521,7 +528,13 @@ static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint6
     l->ino[slot] = fd >= 0 ? (uint64_t)st.st_ino : 0;
     l->dev[slot] = fd >= 0 ? (uint64_t)st.st_dev : 0;
     l->checked[slot] = now;
-    return fd;
+    return fd >= 0 ? slot : -1;
+}
+
+static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
+{
+    int slot = local_slot(sv, l, ci);
+    return slot >= 0 ? l->fd[slot] : -1;
 }
 
 /* A chunk file whose bytes failed their check: closed, so that the next read looks at the path again
@@ -536,6 +549,9 @@ static void local_failed(struct dlfs_local_fds *l, uint64_t ci)
 #ifndef RWF_DONTCACHE
 #define RWF_DONTCACHE 0x00000080 /* Linux 6.14+: read through the page cache, dropping what it read */
 #endif
+
+#define DIRECT_ALIGN 4096 /* O_DIRECT's alignment of offset, length and memory (a page covers every device's) */
+#define NO_DIRECT (-2)    /* a table slot whose file cannot be read with O_DIRECT */
 
 static int dontcache = RWF_DONTCACHE; /* 0 once the kernel or file system says it has no such flag */
 
@@ -623,23 +639,60 @@ void dlfs_set_scan(int on)
     __atomic_store_n(&scan_mode, on, __ATOMIC_RELAXED);
 }
 
+/* Record `e` of the file `fd` (slot `slot` of the table) read from the disk straight into the scratch
+ * buffer: O_DIRECT, the range widened to whole pages, so no page cache is allocated and dropped again
+ * (RWF_DONTCACHE's way: 0.61-0.62x local disk in a 1 GiB cgroup against 0.72-0.80x so). Where its
+ * bytes start there, or NULL: then a plain read. */
+static char *direct_record(struct dlfs_local_fds *l, int slot, struct dlfs_reply *rp, const struct dlfs_extent *e)
+{
+    char *base = (char *)(((uintptr_t)rp->scratch + DIRECT_ALIGN - 1) & ~(uintptr_t)(DIRECT_ALIGN - 1));
+    size_t room = rp->scratch_size - (size_t)(base - rp->scratch);
+    uint64_t lo = e->offset & ~(uint64_t)(DIRECT_ALIGN - 1);
+    uint64_t hi = (e->offset + e->stored_len + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
+    if (hi - lo > room || l->direct[slot] == NO_DIRECT)
+        return NULL;
+    if (l->direct[slot] < 0) {
+        /* The inode the kept descriptor names (checked against the path), not the path again. */
+        char path[32];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", l->fd[slot]);
+        int fd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+        l->direct[slot] = fd >= 0 ? fd : NO_DIRECT;
+        if (fd < 0)
+            return NULL;
+    }
+    ssize_t n = pread(l->direct[slot], base, hi - lo, (off_t)lo);
+    if (n < 0 && errno == EINVAL) { /* a file system that opens O_DIRECT but will not read so */
+        close(l->direct[slot]);
+        l->direct[slot] = NO_DIRECT;
+    }
+    if (n < (ssize_t)(e->offset + e->stored_len - lo))
+        return NULL;
+    return base + (e->offset - lo);
+}
+
 /* A whole uncompressed record (no block sums: small) of a local chunk, read into the scratch buffer
  * and checked against its checksum (as dlfs/format/chunk.py's decode_record). */
 static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
                        struct dlfs_counters *c)
 {
-    int fd = local_fd(sv, &rp->local, e->chunk);
-    if (fd < 0)
+    int slot = local_slot(sv, &rp->local, e->chunk);
+    if (slot < 0)
         return -1;
-    if (pread_all(fd, rp->scratch, e->stored_len, (off_t)e->offset) < 0 ||
-        XXH3_64bits(rp->scratch, e->stored_len) != e->checksum) {
+    int fd = rp->local.fd[slot];
+    char *got = direct_record(&rp->local, slot, rp, e);
+    if (!got) {
+        got = rp->scratch;
+        if (pread_all(fd, got, e->stored_len, (off_t)e->offset) < 0)
+            got = NULL;
+    }
+    if (!got || XXH3_64bits(got, e->stored_len) != e->checksum) {
         DLFS_COUNT(c, record_failures, 1); /* Python reads it again, from the replicas, and says what is wrong */
         local_failed(&rp->local, e->chunk);
         return -1;
     }
     DLFS_COUNT(c, record_reads, 1);
     DLFS_COUNT(c, record_bytes, e->stored_len);
-    add(rp, rp->scratch, e->raw_len);
+    add(rp, got, e->raw_len);
     return 0;
 }
 

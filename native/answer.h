@@ -51,6 +51,7 @@ struct dlfs_counters {
 struct dlfs_local_fds {
     int64_t chunk[DLFS_LOCAL_FDS]; /* -1: empty; the fd is -1 for a chunk that is not here */
     int fd[DLFS_LOCAL_FDS];
+    int direct[DLFS_LOCAL_FDS]; /* the same file opened O_DIRECT for whole records: -1 not yet, -2 it cannot be */
     uint64_t ino[DLFS_LOCAL_FDS], dev[DLFS_LOCAL_FDS]; /* of the file the fd is (0 when it is -1) */
     uint64_t checked[DLFS_LOCAL_FDS]; /* CLOCK_MONOTONIC_COARSE ns of the last look at the path */
     unsigned next;
