@@ -384,7 +384,30 @@ static PyObject *populate(PyObject *self, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
+/* Keep a mapping's pages in memory (mlock), with the GIL released: they are read in first. */
+static PyObject *lock_pages(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = view.len ? mlock(view.buf, (size_t)view.len) : 0;
+    if (rc)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (rc) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef functions[] = {
+    {"lock_pages", lock_pages, METH_O,
+     "lock_pages(buffer): keep the pages of a mapping in memory (mlock); OSError where the kernel refuses "
+     "(RLIMIT_MEMLOCK, memory)."},
     {"populate", (PyCFunction)(void (*)(void))populate, METH_VARARGS | METH_KEYWORDS,
      "populate(buffer, offset, length, *, fallback=False): fault the range in now, without the GIL and without "
      "writing to it (MADV_POPULATE_WRITE; else, or with `fallback` (tests), a read of each page)."},

@@ -122,8 +122,14 @@ def test_big_files_streamed_cold_are_byte_exact_and_wait_in_c(cold: Cold) -> Non
         if parked > 0:
             break
     assert parked > 0, "READs that arrived before their window waited in C (in 5 cold passes)"
-    # Its windows landed in slabs on 2 MiB pages (a private huge tmpfs: the mount runs as root here).
+    # Its windows landed in slabs on 2 MiB pages (a private huge tmpfs: the mount runs as root here),
+    # and its index stays in memory whatever the page cache does (mlock: nothing else is locked).
     assert after["cache_huge_pages"] is os.path.isdir("/sys/kernel/mm/transparent_hugepage")
+    with open(f"/proc/{after['pid']}/maps") as f:
+        index = next(Path(line.split()[-1]) for line in f if line.rstrip().endswith(".idx"))
+    with open(f"/proc/{after['pid']}/status") as f:
+        locked = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmLck:"))
+    assert locked >= index.stat().st_size > 0, (locked, index)
     assert eng["parked_answered"] - eng0["parked_answered"] == parked and eng["parked_forwarded"] == eng0["parked_forwarded"]
     # The first READ of each file reaches Python (nothing is coming yet); most of the rest do not.
     assert python < (after["reads"] - before["reads"]) / 2, (python, after["reads"] - before["reads"])

@@ -295,6 +295,16 @@ class Index:
                         chunk_size, created_ns)
         return totals, body_sum
 
+    def pin(self) -> None:
+        """Keep every page of the index in memory (mlock): a lookup never waits for the disk, even
+        once the page cache was dropped or pressed out (a mount's memory bound counts the index).
+        OSError where the kernel refuses (RLIMIT_MEMLOCK)."""
+        from dlfs.native import native
+
+        if native is None:
+            raise OSError(errno.ENOSYS, "pinning the index needs dlfs's C helper")
+        native.lock_pages(self._map)
+
     def close(self) -> None:
         if self._view:
             self._view.close()  # its hold on the mapping, which cannot be closed under it

@@ -216,6 +216,10 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         info = reply(VersionInfo, meta, Msg.GET_DATASET, META_DAEMON)
         index = Index(await fetch_index(client, info, opts.home))
         stack.callback(index.close)
+        try:  # every READ and LOOKUP looks at it: a cold epoch should not wait on its pages
+            index.pin()
+        except OSError as exc:
+            log.info("the index is not pinned in memory (%s): lookups may wait for the disk", exc.strerror or exc)
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead, retry_timeout=opts.retry_timeout)
         last.append(cache.close)
         if client.rdma is not None:  # RDMA READs land in the shared slabs: dlfs.direct stays zero-copy

@@ -70,6 +70,19 @@ def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
         raise
 
 
+def _open_both(path: Path, direct: bool) -> tuple[int | None, int | None]:
+    """A chunk file opened plainly and with O_DIRECT (None: not there, or no O_DIRECT here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None, None
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC) if direct else None
+    except OSError:
+        dfd = None  # _direct_fd says why, the next time it is asked
+    return fd, dfd
+
+
 def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
     """preadv each (buffer, offset) in turn; bytes read into each."""
     return [_pread_uncached(fd, buf, off) for buf, off in pieces]
@@ -193,6 +206,7 @@ class LocalChunks:
         # put in its place once it is closed may get the same inode number.
         self._bad: dict[bytes, tuple[int, int, int]] = {}
         self.direct = True  # O_DIRECT works on this file system (until it says otherwise)
+        self._opening: dict[bytes, trio.Event] = {}  # chunks whose files a thread is opening
         self.reads = self.bytes = self.fallbacks = self.direct_reads = 0
 
     def _current(self, cid: bytes) -> bool:
@@ -233,7 +247,41 @@ class LocalChunks:
             self._bad[cid] = (st.st_dev, st.st_ino, st.st_ctime_ns)
         self.forget(cid)
 
-    def _fd(self, cid: bytes) -> int | None:
+    def _kept(self, cid: bytes) -> bool:
+        """Whether _fd(cid) can answer from what is kept (a descriptor, or that the chunk is not here)."""
+        return self._current(cid) and (cid in self._fds or self._seen[cid][1] == 0)
+
+    async def _open(self, cid: bytes) -> None:
+        """Open chunk `cid`'s file (both ways) in a thread, for _fd and _direct_fd to keep: a cold open
+        reads the file system's metadata from the disk, queued behind the windows being read there,
+        and on the event loop it would hold up every other read's answer meanwhile (a file spanning
+        five chunks held its first READ 5-18 ms)."""
+        busy = self._opening.get(cid)
+        if busy is not None:
+            await busy.wait()
+            return
+        self._opening[cid] = done = trio.Event()
+        try:
+            opened = await trio.to_thread.run_sync(_open_both, chunk_path(self.chunk_dir, cid), self.direct)
+        finally:
+            del self._opening[cid]
+            done.set()
+        fd, dfd = opened
+        if self._kept(cid):  # kept meanwhile (a read that did not wait for this one)
+            for d in (fd, dfd):
+                if d is not None:
+                    os.close(d)
+            return
+        if self._fd(cid, opened=fd) == fd and dfd is not None:
+            self._direct_fds[cid] = dfd
+            if len(self._direct_fds) > OPEN_FILES:
+                os.close(self._direct_fds.popitem(last=False)[1])
+        elif dfd is not None:
+            os.close(dfd)
+
+    def _fd(self, cid: bytes, opened: int | None = -1) -> int | None:
+        """Chunk `cid`'s file, kept open; None if it is not here. `opened`: what _open opened (None: it
+        is not there), installed instead of opening here."""
         if self._current(cid):
             fd = self._fds.get(cid)
             if fd is not None:
@@ -242,7 +290,9 @@ class LocalChunks:
             if self._seen[cid][1] == 0:
                 return None  # held elsewhere, as of less than RECHECK ago
         try:
-            fd = os.open(chunk_path(self.chunk_dir, cid), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(chunk_path(self.chunk_dir, cid), os.O_RDONLY | os.O_CLOEXEC) if opened == -1 else opened
+            if fd is None:
+                raise FileNotFoundError
         except OSError:
             self._seen[cid] = (0, 0, time.monotonic())  # held elsewhere: asked again after RECHECK
             return None
@@ -326,6 +376,8 @@ class LocalChunks:
         disk thread; otherwise what the page cache has is copied at once, and the rest is read from
         disk in a disk thread (`urgent`: before read-ahead waiting there; `order`: a ticket, its place
         among read-ahead)."""
+        if not self._kept(cid):
+            await self._open(cid)
         fd = self._fd(cid)
         if fd is None:
             return None
