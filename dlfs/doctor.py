@@ -15,6 +15,7 @@ import platform
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,6 +137,35 @@ def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring"))
                  "often wakes a thread on another CPU)",
                  f"echo Y > {param} (root; `options fuse enable_uring=1` in /etc/modprobe.d keeps it), or "
                  "dlfs mount --io-uring on")
+
+
+SHMEM_HUGE = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+def check_cache_pages(shmem: Path = SHMEM_HUGE, private_tmpfs: bool = True) -> Check:
+    """Whether a mount's cache can be on 2 MiB pages (dlfs/mount/slabs.py): then a window read from a
+    local disk is one request of a few segments, not four of 254 pages (`private_tmpfs`: try that way)."""
+    from dlfs.native import native
+
+    if native is None:
+        return Check("cache pages", INFO, "unknown without the C helper")
+    why = "no private tmpfs (try skipped)"
+    if private_tmpfs:
+        try:
+            os.close(native.huge_arena(tempfile.gettempdir(), 2 << 20))
+            return Check("cache pages", PASS, "2 MiB pages (a private tmpfs with huge=always)")
+        except OSError as exc:
+            why = str(exc).removeprefix("no huge-page cache arena: ")
+    try:
+        policy = shmem.read_text()
+    except OSError:
+        policy = ""
+    if any(f"[{p}]" in policy for p in ("always", "within_size", "advise", "force")):
+        return Check("cache pages", PASS, f"2 MiB pages (a memfd: {shmem} says {policy.split('[')[1].split(']')[0]})")
+    return Check("cache pages", WARN, f"4 KiB pages ({why}; shared memory huge pages: "
+                 f"{policy.split('[')[1].split(']')[0] if '[' in policy else 'not in this kernel'}): windows read from "
+                 "a local disk go in requests of at most 254 pages (half the speed on a virtio disk)",
+                 f"mount as root, or `echo advise > {shmem}` (root)")
 
 
 def check_memory(limit: MemoryLimit | None = None) -> Check:
@@ -387,7 +417,7 @@ def check_state_dir(home: Path) -> Check:
 # --- all of it ---------------------------------------------------------------------------------
 def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> list[Check]:
     rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native(), check_engine(),
-            check_memory()]
+            check_cache_pages(), check_memory()]
     cluster, cluster_rows = load_for_doctor(cluster_file, home)
     rows += check_rdma(transport or (cluster.transport if cluster else "auto"), cluster)
     rows += cluster_rows

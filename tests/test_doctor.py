@@ -245,6 +245,20 @@ def test_engine_check_says_how_a_mount_is_served(tmp_path: Path) -> None:
     assert on.status == "pass" and "one queue per CPU" in on.detail
 
 
+def test_cache_pages_check_says_whether_windows_land_on_huge_pages(tmp_path: Path) -> None:
+    shmem = tmp_path / "shmem_enabled"
+    shmem.write_text("always within_size advise [never] deny force\n")
+    if os.geteuid() == 0 and Path("/sys/kernel/mm/transparent_hugepage").is_dir():
+        here = doctor.check_cache_pages(shmem)
+        assert here.status == "pass" and "private tmpfs" in here.detail
+    no_tmpfs = doctor.check_cache_pages(shmem, private_tmpfs=False)
+    assert no_tmpfs.status == "warn" and "4 KiB pages" in no_tmpfs.detail and "never" in no_tmpfs.detail
+    assert f"echo advise > {shmem}" in no_tmpfs.fix
+    shmem.write_text("always within_size [advise] never deny force\n")
+    memfd = doctor.check_cache_pages(shmem, private_tmpfs=False)
+    assert memfd.status == "pass" and "a memfd" in memfd.detail and "advise" in memfd.detail
+
+
 async def test_nodes_are_checked_at_once_within_their_bound(tmp_path: Path) -> None:
     """A daemon that accepts but never answers costs NODE_TIMEOUT, not one timeout per check."""
     silent = socket.socket()
