@@ -49,7 +49,7 @@ async def _local_cache(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_
     chunks = [_big_chunk(seed + i, [20_000] * 8) for i in range(n_chunks)]
     index, payloads = await _stored(tmp_path, client, [spec], chunks)
     cache = ChunkCache(index, client, capacity=capacity, readahead=SLAB, prefetch=False)
-    cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+    cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
     return cache, payloads
 
 
@@ -81,10 +81,10 @@ async def test_partly_served_record_stays_until_all_its_bytes_are_served(tmp_pat
         cache = ChunkCache(index, client, capacity=8 * SLAB, readahead=SLAB, prefetch=False)
         got = await cache.record(0)
         cache.consume(0, 20_000)
-        before = cache.fetches
-        assert bytes(await cache.record(0)) == payloads[0] and cache.fetches == before  # still a hit
+        before = cache.fetcher.fetches
+        assert bytes(await cache.record(0)) == payloads[0] and cache.fetcher.fetches == before  # still a hit
         cache.consume(0, 30_000)
-        assert bytes(await cache.record(0)) == payloads[0] and cache.fetches == before + 1  # fetched again
+        assert bytes(await cache.record(0)) == payloads[0] and cache.fetcher.fetches == before + 1  # fetched again
         assert len(got) == 50_000
         n.cancel_scope.cancel()
 
@@ -102,10 +102,10 @@ async def test_a_random_miss_fetches_its_window_not_its_chunk(tmp_path: Path) ->
         for c in range(4):
             await cache.record(c * 8 + 4)  # one miss in the middle of each chunk
         await trio.testing.wait_all_tasks_blocked()
-        windows = [cache.window_of(c * 8 + 4) for c in range(4)]
+        windows = [cache.planner.window_of(c * 8 + 4) for c in range(4)]
         held = sorted(ext for ext in range(len(payloads)) if ext in cache)
         assert held == sorted(e for lo, hi in windows for e in range(lo, hi))
-        assert cache.fetches == 4 and cache.prefetched_bytes == 0
+        assert cache.fetcher.fetches == 4 and cache.prefetched_bytes == 0
         n.cancel_scope.cancel()
 
 
@@ -157,7 +157,7 @@ async def test_a_stream_keeps_its_next_windows_in_flight(tmp_path: Path) -> None
             assert bytes(got) == payloads[ext], f"extent {ext}"
             cache.consume(ext, len(got))
         assert cache.misses == 1, cache.stats()
-        assert cache.prefetched_bytes > 0 and cache.fetched_bytes <= stored, "nothing was fetched twice"
+        assert cache.prefetched_bytes > 0 and cache.fetcher.fetched_bytes <= stored, "nothing was fetched twice"
         n.cancel_scope.cancel()
 
 
@@ -171,15 +171,15 @@ async def test_a_second_cold_epoch_reads_ahead_as_the_first(tmp_path: Path) -> N
         cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB, prefetch=False)
         fetches = []
         for _epoch in range(2):
-            before = cache.fetches
+            before = cache.fetcher.fetches
             for ext in range(len(payloads)):
                 got = await cache.record(ext)
                 assert bytes(got) == payloads[ext]
                 cache.consume(ext, len(got))
-            fetches.append(cache.fetches - before)
-        windows = len({cache.window_of(ext) for ext in range(len(payloads))})
+            fetches.append(cache.fetcher.fetches - before)
+        windows = len({cache.planner.window_of(ext) for ext in range(len(payloads))})
         assert windows < len(payloads) and fetches == [windows, windows], fetches  # a fetch per window, each epoch
-        assert cache.generations == 2
+        assert cache.planner.generations == 2
         n.cancel_scope.cancel()
 
 
@@ -222,7 +222,7 @@ async def test_concurrent_misses_of_one_window_share_one_fetch(tmp_path: Path) -
             for ext in [0, 1, 2] * 4:  # twelve readers, one window of three records
                 readers.start_soon(read, ext)
         assert got == dict(enumerate(payloads))
-        assert cache.fetches == 1 and cache.misses == 1, cache.stats()
+        assert cache.fetcher.fetches == 1 and cache.misses == 1, cache.stats()
         n.cancel_scope.cancel()
 
 
@@ -251,18 +251,18 @@ async def test_a_corrupt_replica_and_a_corrupt_local_copy_are_passed_over(tmp_pa
             for local in (False, True):
                 cache = ChunkCache(index, client, capacity=32 * SLAB, readahead=8 * SLAB, prefetch=False)
                 if local:  # the bad copy is this machine's own
-                    cache.local = LocalChunks(bad_home / "data" / "chunks", first.name)
+                    cache.fetcher.local = LocalChunks(bad_home / "data" / "chunks", first.name)
                 assert [bytes(await cache.record(e)) for e in range(3)] == payloads
                 # A random read inside the big record checks its blocks: the bad one moves on too.
                 blocks = ChunkCache(index, client, capacity=32 * SLAB, readahead=8 * SLAB, prefetch=False)
-                blocks.local = cache.local
+                blocks.fetcher.local = cache.fetcher.local
                 assert bytes(await blocks.read(1, 98_304, 102_400, 1, 2)) == payloads[1][98_304:102_400]
                 if local:
                     # One fallback: after its first failed check the bad file is passed over (LocalChunks.failed)
                     # until it is replaced, so the random read goes to the replica at once.
-                    assert cache.local is not None and cache.local.fallbacks == 1, cache.local.stats()
+                    assert cache.fetcher.local is not None and cache.fetcher.local.fallbacks == 1, cache.fetcher.local.stats()
                 else:
-                    assert cache.corrupt == 1 and cache.failovers == 1 and blocks.corrupt == 1, cache.stats()
+                    assert cache.fetcher.corrupt == 1 and cache.fetcher.failovers == 1 and blocks.fetcher.corrupt == 1, cache.stats()
                 assert blocks.block_reads == 1
             n.cancel_scope.cancel()
 
@@ -273,9 +273,9 @@ async def test_local_chunk_files_fill_shared_slabs_and_big_records_keep_their_ow
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
         index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(9, [20_000, 30_000, 3 * SLAB])])
         cache = ChunkCache(index, client, capacity=8 * SLAB, readahead=SLAB, prefetch=False)
-        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
         assert bytes(await cache.record(0)) == payloads[0]
-        assert cache.local.reads == 1 and cache.fetches_by_node == {spec.name: 1}
+        assert cache.fetcher.local.reads == 1 and cache.fetcher.fetches_by_node == {spec.name: 1}
         # The local read landed in a slab of the shared arena (where the native engine and dlfs.direct
         # read it), window and all: the neighbour came with it.
         assert cache.where(0) is not None and cache.where(1) is not None and 1 in cache
@@ -297,15 +297,15 @@ async def test_random_reads_fetch_their_blocks_and_streams_fetch_whole_records(t
             lo = rng.randrange(1, size // 4096) * 4096
             assert bytes(await cache.read(1, lo, lo + 4096, 0, 2)) == payloads[1][lo : lo + 4096]
         # Twenty random 4 KiB reads cost their blocks and 8 bytes of sums each: nothing else was read.
-        assert cache.fetched_bytes == 20 * (4096 + 8) and cache.block_reads == 20 and 1 not in cache
+        assert cache.fetcher.fetched_bytes == 20 * (4096 + 8) and cache.block_reads == 20 and 1 not in cache
         # An unaligned read takes the blocks it touches, here two.
-        before = cache.fetched_bytes
+        before = cache.fetcher.fetched_bytes
         assert bytes(await cache.read(1, 8000, 9000, 0, 2)) == payloads[1][8000:9000]
-        assert cache.fetched_bytes - before == 2 * (4096 + 8)
+        assert cache.fetcher.fetched_bytes - before == 2 * (4096 + 8)
         # Reading the file from its start is sequential: the whole record comes, and later reads hit it.
-        before = cache.fetched_bytes
+        before = cache.fetcher.fetched_bytes
         assert bytes(await cache.read(0, 0, 131072, 0, 2)) == payloads[0][:131072]
-        assert 0 in cache and cache.fetched_bytes - before >= size
+        assert 0 in cache and cache.fetcher.fetched_bytes - before >= size
         hits = cache.hits
         assert bytes(await cache.read(0, 131072, 262144, 0, 2)) == payloads[0][131072:262144]
         assert cache.hits == hits + 1
@@ -339,24 +339,24 @@ async def test_local_windows_come_from_the_disk_straight_into_slabs(tmp_path: Pa
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
         index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(13, [5_000, 300_000, 123_457, 70_000])])
         cache = ChunkCache(index, client, capacity=8 << 20, readahead=1 << 20, prefetch=False)
-        cache.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
         path = chunk_path(tmp_path / "home" / "data" / "chunks", index.chunk(0).id)
         _uncache(path)  # the store just wrote it: from the disk now
         assert bytes(await cache.record(1)) == payloads[1]
-        if not cache.local.direct:
+        if not cache.fetcher.local.direct:
             pytest.skip("this file system refuses O_DIRECT")
-        assert cache.local.direct_reads == 1 and index.extent(0).record.offset % 4096 != 0
+        assert cache.fetcher.local.direct_reads == 1 and index.extent(0).record.offset % 4096 != 0
         for ext, want in enumerate(payloads):
             where = cache.where(ext)
             assert where is not None, ext
             slab, off = where
             at = slab * cache.slab_size + off
-            assert bytes(cache.arena[at : at + len(want)]) == want, ext
+            assert bytes(cache.slabs.arena[at : at + len(want)]) == want, ext
         again = ChunkCache(index, client, capacity=8 << 20, readahead=1 << 20, prefetch=False)
-        again.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        again.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
         with open(path, "rb") as f:
             f.read()  # now in the page cache
-        assert bytes(await again.record(1)) == payloads[1] and again.local.direct_reads == 0
+        assert bytes(await again.record(1)) == payloads[1] and again.fetcher.local.direct_reads == 0
         assert again.where(0) is not None and again.where(0)[1] == 0  # copied to the slab's start
         n.cancel_scope.cancel()
 
@@ -372,11 +372,11 @@ async def test_records_the_kernel_had_come_back_a_window_at_a_time(tmp_path: Pat
         for ext in range(len(payloads)):
             got = await cache.record(ext)
             cache.consume(ext, len(got))
-        first = cache.fetches
+        first = cache.fetcher.fetches
         assert cache.stats()["cached_bytes"] == 0
         for ext in range(len(payloads)):
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
-        assert cache.fetches - first == first, (first, cache.fetches)  # the same windows, once each
+        assert cache.fetcher.fetches - first == first, (first, cache.fetcher.fetches)  # the same windows, once each
         n.cancel_scope.cancel()
 
 
@@ -401,7 +401,7 @@ async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(t
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
             most = max(most, cache.stats()["own_bytes"])
         assert 0 < most <= 3 * 20_000, most
-        assert cache.fetches == 4 + len(payloads) - 4 * 8, "pinned: each record alone, no window"
+        assert cache.fetcher.fetches == 4 + len(payloads) - 4 * 8, "pinned: each record alone, no window"
         n.cancel_scope.cancel()
 
 
@@ -416,8 +416,8 @@ async def test_free_slabs_go_back_to_the_kernel_and_pressure_sheds_read_ahead(tm
         assert cache.stats()["cached_bytes"] == 0
 
         def allocated() -> int:  # the memfd's pages, whoever maps them
-            assert cache.arena_fd is not None
-            return os.fstat(cache.arena_fd).st_blocks * 512
+            assert cache.slabs.fd is not None
+            return os.fstat(cache.slabs.fd).st_blocks * 512
 
         before = allocated()
         given = cache.trim()
@@ -441,14 +441,14 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
         cache, payloads = await _local_cache(tmp_path, client, spec, 12, 50, 8 * SLAB)
-        windows = {cache.window_of(e) for e in range(len(payloads))}
+        windows = {cache.planner.window_of(e) for e in range(len(payloads))}
         rng = random.Random(3)
         for c in range(0, 12, 2):  # two chunks at a time, their records shuffled (ChunkLocalSampler's way)
             part = list(range(c * 8, (c + 2) * 8))
             rng.shuffle(part)
             for ext in part:
                 assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
-        assert cache.fetches == len(windows), (cache.fetches, len(windows))
+        assert cache.fetcher.fetches == len(windows), (cache.fetcher.fetches, len(windows))
         n.cancel_scope.cancel()
 
 

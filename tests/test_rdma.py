@@ -536,7 +536,7 @@ async def test_rdma_path_in_error_state_fails_over_to_tcp(tmp_path: Path) -> Non
             for ext in order:
                 assert bytes(await cache.record(ext)) == payloads[ext]
             # Every fetch tried RDMA first, and every one was served over TCP instead.
-            assert rdma.calls and cache.fetches == len(rdma.calls) == client.tcp_fallbacks
+            assert rdma.calls and cache.fetcher.fetches == len(rdma.calls) == client.tcp_fallbacks
             assert cache.stats()["tcp_fallbacks"] == client.tcp_fallbacks
             assert not client.health  # an RDMA failure does not make the node suspect
         index.close()
@@ -649,7 +649,7 @@ async def test_read_path_over_rdma_every_byte_and_a_queue_pair_error(tmp_path: P
             async with chunk_transport(client, choose_for(cluster, arena, "test"), arena) as choice:
                 assert choice.name == "rdma" and client.rdma is not None
                 cache = ChunkCache(index, client, capacity=32 << 20, readahead=256 << 10)
-                client.rdma.attach_arena(cache.arena, cache.slab_size)
+                client.rdma.attach_arena(cache.slabs.arena, cache.slab_size)
                 for ext in random.Random(1).sample(range(len(payloads)), len(payloads)):
                     assert bytes(await cache.record(ext)) == payloads[ext]
                 # The READs landed in the shared arena's slabs, where dlfs.direct clients map them.

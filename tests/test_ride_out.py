@@ -160,7 +160,7 @@ async def test_a_frozen_replica_is_hedged_past_and_read_again_once_it_answers(la
             client = ClusterClient(cluster, nursery)
             nursery.start_soon(client.probe_failing)
             cache = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False)
-            cache.replicas.fetch_timeout = 600.0
+            cache.fetcher.replicas.fetch_timeout = 600.0
             assert all(client.replicas(index.chunk(c).id)[0].name == "n1" for c in range(index.totals.chunks))
             n1.proc.send_signal(signal.SIGSTOP)
             try:
@@ -171,7 +171,7 @@ async def test_a_frozen_replica_is_hedged_past_and_read_again_once_it_answers(la
                 n1.proc.send_signal(signal.SIGCONT)
             s = cache.stats()
             assert s["hedges_won"] >= 1 and s["hedges"] >= s["hedges_won"], s
-            assert cache.fetches_by_node.get("n1", 0) == 0, cache.fetches_by_node
+            assert cache.fetcher.fetches_by_node.get("n1", 0) == 0, cache.fetcher.fetches_by_node
             if native is not None:  # a hedge's bytes were copied into the slab: published for the serving threads
                 assert all(cache.where(ext) is not None for ext in want), "hedged bytes must land in their slab"
             # n1 answers again (SIGCONT): the prober finds out, and its chunks are read from it first.
@@ -183,7 +183,7 @@ async def test_a_frozen_replica_is_hedged_past_and_read_again_once_it_answers(la
             again = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False)
             ext = min(want)
             assert bytes(await again.record(ext)) == want[ext]
-            assert again.fetches_by_node == {"n1": 1}
+            assert again.fetcher.fetches_by_node == {"n1": 1}
             nursery.cancel_scope.cancel()
     finally:
         index.close()
@@ -205,12 +205,12 @@ async def test_reads_wait_for_a_restarted_cluster_within_their_bound(lab: Lab) -
             at_once = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False)
             with pytest.raises(Unreachable, match=r"no replica answered \(n1: .*n2: "):
                 await at_once.record(exts[0])
-            assert at_once.replicas.waits == 0
+            assert at_once.fetcher.replicas.waits == 0
             short = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
                                retry_timeout=0.5)
             with pytest.raises(Unreachable, match=r"no replica answered within 0\.5 s"):
                 await short.record(exts[0])
-            assert short.replicas.waits >= 1
+            assert short.fetcher.replicas.waits >= 1
             patient = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
                                  retry_timeout=60.0)
             got: dict[int, bytes] = {}
@@ -224,7 +224,7 @@ async def test_reads_wait_for_a_restarted_cluster_within_their_bound(lab: Lab) -
                 await trio.to_thread.run_sync(lab.start_all)
             assert sorted(got) == exts[:: max(1, len(exts) // 6)] and all(got[e] == want[e] for e in got)
             # Reads of one window share its fetch: at least one fetch waited, and each that did got its bytes.
-            assert patient.replicas.rode_out >= 1 and patient.replicas.waits >= 1, patient.stats()
+            assert patient.fetcher.replicas.rode_out >= 1 and patient.fetcher.replicas.waits >= 1, patient.stats()
             nursery.cancel_scope.cancel()
     finally:
         index.close()
@@ -255,7 +255,7 @@ async def test_bad_bytes_on_every_replica_fail_at_once(lab: Lab) -> None:
                                retry_timeout=60.0)
             with trio.fail_after(60), pytest.raises(CorruptData, match="no replica has good bytes"):
                 await cache.record(ext)
-            assert cache.replicas.waits == 0 and not client.health
+            assert cache.fetcher.replicas.waits == 0 and not client.health
             nursery.cancel_scope.cancel()
     finally:
         index.close()

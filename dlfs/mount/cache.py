@@ -6,6 +6,9 @@ composes three parts that each own their own state:
   - planner.py: what to fetch (windows, streams, how far ahead, what the kernel was sent), no I/O;
   - fetcher.py: where bytes come from (local chunk files, the disk cache, replicas) and their checks.
 
+The rest of the mount reaches each part directly (cache.fetcher.local, cache.slabs.arena,
+cache.held.evictions, cache.planner.window_of): one owner, one name for each piece of state.
+
 Published: every record that sits whole in a slab is published in the shared table (native/shm.h), so
 the mount's serving threads and dlfs.direct clients pin and read it with no Python at all; the serving
 threads park READs of records being fetched (set_pending) and answer them once published.
@@ -109,83 +112,6 @@ class ChunkCache:
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.prefetched_bytes = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
-
-    # --- the parts, as the rest of the mount sees them ---
-
-    @property
-    def local(self) -> Any:
-        return self.fetcher.local
-
-    @local.setter
-    def local(self, value: Any) -> None:
-        self.fetcher.local = value
-
-    @property
-    def disk(self) -> Any:
-        return self.fetcher.disk
-
-    @disk.setter
-    def disk(self, value: Any) -> None:
-        self.fetcher.disk = value
-
-    @property
-    def replicas(self) -> Any:
-        return self.fetcher.replicas
-
-    @property
-    def arena(self) -> mmap.mmap:
-        return self.slabs.arena
-
-    @property
-    def arena_fd(self) -> int | None:
-        return self.slabs.fd
-
-    @property
-    def fetches(self) -> int:
-        return self.fetcher.fetches
-
-    @property
-    def fetched_bytes(self) -> int:
-        return self.fetcher.fetched_bytes
-
-    @property
-    def fetches_by_node(self) -> dict[str, int]:
-        return self.fetcher.fetches_by_node
-
-    @property
-    def fetched_by_node(self) -> dict[str, int]:
-        return self.fetcher.fetched_by_node
-
-    @property
-    def fetch_seconds(self) -> Any:
-        return self.fetcher.fetch_seconds
-
-    @property
-    def failovers(self) -> int:
-        return self.fetcher.failovers
-
-    @property
-    def corrupt(self) -> int:
-        return self.fetcher.corrupt
-
-    @property
-    def generations(self) -> int:
-        return self.planner.generations
-
-    @property
-    def given_back(self) -> int:
-        return self.slabs.given_back
-
-    @property
-    def evictions(self) -> int:
-        return self.held.evictions
-
-    @property
-    def consumed(self) -> int:
-        return self.held.consumed
-
-    def window_of(self, ext: int) -> tuple[int, int]:
-        return self.planner.window_of(ext)
 
     def close(self) -> None:
         """Let go of the memfds (the mappings go with the last reference to them)."""

@@ -180,14 +180,14 @@ class ControlServer:
     async def _attach(self, req: DirectAttach, f: Frame, conn: _Conn) -> None:
         self.attaches += 1
         body = Attached(conn.row, self.label, str(self.mountpoint))
-        assert self.cache.ctl_fd is not None and self.cache.arena_fd is not None
-        fds = array.array("i", [self.cache.ctl_fd, self.cache.arena_fd, self._index_fd])
+        assert self.cache.ctl_fd is not None and self.cache.slabs.fd is not None
+        fds = array.array("i", [self.cache.ctl_fd, self.cache.slabs.fd, self._index_fd])
         await send_with_fds(conn.stream, encode_frame(Frame(RESPONSE, f.msg, f.req_id, 0, to_meta(body))), fds)
         log.debug("dlfs.direct client pid %d attached as row %d", conn.pid, conn.row)
 
     async def _stats(self, req: Empty, f: Frame, conn: _Conn) -> Frame:
         return Frame(RESPONSE, f.msg, f.req_id, 0, {**self.cache.stats(), **self.stats(),
-                                                     "fetched_by_node": self.cache.fetched_by_node})
+                                                     "fetched_by_node": self.cache.fetcher.fetched_by_node})
 
     async def _read(self, req: DirectRead, f: Frame, conn: _Conn) -> None:
         exts = req.exts
@@ -219,7 +219,7 @@ class ControlServer:
         errors: list[tuple[int, int, str]] = []
         by_window: dict[tuple[int, int], list[int]] = {}
         for i, e in enumerate(exts):
-            by_window.setdefault(self.cache.window_of(e), []).append(i)
+            by_window.setdefault(self.cache.planner.window_of(e), []).append(i)
         limit = trio.CapacityLimiter(FETCH_TASKS)
         copying: list[bool] = []  # whether this answer holds its turn to copy
 

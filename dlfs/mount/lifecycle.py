@@ -223,13 +223,13 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         cache = ChunkCache(index, client, opts.cache_size, opts.readahead, retry_timeout=opts.retry_timeout)
         last.append(cache.close)
         if client.rdma is not None:  # RDMA READs land in the shared slabs: dlfs.direct stays zero-copy
-            client.rdma.attach_arena(cache.arena, cache.slab_size)
-        cache.local = await open_local_chunks(client) if opts.short_circuit else None
-        if cache.local is not None:
-            stack.callback(cache.local.close)
+            client.rdma.attach_arena(cache.slabs.arena, cache.slab_size)
+        cache.fetcher.local = await open_local_chunks(client) if opts.short_circuit else None
+        if cache.fetcher.local is not None:
+            stack.callback(cache.fetcher.local.close)
         if opts.cache_dir is not None:  # closed after the nursery: its writer finishes what is queued
-            cache.disk = DiskCache(opts.cache_dir, opts.cache_dir_size, cache.slab_size)
-            last.append(cache.disk.close)
+            cache.fetcher.disk = DiskCache(opts.cache_dir, opts.cache_dir_size, cache.slab_size)
+            last.append(cache.fetcher.disk.close)
         for i in range(PREFETCH_WORKERS):
             nursery.start_soon(cache.prefetch_worker, name=f"dlfs-prefetch-{i}")
         nursery.start_soon(cache.prefault_worker, name="dlfs-prefault")
@@ -265,7 +265,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
 
         stack.callback(unmount)  # pyfuse3.close stops the engine and lets go of the index before index.close
         uring = want_io_uring(opts.io_uring, cache_size=opts.cache_size)
-        local_dir = os.fsencode(cache.local.chunk_dir) if cache.local is not None else None
+        local_dir = os.fsencode(cache.fetcher.local.chunk_dir) if cache.fetcher.local is not None else None
         if start_engine(index, cache.shared, ENGINE_ROW, TIMEOUT, opts.threads, uring, ops.control_path,
                         CONTROL_XATTR, local_dir):
             log.info("%s: %d native threads serve the mount%s; misses go to Python", label, opts.threads,

@@ -27,7 +27,7 @@ IDLE_TRIM = 30.0  # seconds without a fetch, after which free slabs go back to t
 
 async def watch_memory(cache: ChunkCache, limit: MemoryLimit) -> None:
     """Run for the mount's life."""
-    idle_since, fetches, pressed = trio.current_time(), cache.fetches, False
+    idle_since, fetches, pressed = trio.current_time(), cache.fetcher.fetches, False
     while True:
         await trio.sleep(INTERVAL)
         used = limit.unreclaimable() if limit.limited else None
@@ -39,7 +39,7 @@ async def watch_memory(cache: ChunkCache, limit: MemoryLimit) -> None:
             pressed = True
             continue
         pressed = False
-        if cache.fetches != fetches:
-            idle_since, fetches = trio.current_time(), cache.fetches
+        if cache.fetcher.fetches != fetches:
+            idle_since, fetches = trio.current_time(), cache.fetcher.fetches
         elif trio.current_time() - idle_since > IDLE_TRIM and (freed := cache.trim()):
             log.info("idle for %.0f s: returned %s of free cache slabs to the kernel", IDLE_TRIM, human_bytes(freed))

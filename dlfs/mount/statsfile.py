@@ -59,9 +59,9 @@ class MountStats:
         # scan mode) are misses, and fetches from it too.
         blocks = eng.get("block_reads", 0) + eng.get("record_reads", 0)
         block_bytes = eng.get("block_bytes", 0) + eng.get("record_bytes", 0)
-        local = c.local.node if c.local is not None else None
-        fetches_by = dict(c.fetches_by_node)
-        fetched_by = dict(c.fetched_by_node)
+        local = c.fetcher.local.node if c.fetcher.local is not None else None
+        fetches_by = dict(c.fetcher.fetches_by_node)
+        fetched_by = dict(c.fetcher.fetched_by_node)
         if local is not None and blocks:
             fetches_by[local] = fetches_by.get(local, 0) + blocks
             fetched_by[local] = fetched_by.get(local, 0) + block_bytes
@@ -73,13 +73,13 @@ class MountStats:
             "reads": ops.reads + native_reads, "read_bytes": ops.bytes_read + eng.get("read_bytes", 0),
             "read_errors": ops.errors, "read_seconds": ops.read_seconds.to_dict(),
             "python_reads": ops.reads, "engine": eng,
-            "cache_hits": c.hits + native_reads - blocks, "cache_misses": c.misses + blocks, "cache_evictions": c.evictions,
+            "cache_hits": c.hits + native_reads - blocks, "cache_misses": c.misses + blocks, "cache_evictions": c.held.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
-            "cache_given_back": c.given_back, "cache_huge_pages": c.slabs.huge,
-            "fetches": c.fetches + blocks, "fetched_bytes": c.fetched_bytes + block_bytes,
-            "fetch_seconds": c.fetch_seconds.to_dict(),
+            "cache_given_back": c.slabs.given_back, "cache_huge_pages": c.slabs.huge,
+            "fetches": c.fetcher.fetches + blocks, "fetched_bytes": c.fetcher.fetched_bytes + block_bytes,
+            "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
-            "failovers": c.failovers, "checksum_failures": c.corrupt,
+            "failovers": c.fetcher.failovers, "checksum_failures": c.fetcher.corrupt,
             "failing_nodes": sorted(self.client.health),
             **(self.control.stats() if self.control is not None else {}),
         }
