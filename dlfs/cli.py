@@ -220,7 +220,7 @@ def _source(args: argparse.Namespace) -> Source:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dlfs.ingest.run import IngestReport, check_chunk_size, ingest
+    from dlfs.ingest.run import IngestReport, Interrupt, check_chunk_size, ingest
     from dlfs.logs import set_context
 
     _setup_logging(args)
@@ -243,14 +243,17 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         # land in whichever task runs at that moment and could break the connection it needs.
         with trio.open_signal_receiver(signal.SIGINT) as signals:
             async with open_nursery() as nursery:
+                interrupt = Interrupt()
+
                 async def on_signal() -> None:
                     async for _ in signals:
+                        interrupt.fire()
                         nursery.cancel_scope.cancel()
                         return
 
                 nursery.start_soon(on_signal, name="dlfs-ingest-signals")
                 report = await ingest(cluster, source, args.name, chunk_size, args.compress == "lz4", progress,
-                                      home_dir(args.home), select, args.force)
+                                      home_dir(args.home), select, args.force, interrupt)
                 nursery.cancel_scope.cancel()
                 return report
         return None  # cancelled by the signal

@@ -98,9 +98,12 @@ def check_chunk_size(chunk_size: int) -> int:
 
 async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int = 8 << 20, compress: bool = False,
                  progress: Progress | None = None, tmp_dir: Path | None = None,
-                 select: Selection | None = None, force: bool = False) -> IngestReport:
+                 select: Selection | None = None, force: bool = False,
+                 interrupt: Interrupt | None = None) -> IngestReport:
     """Ingest `src` as a new version of dataset `name`; unless `force`, a tree the newest version already
-    holds exactly (same files, bytes and metadata) makes no new version: the report says `unchanged`."""
+    holds exactly (same files, bytes and metadata) makes no new version: the report says `unchanged`.
+    `interrupt`: fired by the caller before it cancels this for the user (Ctrl-C): then nothing is
+    waited for, not even the chunks being stored (see DRAIN_WAIT)."""
     check_dataset_name(name)
     check_chunk_size(chunk_size)
     source = LocalTree(src) if isinstance(src, str) else src
@@ -114,7 +117,7 @@ async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int
         nursery.start_soon(_keep_alive, client, session, begun.ttl, keepalive)
         try:
             report = await _ingest(client, session, source, name, chunk_size, compress, progress, tmp_dir, select,
-                                   force)
+                                   force, interrupt)
         except BaseException:
             keepalive.cancel()
             with trio.CancelScope(shield=True), trio.move_on_after(ABORT_WAIT):
@@ -126,6 +129,21 @@ async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int
         nursery.cancel_scope.cancel()
     report.seconds = time.monotonic() - t0
     return report
+
+
+class Interrupt:
+    """Ctrl-C for an ingest: its caller fires it, then cancels the ingest. The chunks being stored are
+    shielded from a cancel (see DRAIN_WAIT), but their connections are not: firing cancels them at once,
+    before the connections close under them."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.storing: set[trio.CancelScope] = set()
+
+    def fire(self) -> None:
+        self.fired = True
+        for scope in self.storing:
+            scope.cancel()
 
 
 async def _keep_alive(client: ClusterClient, session: str, ttl: float, scope: trio.CancelScope) -> None:
@@ -156,7 +174,7 @@ async def _abort(cluster: Cluster, session: str) -> None:
 
 async def _ingest(client: ClusterClient, session: str, source: Source, name: str, chunk_size: int, compress: bool,
                   progress: Progress | None, tmp_dir: Path | None, select: Selection | None,
-                  force: bool) -> IngestReport:
+                  force: bool, interrupt: Interrupt | None = None) -> IngestReport:
     # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
     tree = await trio.to_thread.run_sync(source.walk, select, abandon_on_cancel=True)
     files = tree.files
@@ -182,7 +200,8 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
         if progress:
             progress.advance(nfiles, nbytes)
 
-    storing: set[trio.CancelScope] = set()  # the chunks being stored now, each shielded (see DRAIN_WAIT)
+    interrupt = interrupt or Interrupt()
+    storing = interrupt.storing  # the chunks being stored now, each shielded (see DRAIN_WAIT)
     drained = trio.CancelScope()  # bound_drain's, cancelled by the last uploader to finish
     uploading = [UPLOADERS]
 
@@ -202,6 +221,8 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
                 try:
                     with trio.CancelScope(shield=True) as scope:
                         storing.add(scope)
+                        if interrupt.fired:
+                            scope.cancel()
                         try:
                             await _store_chunk(client, session, p, stats, local)
                         finally:
@@ -213,9 +234,12 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
         with drained:
             try:
                 await trio.sleep_forever()
-            finally:  # the ingest stops (or finished): what is still being stored has DRAIN_WAIT left
-                for scope in storing:
-                    scope.deadline = min(scope.deadline, trio.current_time() + DRAIN_WAIT)
+            finally:  # the ingest stops (or finished): what is still being stored has DRAIN_WAIT left,
+                for scope in storing:  # or none after Ctrl-C, whichever step the ingest was at
+                    if interrupt.fired:
+                        scope.cancel()
+                    else:
+                        scope.deadline = min(scope.deadline, trio.current_time() + DRAIN_WAIT)
 
     def pack() -> dict[int, tuple[int, int]]:
         return Packer(source, tree, writer, chunk_size, compress, pool, emit, tick).run()
@@ -232,9 +256,9 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
                 extents = await trio.to_thread.run_sync(pack, abandon_on_cancel=True)
             except BaseException as exc:
                 stop.set()
-                if isinstance(exc, KeyboardInterrupt):  # Ctrl-C stops at once: no store is waited for
-                    for scope in storing:
-                        scope.cancel()
+                # Ctrl-C stops at once: no store is waited for (its connections are being torn down).
+                if isinstance(exc, KeyboardInterrupt):
+                    interrupt.fire()
                 raise
     build_index(tree, extents, writer)
     newest = None if force else await _holding(client, name, writer.body_sum())
