@@ -254,8 +254,8 @@ class LocalChunks:
     async def _open(self, cid: bytes) -> None:
         """Open chunk `cid`'s file (both ways) in a thread, for _fd and _direct_fd to keep: a cold open
         reads the file system's metadata from the disk, queued behind the windows being read there,
-        and on the event loop it would hold up every other read's answer meanwhile (a file spanning
-        five chunks held its first READ 5-18 ms)."""
+        and on the event loop it would hold up every other read's answer meanwhile (a big-file epoch
+        here: 105 such reads, 152 ms of waiting in 1.0 s)."""
         busy = self._opening.get(cid)
         if busy is not None:
             await busy.wait()

@@ -9,7 +9,7 @@ A slab holds one read-ahead window and the slack of reading it page-aligned (O_D
 are reused most-recent first, so a stream keeps reusing the few slabs it has in flight (this VM's
 first touch of fresh memory costs 1-2 s per GB); fresh ones are faulted in ahead of use by a thread.
 A slab that a client still pins when its records are dropped waits, retired, until its pins are
-released. Free slabs' pages go back to the kernel on demand (trim): its pages (shared memory) are reclaimable no
+released. Free slabs' pages go back to the kernel on demand (trim): shared memory is reclaimable no
 other way when there is no swap. Which slab holds what is the cache's business, not this module's.
 """
 
