@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -171,3 +174,16 @@ def test_the_arena_is_on_huge_pages_shared_by_its_fd_and_leaves_no_mount_behind(
 def test_an_arena_that_cannot_be_made_on_huge_pages_says_why() -> None:
     with pytest.raises(OSError, match="no huge-page cache arena: mounting a tmpfs"):
         native.huge_arena("/nonexistent/dlfs-test", 1 << 20)
+
+
+@needs_native
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="dropping CAP_SYS_ADMIN from a child needs root and setpriv (util-linux)")
+def test_without_the_right_to_mount_the_arena_is_a_memfd_and_the_log_says_why() -> None:
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from dlfs.mount.slabs import Slabs\n"
+            "s = Slabs(8 << 20, 2 << 20); s.view(1)[:2] = b'ok'; print('huge', s.huge, bytes(s.view(1)[:2])); s.close()")
+    out = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "huge False b'ok'" in out
+    assert "no huge-page cache arena: unshare(CLONE_NEWNS): Operation not permitted; the cache is a memfd" in out
