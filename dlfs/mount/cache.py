@@ -2,7 +2,7 @@
 until the kernel (or a dlfs.direct client) has them. It owns what is in memory and in flight, and
 composes three parts that each own their own state:
 
-  - slabs.py: the arena of fixed-size slabs (a shared memfd), free/retired/given back, prefaulting;
+  - slabs.py: the arena of fixed-size slabs (a shared file: a private huge tmpfs's, else a memfd), free/retired/given back, prefaulting;
   - planner.py: what to fetch (windows, streams, how far ahead, what the kernel was sent), no I/O;
   - fetcher.py: where bytes come from (local chunk files, the disk cache, replicas) and their checks.
 
@@ -73,7 +73,7 @@ def auto_cache_size(limit: MemoryLimit | None = None) -> int:
     """The default cache bound: a quarter of the memory this process may use (its memory cgroup's
     limit where that is below physical memory: a pod, a Slurm job), at least 64 MiB. It bounds
     read-ahead not yet read (what was read is the page cache's), so it is only used as far as that
-    needs; the memfd's pages are not reclaimable, which is why it must fit the real limit."""
+    needs; the arena's pages (shared memory) are not reclaimable, which is why it must fit the real limit."""
     limit = limit or memory_limit()
     return max(MIN_AUTO_CACHE, limit.effective // 4)
 

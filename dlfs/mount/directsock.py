@@ -1,7 +1,7 @@
 """The mount's control socket: where dlfs.direct clients attach to the shared chunk cache.
 
 A client finds the socket through the xattr user.dlfs.control on the mount's root, attaches (and
-receives the cache's memfds and the index by SCM_RIGHTS), then reads most files with no request at
+receives the cache's shared files and the index by SCM_RIGHTS), then reads most files with no request at
 all: only records not yet in a slab come here, a batch at a time (DIRECT_READ), and are answered
 pinned for that client. Each connection is one client process with one row of the pin table; when
 the connection ends, for whatever reason, the row goes back once its owner released it or is gone

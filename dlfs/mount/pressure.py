@@ -1,7 +1,7 @@
 """Giving memory back: the mount's cache returns what it can to the kernel when its memory cgroup runs
 short, or when the mount has been idle a while.
 
-The cache's memfd pages cannot be reclaimed by the kernel (no swap, often), so under a limit an OOM
+The cache's pages (shared memory) cannot be reclaimed by the kernel (no swap, often), so under a limit an OOM
 kill is the kernel's only remedy unless the mount lets go first. The watch reads the limiting group's
 unreclaimable memory (anonymous + shared) once a second: over HIGH_WATER of the limit, the cache drops
 read-ahead not yet read (scratch first, then the oldest) until it is back under LOW_WATER, and returns
