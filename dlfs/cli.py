@@ -181,13 +181,15 @@ def _selection(args: argparse.Namespace) -> Selection:
     from dlfs.ingest.walk import Selection, read_list
 
     listed = None
+    # Absolute paths name places in a local tree; a bucket's keys and tar members have none.
+    root = None if args.expand_tar or args.src[0].startswith("s3://") else args.src[0]
     if args.files_from is not None:
         try:
             if args.files_from == "-":
-                listed = read_list(sys.stdin.buffer, args.src[0])
+                listed = read_list(sys.stdin.buffer, root)
             else:
                 with open(args.files_from, "rb") as f:
-                    listed = read_list(f, args.src[0])
+                    listed = read_list(f, root)
         except OSError as exc:
             raise UsageError(f"--files-from: cannot read {args.files_from}: {exc.strerror}") from None
     for pat in args.exclude:

@@ -361,6 +361,12 @@ def test_files_from_and_exclude_over_a_bucket(s3node: Node, moto: MotoServer, bu
     proc = s3node.run("ingest", f"s3://{BUCKET}/data", "--name", "missing", "--endpoint-url", moto.url,
                       "--files-from", scratch / "missing", check=False)
     assert one_line_error(proc) == f"dlfs: error: --files-from names d9, which is not in s3://{BUCKET}/data"
+    (scratch / "absolute").write_text("d1/e2\n/data/d9\n")  # a bucket has no place in this machine's tree
+    proc = s3node.run("ingest", f"s3://{BUCKET}/data", "--name", "missing", "--endpoint-url", moto.url,
+                      "--files-from", scratch / "absolute", check=False)
+    assert proc.returncode == UsageError.exit_code and proc.stderr == (
+        "dlfs: error: --files-from line 2: /data/d9 is absolute; this source is not a local directory: list paths "
+        "relative to it, as the dataset will have them\n")
 
 
 @pytest.mark.timeout(120)

@@ -73,6 +73,10 @@ def test_files_from_errors_name_the_path(tmp_path: Path) -> None:
                            ([b"./\n"], "line 1: ./ is not a path inside the source")):
         with pytest.raises(UsageError, match=message):
             read_list(lines, src)
+    # A bucket or tar shards (root None): any absolute path is refused, relative ones are taken.
+    with pytest.raises(UsageError, match="line 2: /data/x is absolute; this source is not a local directory"):
+        read_list([b"a/b\n", b"/data/x\n"], None)
+    assert read_list([b"./a/b/\n", b"c\n"], None) == {b"a/b", b"c"}
     with pytest.raises(SourceError, match=rf"names {src}/a/nope \(and 1 more\), which is not in the source"):
         walk(src, Selection(frozenset({b"a/nope", b"zzz", b"c/z.jpg"})))
     # Through a symlink is not through the tree: the symlink is not followed.

@@ -83,17 +83,21 @@ class Selection:
         return (gone[0] if gone else None), len(gone)
 
 
-def read_list(lines: Iterable[bytes], root: str | bytes, what: str = "--files-from") -> frozenset[bytes]:
+def read_list(lines: Iterable[bytes], root: str | bytes | None, what: str = "--files-from") -> frozenset[bytes]:
     """The paths of a file list (one a line; blank lines skipped), relative to the source `root`: an
     absolute path inside it is made relative, `./` and trailing `/` dropped. A path outside the root
-    is a UsageError naming its line."""
-    top = os.fsencode(os.path.abspath(root))
+    is a UsageError naming its line; so is any absolute path where `root` is None (a bucket, tar
+    shards: sources with no place in this machine's tree)."""
+    top = os.fsencode(os.path.abspath(root)) if root is not None else None
     out: set[bytes] = set()
     for number, line in enumerate(lines, 1):
         entry = line.rstrip(b"\r\n")
         if not entry.strip():
             continue
         if entry.startswith(b"/"):
+            if top is None:
+                raise UsageError(f"{what} line {number}: {os.fsdecode(entry)} is absolute; this source is not "
+                                 "a local directory: list paths relative to it, as the dataset will have them")
             if entry.rstrip(b"/") == top:
                 raise UsageError(f"{what} line {number}: {os.fsdecode(entry)} is the source itself: leave "
                                  f"{what} out to ingest all of it")
