@@ -324,13 +324,13 @@ def test_a_key_that_cannot_be_a_path_is_named(s3node: Node, moto: MotoServer, ma
     put_all(moto.client(), {"bad1/ok": b"1", "bad1/a//b": b"2", "bad2/f": b"3", "bad2/f/g": b"4",
                             "bad3/x/../y": b"5", f"bad4/{long}": b"6", "bad5/m": b"7", "bad5/m/": b""})
     proc = s3node.run("ingest", f"s3://{BUCKET}/bad1", "--name", "bad", "--endpoint-url", moto.url, check=False)
-    assert one_line_error(proc) == (f"dlfs: error: s3://{BUCKET}/bad1/a//b cannot be a path: it has an empty "
-                                    "component (// or a leading /)")
+    assert one_line_error(proc) == (f"dlfs: error: s3://{BUCKET}/bad1/a//b cannot be a path: a component is "
+                                    "empty (// or a leading /)")
     assert "bad" not in published(s3node)
     for prefix, message in (
             ("bad2", f"s3://{BUCKET}/bad2/f/g cannot be a path: s3://{BUCKET}/bad2/f is an object too, and a file "
                      "system cannot hold a file and a directory of one name"),
-            ("bad3", f"s3://{BUCKET}/bad3/x/../y cannot be a path: it has a .. component"),
+            ("bad3", f"s3://{BUCKET}/bad3/x/../y cannot be a path: a component is .."),
             ("bad4", f"s3://{BUCKET}/bad4/{long} cannot be a path: a component is 256 bytes (a name is at most 255)"),
             ("bad5", f"s3://{BUCKET}/bad5/m/ cannot be a path: s3://{BUCKET}/bad5/m is an object too")):
         with pytest.raises(SourceError) as err:

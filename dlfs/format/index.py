@@ -47,6 +47,23 @@ from dlfs.format.chunk import ID_BYTES, Record
 MAGIC = b"DLFSINDX"
 VERSION = 1
 NAME_MAX = 255  # bytes of one name (Linux's NAME_MAX): ingest writes none longer, lookup refuses longer
+
+
+def name_problem(name: bytes) -> str:
+    """Why `name` cannot be one name in an index, as "is ..." or "holds ..."; '' if it can. The one
+    statement of the rule (1 to NAME_MAX bytes, no / or NUL, not . or ..): every source checks its
+    names with it, in its own words, before the index writer does."""
+    if not name:
+        return "is empty"
+    if name in (b".", b".."):
+        return f"is {name.decode()}"
+    if len(name) > NAME_MAX:
+        return f"is {len(name)} bytes (a name is at most {NAME_MAX})"
+    if b"/" in name:
+        return "holds a /"
+    if b"\0" in name:
+        return "holds a NUL byte"
+    return ""
 # Bytes of one index file at most (about 70 million files): what a metadata daemon stages and hashes.
 MAX_INDEX_BYTES = 8 << 30
 # Every record's fields in file order, as struct codes (little-endian, no padding).
@@ -172,13 +189,13 @@ class IndexWriter:
 
     def add_dirents(self, entries: list[tuple[bytes, int]]) -> tuple[int, int]:
         """Add one directory's entries (name, inode); returns (first dirent, count). SourceError for a
-        name no lookup could find (empty, over NAME_MAX bytes, with a / or NUL, . or ..)."""
+        name no lookup could find (name_problem)."""
         first = len(self.dirents) // DIRENT.size
         for name, _ in entries:
-            if not 0 < len(name) <= NAME_MAX or b"/" in name or b"\0" in name or name in (b".", b".."):
+            why = name_problem(name)
+            if why:
                 shown = name[:60] + b"..." if len(name) > 60 else name
-                raise SourceError(f"cannot store the name {shown!r} ({len(name)} bytes): a name is 1 to {NAME_MAX} "
-                                  "bytes without / or NUL, not . or ..")
+                raise SourceError(f"cannot store the name {shown!r}: it {why}")
         for name, ino in sorted(entries):
             off, n = self.add_name(name)
             self.dirents += DIRENT.pack(off, n, ino)

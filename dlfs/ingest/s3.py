@@ -41,7 +41,7 @@ from botocore import UNSIGNED
 from botocore.config import Config
 
 from dlfs.errors import DlfsError, SourceError, UsageError
-from dlfs.format.index import NAME_MAX
+from dlfs.format.index import name_problem
 from dlfs.ingest.walk import Node, PathClash, Selection, Tree, TreeBuilder
 
 log = logging.getLogger(__name__)
@@ -584,14 +584,9 @@ class S3Prefix:
 def _not_a_path(path: bytes) -> str:
     """Why a key (relative to the prefix, without its trailing /) cannot be a path; '' if it can."""
     for part in path.split(b"/"):
-        if not part:
-            return "it has an empty component (// or a leading /)"
-        if part in (b".", b".."):
-            return f"it has a {part.decode()} component"
-        if len(part) > NAME_MAX:
-            return f"a component is {len(part)} bytes (a name is at most {NAME_MAX})"
-        if b"\0" in part:
-            return "it holds a NUL byte"
+        why = name_problem(part)
+        if why:
+            return f"a component {why}" + (" (// or a leading /)" if not part else "")
     return ""
 
 

@@ -32,7 +32,7 @@ from functools import partial
 from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dlfs.errors import SourceError, UsageError
-from dlfs.format.index import NAME_MAX
+from dlfs.format.index import name_problem
 from dlfs.ingest.source import FileReader
 from dlfs.ingest.walk import Node, Selection, Tree, TreeBuilder
 
@@ -377,9 +377,10 @@ def _member_path(shard: Shard, name: str) -> bytes:
     if b".." in parts:
         raise SourceError(f"{shard.path}: member {name} has .. in its path, which could point outside the "
                           "shard: refused")
-    if any(len(p) > NAME_MAX for p in parts):
-        raise SourceError(f"{shard.path}: member {name} has a name over {NAME_MAX} bytes, which no file system "
-                          "path can hold")
+    for part in parts:
+        why = name_problem(part)
+        if why:
+            raise SourceError(f"{shard.path}: member {name} cannot be a path: a component {why}")
     return b"/".join(parts)
 
 
