@@ -191,3 +191,62 @@ def test_an_ingest_failing_while_etcd_is_down_is_finished_by_its_node(tmp_path: 
         # Logged once the abort's collection has returned, a moment after the data nodes deleted the chunks.
         wait_until("the abort's log line", lambda: "its abort is finished" in nodes[0].log.read_text()
                    + nodes[1].log.read_text(), 10)
+
+
+@pytest.mark.timeout(60)
+async def test_a_gc_lock_left_by_a_lost_answer_is_released_by_its_own_node(tmp_path: Path) -> None:
+    """A take of the gc lock that etcd committed but whose answer was lost (an outage mid-request) left
+    the lock naming the node, bound to the node's lease, which the node renews: every ingest's pins
+    waited behind a collection that did not run. The node now releases a lock that names it while no
+    collection of its own holds it; another node's lock, or its own during a collection, stays."""
+    import json
+
+    from dlfs.control.pins import PinPublisher
+    from dlfs.errors import Conflict
+
+    etcd = local_etcd(tmp_path)
+    try:
+        control = ControlPlane(EtcdConfig(tuple(etcd.endpoints), prefix="/t/"))
+        lease = await control.etcd.grant(60)
+        await control.open_ingest("s1", "ds", "n1", lease)
+
+        async def lost_take(node: str) -> None:  # what a committed take whose answer never came leaves
+            await control.etcd.put(control.gc_key, json.dumps({"node": node, "since": time.time()}), lease)
+
+        await lost_take("n2")
+        assert not await control.clear_to_pin("s1")
+        assert not await control.release_stale_gc_lock("n1")  # another node's: its own to release
+        with pytest.raises(Conflict, match="already running on n2"):
+            async with control.gc_lock("n1", lease):
+                pass
+        assert await control.etcd.get(control.gc_key) is not None and not control.collecting
+        await control.etcd.delete(control.gc_key)
+
+        await lost_take("n1")
+        assert not await control.clear_to_pin("s1")
+        assert await control.release_stale_gc_lock("n1")
+        assert await control.etcd.get(control.gc_key) is None and await control.clear_to_pin("s1")
+
+        publisher = PinPublisher(control, "n1", lambda: {"s1": set()})  # the daemon's, for its session
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.run)
+            # It releases such a lock by itself, within a watch round.
+            await lost_take("n1")
+            with trio.fail_after(10):
+                while not await control.clear_to_pin("s1"):
+                    await trio.sleep(0.05)
+            # During a collection of its own the node's lock is not stale (the publisher leaves it, and
+            # publishes the session's pins for it); a stale one is taken over by the next collection.
+            await lost_take("n1")
+            with trio.fail_after(20):
+                async with control.gc_lock("n1", lease):
+                    assert control.collecting and not await control.release_stale_gc_lock("n1")
+                    await trio.sleep(0.5)  # the publisher sees the lock meanwhile, and leaves it
+                    kv = await control.etcd.get(control.gc_key)
+                    assert kv is not None and json.loads(kv.value)["node"] == "n1"
+                    assert not await control.clear_to_pin("s1")
+            assert not control.collecting and await control.clear_to_pin("s1")
+            nursery.cancel_scope.cancel()
+        await control.aclose()
+    finally:
+        etcd.stop()

@@ -61,6 +61,8 @@ class PinPublisher:
         while True:
             try:
                 stamp, revision = await self.control.gc_holder()
+                if stamp and await self.control.release_stale_gc_lock(self.node):
+                    continue
                 if stamp and stamp != self.published:
                     await self.publish(stamp)
                 if self.failing:

@@ -149,6 +149,10 @@ class ControlPlane:
         self.cfg = cfg
         self.etcd = Etcd(list(cfg.endpoints), cfg.ca_file, cfg.cert_file, cfg.key_file)
         self.p = cfg.prefix
+        # The node whose collection this process runs (from before its gc lock take is sent until its
+        # release), else "": a lock naming this node while it is "" was left by a take whose answer was
+        # lost (release_stale_gc_lock).
+        self.collecting = ""
 
     async def aclose(self) -> None:
         await self.etcd.aclose()
@@ -260,9 +264,19 @@ class ControlPlane:
         """Hold the cluster's one collection; Conflict (naming the holder) if another node has it. Entered
         once every ingest session opened before the lock has published its pins (Conflict if one has not
         within the lease TTL and PUBLISH_GRACE: its node is cut off from etcd, or runs an older dlfs)."""
-        r = await self.etcd.txn([absent(self.gc_key)], [put_op(self.gc_key, json.dumps({"node": node, "since": time.time()}), lease)],
-                                [range_op(self.gc_key)])
+        if self.collecting:  # one at a time per process: the lock it holds is not stale
+            raise Conflict(f"a garbage collection is already running on {self.collecting}")
+        self.collecting = node  # before the take is sent: release_stale_gc_lock must not see it as stale
+        try:
+            await self.release_stale_gc_lock(node, taking=True)
+            r = await self.etcd.txn([absent(self.gc_key)],
+                                    [put_op(self.gc_key, json.dumps({"node": node, "since": time.time()}), lease)],
+                                    [range_op(self.gc_key)])
+        except BaseException:
+            self.collecting = ""
+            raise
         if not r.succeeded:
+            self.collecting = ""
             holder = json.loads(r.ranges[0][0].value).get("node", "?") if r.ranges and r.ranges[0] else "?"
             raise Conflict(f"a garbage collection is already running on {holder}")
         held = r.revision
@@ -273,8 +287,26 @@ class ControlPlane:
             with trio.CancelScope(shield=True), trio.move_on_after(self.etcd.timeout):
                 try:
                     await self.etcd.txn([unchanged(self.gc_key, held)], [delete_op(self.gc_key)])
-                except DlfsError as exc:  # the lock dies with the node's lease anyway
+                except DlfsError as exc:  # the next release_stale_gc_lock of this node deletes it
                     log.warning("could not release the gc lock: %s", exc)
+            self.collecting = ""
+
+    async def release_stale_gc_lock(self, node: str, taking: bool = False) -> bool:
+        """Delete the gc lock if it names `node` while no collection of this node holds it: a take whose
+        answer was lost (etcd went away mid-request, or a retry on another member met the first
+        attempt's commit) or a release that failed. Bound to the node's own lease, which the node renews,
+        it would otherwise keep every ingest's pins waiting for a collection that does not run.
+        `taking`: called by gc_lock itself, between marking this node collecting and its take."""
+        if self.collecting and not taking:
+            return False
+        kvs, _ = await self.etcd.range(self.gc_key)
+        if not kvs or kvs[0].json().get("node") != node or (self.collecting and not taking):
+            return False
+        r = await self.etcd.txn([unchanged(self.gc_key, kvs[0].mod_revision)], [delete_op(self.gc_key)])
+        if r.succeeded:
+            log.warning("released a gc lock that named node %s while no collection of it ran (a take whose answer "
+                        "was lost, or a failed release)", node)
+        return bool(r.succeeded)
 
     async def _published(self, held: int) -> None:
         """Wait until every session opened before the gc lock (taken at `held`) published its pins for it."""
