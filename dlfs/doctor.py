@@ -142,13 +142,17 @@ def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring"))
 SHMEM_HUGE = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
 
-def check_cache_pages(shmem: Path = SHMEM_HUGE, private_tmpfs: bool = True) -> Check:
+def check_cache_pages(shmem: Path = SHMEM_HUGE, private_tmpfs: bool = True, limited: bool | None = None) -> Check:
     """Whether a mount's cache can be on 2 MiB pages (dlfs/mount/slabs.py): then a window read from a
-    local disk is one request of a few segments, not four of 254 pages (`private_tmpfs`: try that way)."""
+    local disk is one request of a few segments, not four of 254 pages (`private_tmpfs`: try that way;
+    `limited`: whether memory is limited here, where the cache stays on 4 KiB pages)."""
     from dlfs.native import native
 
     if native is None:
         return Check("cache pages", INFO, "unknown without the C helper")
+    if memory_limit().limited if limited is None else limited:
+        return Check("cache pages", INFO, "4 KiB pages: memory is limited here, and a slab given back under "
+                     "pressure must free all it held (slabs share 2 MiB pages)")
     why = "no private tmpfs (try skipped)"
     if private_tmpfs:
         try:

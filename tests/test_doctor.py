@@ -249,13 +249,15 @@ def test_cache_pages_check_says_whether_windows_land_on_huge_pages(tmp_path: Pat
     shmem = tmp_path / "shmem_enabled"
     shmem.write_text("always within_size advise [never] deny force\n")
     if os.geteuid() == 0 and Path("/sys/kernel/mm/transparent_hugepage").is_dir():
-        here = doctor.check_cache_pages(shmem)
+        here = doctor.check_cache_pages(shmem, limited=False)
         assert here.status == "pass" and "private tmpfs" in here.detail
-    no_tmpfs = doctor.check_cache_pages(shmem, private_tmpfs=False)
+    limited = doctor.check_cache_pages(shmem, limited=True)
+    assert limited.status == "info" and "4 KiB pages: memory is limited here" in limited.detail
+    no_tmpfs = doctor.check_cache_pages(shmem, private_tmpfs=False, limited=False)
     assert no_tmpfs.status == "warn" and "4 KiB pages" in no_tmpfs.detail and "never" in no_tmpfs.detail
     assert f"echo advise > {shmem}" in no_tmpfs.fix
     shmem.write_text("always within_size [advise] never deny force\n")
-    memfd = doctor.check_cache_pages(shmem, private_tmpfs=False)
+    memfd = doctor.check_cache_pages(shmem, private_tmpfs=False, limited=False)
     assert memfd.status == "pass" and "a memfd" in memfd.detail and "advise" in memfd.detail
 
 

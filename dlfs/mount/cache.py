@@ -84,8 +84,11 @@ class ChunkCache:
         self.index = index
         self.client = client
         self.window = window_size(index, readahead)
-        # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk).
-        self.slabs = Slabs(capacity, self.window + DIRECT_ALIGN * 2)
+        # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk). On
+        # 2 MiB pages unless memory is limited: a slab (4 MiB and two pages) shares huge pages with its
+        # neighbours, and giving one back under pressure must free what it held (a small cgroup's
+        # bench was OOM-killed on huge pages).
+        self.slabs = Slabs(capacity, self.window + DIRECT_ALIGN * 2, huge=not memory_limit().limited)
         self.slab_size, self.capacity = self.slabs.slab_size, self.slabs.capacity
         self.planner = Planner(index, self.window)
         self.fetcher = Fetcher(index, client, retry_timeout)

@@ -30,10 +30,10 @@ NO_SLAB = -1
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
 
 
-def arena_file(size: int) -> tuple[int, bool]:
+def arena_file(size: int, huge: bool = True) -> tuple[int, bool]:
     """A shared file of `size` bytes for the arena, and whether it is on huge pages for certain: a
-    private huge tmpfs's (root may mount one), else a memfd."""
-    if native is not None:
+    private huge tmpfs's (root may mount one, where `huge`), else a memfd."""
+    if native is not None and huge:
         try:
             fd = native.huge_arena(tempfile.gettempdir(), size)
             log.info("the cache is on 2 MiB pages (a private tmpfs)")
@@ -48,16 +48,16 @@ def arena_file(size: int) -> tuple[int, bool]:
 class Slabs:
     """The arena and which of its slabs are free, retired or given back. One owner: the chunk cache."""
 
-    def __init__(self, capacity: int, slab_size: int) -> None:
+    def __init__(self, capacity: int, slab_size: int, huge: bool = True) -> None:
         self.slab_size = slab_size
         self.nslabs = max(capacity // slab_size, 4)
         self.capacity = self.nslabs * slab_size
         # Lazily touched: a large cache costs address space, not memory, until used; the same pages
         # are mapped by dlfs.direct clients.
         self.fd: int | None
-        self.fd, self.huge = arena_file(self.capacity)
+        self.fd, self.huge = arena_file(self.capacity, huge)
         self.arena = mmap.mmap(self.fd, self.capacity)
-        if not self.huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        if huge and not self.huge and hasattr(mmap, "MADV_HUGEPAGE"):
             self.arena.madvise(mmap.MADV_HUGEPAGE)  # heeded where shmem_enabled says "advise"
         self.mem = memoryview(self.arena)
         self.pins: Any = None  # the shared table, which counts clients' pins per slab (set once it exists)
