@@ -160,14 +160,14 @@ def check_cache_pages(shmem: Path = SHMEM_HUGE, private_tmpfs: bool = True, limi
             return Check("cache pages", PASS, "2 MiB pages (a private tmpfs with huge=always)")
         except OSError as exc:
             why = str(exc).removeprefix("no huge-page cache arena: ")
-    try:
-        policy = shmem.read_text()
-    except OSError:
+    try:  # the bracketed word of e.g. "always within_size advise [never] deny force"
+        policy = shmem.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
         policy = ""
-    if any(f"[{p}]" in policy for p in ("always", "within_size", "advise", "force")):
-        return Check("cache pages", PASS, f"2 MiB pages (a memfd: {shmem} says {policy.split('[')[1].split(']')[0]})")
+    if policy in ("always", "within_size", "advise", "force"):
+        return Check("cache pages", PASS, f"2 MiB pages (a memfd: {shmem} says {policy})")
     return Check("cache pages", WARN, f"4 KiB pages ({why}; shared memory huge pages: "
-                 f"{policy.split('[')[1].split(']')[0] if '[' in policy else 'not in this kernel'}): windows read from "
+                 f"{policy or 'not in this kernel'}): windows read from "
                  "a local disk go in requests of at most 254 pages (half the speed on a virtio disk)",
                  f"mount as root, or `echo advise > {shmem}` (root)")
 

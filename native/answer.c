@@ -380,14 +380,12 @@ void dlfs_local_fds_init(struct dlfs_local_fds *l)
     l->next = 0;
 }
 
+static void local_forget(struct dlfs_local_fds *l, int i);
+
 void dlfs_local_fds_close(struct dlfs_local_fds *l)
 {
-    for (int i = 0; i < DLFS_LOCAL_FDS; i++) {
-        if (l->fd[i] >= 0)
-            close(l->fd[i]);
-        if (l->direct[i] >= 0)
-            close(l->direct[i]);
-    }
+    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
+        local_forget(l, i);
     dlfs_local_fds_init(l);
 }
 

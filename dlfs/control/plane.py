@@ -272,23 +272,20 @@ class ControlPlane:
             r = await self.etcd.txn([absent(self.gc_key)],
                                     [put_op(self.gc_key, json.dumps({"node": node, "since": time.time()}), lease)],
                                     [range_op(self.gc_key)])
-        except BaseException:
-            self.collecting = ""
-            raise
-        if not r.succeeded:
-            self.collecting = ""
-            holder = json.loads(r.ranges[0][0].value).get("node", "?") if r.ranges and r.ranges[0] else "?"
-            raise Conflict(f"a garbage collection is already running on {holder}")
-        held = r.revision
-        try:
-            await self._published(held)
-            yield
+            if not r.succeeded:
+                holder = json.loads(r.ranges[0][0].value).get("node", "?") if r.ranges and r.ranges[0] else "?"
+                raise Conflict(f"a garbage collection is already running on {holder}")
+            held = r.revision
+            try:
+                await self._published(held)
+                yield
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(self.etcd.timeout):
+                    try:
+                        await self.etcd.txn([unchanged(self.gc_key, held)], [delete_op(self.gc_key)])
+                    except DlfsError as exc:  # the next release_stale_gc_lock of this node deletes it
+                        log.warning("could not release the gc lock: %s", exc)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.etcd.timeout):
-                try:
-                    await self.etcd.txn([unchanged(self.gc_key, held)], [delete_op(self.gc_key)])
-                except DlfsError as exc:  # the next release_stale_gc_lock of this node deletes it
-                    log.warning("could not release the gc lock: %s", exc)
             self.collecting = ""
 
     async def release_stale_gc_lock(self, node: str, taking: bool = False) -> bool:

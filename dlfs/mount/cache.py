@@ -80,15 +80,14 @@ def auto_cache_size(limit: MemoryLimit | None = None) -> int:
 
 class ChunkCache:
     def __init__(self, index: Index, client: ClusterClient, capacity: int = 2 << 30,
-                 readahead: int = 4 << 20, prefetch: bool = True, retry_timeout: float = 0.0) -> None:
+                 readahead: int = 4 << 20, prefetch: bool = True, retry_timeout: float = 0.0,
+                 huge_pages: bool = True) -> None:
         self.index = index
         self.client = client
         self.window = window_size(index, readahead)
-        # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk). On
-        # 2 MiB pages unless memory is limited: a slab (4 MiB and two pages) shares huge pages with its
-        # neighbours, and giving one back under pressure must free what it held (a small cgroup's
-        # bench was OOM-killed on huge pages).
-        self.slabs = Slabs(capacity, self.window + DIRECT_ALIGN * 2, huge=not memory_limit().limited)
+        # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk); on
+        # 2 MiB pages where `huge_pages` (the mount says no where memory is limited: see lifecycle.py).
+        self.slabs = Slabs(capacity, self.window + DIRECT_ALIGN * 2, huge=huge_pages)
         self.slab_size, self.capacity = self.slabs.slab_size, self.slabs.capacity
         self.planner = Planner(index, self.window)
         self.fetcher = Fetcher(index, client, retry_timeout)

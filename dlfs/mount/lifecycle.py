@@ -220,7 +220,11 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             index.pin()
         except OSError as exc:
             log.info("the index is not pinned in memory (%s): lookups may wait for the disk", exc.strerror or exc)
-        cache = ChunkCache(index, client, opts.cache_size, opts.readahead, retry_timeout=opts.retry_timeout)
+        # Not on 2 MiB pages under a memory limit: a slab (4 MiB and two pages) shares huge pages with its
+        # neighbours, and one given back under pressure must free what it held (a small cgroup's bench
+        # was OOM-killed on huge pages).
+        cache = ChunkCache(index, client, opts.cache_size, opts.readahead, retry_timeout=opts.retry_timeout,
+                           huge_pages=not opts.memory.limited)
         last.append(cache.close)
         if client.rdma is not None:  # RDMA READs land in the shared slabs: dlfs.direct stays zero-copy
             client.rdma.attach_arena(cache.slabs.arena, cache.slab_size)
