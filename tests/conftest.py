@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,30 +44,68 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", SERIAL)
 
 
+class _Locks:
+    """This worker's two lock files of the run (opened once), and whether it holds `all` exclusively."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.gate, self.every = (open(run_dir / f"dlfs-{name}.lock", "a") for name in ("gate", "all"))
+        self.alone = False
+
+
+_locks: dict[Path, _Locks] = {}
+
+
+def _serial(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
+
+
 @contextmanager
-def _alone_if_serial(item: pytest.Item) -> Iterator[None]:
+def _alone_if_serial(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Across the workers of one run: a `serial` test holds `all` exclusively, every other test holds it
-    shared. `gate` gives the serial one priority: while it waits for `all`, no new test starts."""
+    shared. `gate` gives the serial one priority: while it waits for `all`, no new test starts. A run of
+    serial tests on one worker keeps both from the first to the last, rather than letting the other
+    workers start a test between two of them that the next would then wait for."""
     basetemp = item.config.option.basetemp
     if not os.environ.get("PYTEST_XDIST_WORKER") or not basetemp:
         yield
         return
     run_dir = Path(basetemp).parent  # pytest-N/, the parent of every worker's popen-gwK/
-    with ExitStack() as stack:
-        gate, every = (stack.enter_context(open(run_dir / f"dlfs-{name}.lock", "a")) for name in ("gate", "all"))
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        if item.get_closest_marker("serial") is not None:
-            fcntl.flock(every, fcntl.LOCK_EX)
-        else:
-            fcntl.flock(every, fcntl.LOCK_SH)
-            fcntl.flock(gate, fcntl.LOCK_UN)
+    locks = _locks.get(run_dir) or _locks.setdefault(run_dir, _Locks(run_dir))
+    if _serial(item):
+        if not locks.alone:
+            fcntl.flock(locks.gate, fcntl.LOCK_EX)
+            fcntl.flock(locks.every, fcntl.LOCK_EX)
+            locks.alone = True
+        try:
+            yield
+        finally:
+            if not _serial(nextitem):
+                fcntl.flock(locks.every, fcntl.LOCK_UN)
+                fcntl.flock(locks.gate, fcntl.LOCK_UN)
+                locks.alone = False
+        return
+    fcntl.flock(locks.gate, fcntl.LOCK_EX)
+    fcntl.flock(locks.every, fcntl.LOCK_SH)
+    fcntl.flock(locks.gate, fcntl.LOCK_UN)
+    try:
         yield
+    finally:
+        fcntl.flock(locks.every, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A file's serial tests run one after another at its end: the other workers wait for a run of them
+    # once (_alone_if_serial), not once for each.
+    first: dict[Path, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (first[item.path], _serial(item)))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     # Outside pytest-timeout's own hook: the wait for the lock is not part of a test's time limit.
-    with _alone_if_serial(item):
+    with _alone_if_serial(item, nextitem):
         yield
 
 

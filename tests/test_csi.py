@@ -107,9 +107,12 @@ class Plugin:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGUSR1)  # its threads' stacks into the log, for the failure below
+                time.sleep(1)
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-                raise AssertionError("dlfs csi did not stop within 30 s of SIGTERM") from None
+                raise AssertionError("dlfs csi did not stop within 30 s of SIGTERM:\n"
+                                     + self.log.read_text()[-6000:]) from None
         return self.proc.returncode
 
     def publish(self, target: Path, attrs: dict[str, str], volume_id: str = "pv-imgs",

@@ -178,7 +178,7 @@ def test_cancelled_or_signalled_job_cleans_up(slurm: Slurm, tmp_path: Path) -> N
     info = slurm.wait(job)
     text = out.read_text()
     assert info["JobState"] == "CANCELLED", text
-    assert "done (exit 143)" in text
+    assert "done (exit 143)" in text, text
     _assert_clean(tmp_path, state)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dlfs.procs import hold_lock
 log = logging.getLogger(__name__)
 WORKERS = 16  # requests served at once; calls on one target or one version wait on its lock
 GRACE = 10.0  # seconds requests in flight get to finish at shutdown
+STOP_POLL = 0.5  # seconds between looks for a stop signal
 
 
 def socket_path(endpoint: str) -> Path:
@@ -51,9 +53,10 @@ def run_plugin(home: Path, cluster_file: str | None, endpoint: str, node_id: str
         problem = node_problem()
         if problem is not None:
             log.warning("this node cannot mount datasets yet: %s", problem)
-        stop = threading.Event()
+        signalled: list[int] = []  # no lock here: a handler that takes one can meet its own thread holding it
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
+            signal.signal(sig, lambda signum, frame: signalled.append(signum))
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="dlfs-csi"))
         pb_grpc.add_IdentityServicer_to_server(Identity(), server)
         pb_grpc.add_NodeServicer_to_server(Node(volumes, node_id), server)
@@ -68,7 +71,10 @@ def run_plugin(home: Path, cluster_file: str | None, endpoint: str, node_id: str
         server.start()
         log.info("%s: node %s, serving CSI on %s (mounts under %s)", DRIVER_NAME, node_id, path,
                  volumes.staging_root)
-        stop.wait()
+        # In slices: a signal the kernel hands to a gRPC thread runs its handler only when this thread
+        # next runs Python, which a wait with no end never does.
+        while not signalled:
+            time.sleep(STOP_POLL)
         log.info("stopping: requests in flight get %g s", GRACE)
         server.stop(GRACE).wait(GRACE + 5)
         path.unlink(missing_ok=True)
