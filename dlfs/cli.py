@@ -119,8 +119,9 @@ class _ProgressBar:
     def __init__(self, bar: Any, label: str, unit: str) -> None:
         self.bar, self.label, self.unit = bar, label, unit
         self.task: Any = None
-        self.done = self.total = 0
-        self.bytes_done = self.bytes_total = 0
+        self.done = self.bytes_done = 0
+        self.total: int | None = None  # until start(), or for good where the totals come only at the end
+        self.bytes_total: int | None = None
         self.plain = not sys.stderr.isatty()
         every = os.environ.get("DLFS_PROGRESS_EVERY", "5")
         try:
@@ -149,19 +150,23 @@ class _ProgressBar:
         """Show the bar before the totals are known."""
         self.task = self.bar.add_task(self.label, total=None, items="")
 
-    def start(self, items: int, nbytes: int) -> None:
+    def start(self, items: int | None, nbytes: int | None) -> None:
+        """The totals (None: known only at the end, as for tar shards listed while they are read)."""
         self.total, self.bytes_total = items, nbytes
         self.t0 = self.said = time.monotonic()
         if self.task is None:
-            self.task = self.bar.add_task(self.label, total=nbytes, items=f"0/{items} {self.unit}")
+            self.task = self.bar.add_task(self.label, total=nbytes, items=self._items())
         else:
-            self.bar.update(self.task, total=nbytes, items=f"0/{items} {self.unit}")
+            self.bar.update(self.task, total=nbytes, items=self._items())
+
+    def _items(self) -> str:
+        return f"{self.done}/{self.total} {self.unit}" if self.total is not None else f"{self.done} {self.unit}"
 
     def advance(self, items: int, nbytes: int) -> None:
         """`items` more done, and `nbytes` more of their bytes (a big item moves the bar as it goes)."""
         self.done += items
         self.bytes_done += nbytes
-        self.bar.update(self.task, advance=nbytes, items=f"{self.done}/{self.total} {self.unit}")
+        self.bar.update(self.task, advance=nbytes, items=self._items())
         now = time.monotonic()
         if self.plain and now - self.said >= self.every:
             self.said = now
@@ -170,9 +175,11 @@ class _ProgressBar:
     def line(self, now: float) -> str:
         """The plain progress line: items, bytes, share, rate, time left."""
         rate = self.bytes_done / max(now - self.t0, 1e-9)
+        if self.bytes_total is None:
+            return f"{self.label}: {self._items()}, {human_bytes(self.bytes_done)}, {human_bytes(rate)}/s"
         share = f" ({100 * self.bytes_done / self.bytes_total:.0f}%)" if self.bytes_total else ""
         left = f", {human_duration((self.bytes_total - self.bytes_done) / rate)} left" if rate > 0 else ""
-        return (f"{self.label}: {self.done}/{self.total} {self.unit}, {human_bytes(self.bytes_done)} of "
+        return (f"{self.label}: {self._items()}, {human_bytes(self.bytes_done)} of "
                 f"{human_bytes(self.bytes_total)}{share}, {human_bytes(rate)}/s{left}")
 
 

@@ -129,6 +129,7 @@ class FlakyProxy:
         self.lock = threading.Lock()
         self.faults: Counter[str] = Counter()
         self.requests = 0
+        self.served = 0  # bytes of object data passed on (GET bodies), to tell what a reader fetched
         self.hooks: list[Callable[[str, str], None]] = []
         self.strip_if_match = False
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _ProxyHandler)
@@ -204,6 +205,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.upstream_conn = None
             self._reset()
             return
+        if self.command == "GET" and "list-type" not in self.path:
+            with proxy.lock:
+                proxy.served += len(data)
         out = [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP_BY_HOP]
         self._reply(resp.status, out, data, cut=fault == "truncate" and len(data) > 1)
 

@@ -464,7 +464,7 @@ def shards(moto: MotoServer, made: None, scratch: Path) -> Path:
 @pytest.mark.timeout(120)
 def test_shards_in_a_bucket_read_as_the_same_shards_on_disk(moto: MotoServer, shards: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    from test_ingest_tar import read_all
+    from test_ingest_tar import listed, read_all
 
     here = read_all(TarShards([str(shards)]))
     assert len(here) == 4 * 5 + 1 + 400  # five files a tree (a tar's hard link is one; a zip's a copy), and the small
@@ -473,7 +473,8 @@ def test_shards_in_a_bucket_read_as_the_same_shards_on_disk(moto: MotoServer, sh
     assert "skipping 2 entries of s3://bucket/shards/ that are not shards" in caplog.text
     # The same tree: names, kinds, sizes, links, members' owners and times (the top and the shard folders
     # are the user's and the objects' own).
-    tree_here, tree_there = TarShards([str(shards)]).walk(None), there.walk(None)
+    tree_here = listed(TarShards([str(shards)]))
+    tree_there = listed(TarShards([f"s3://{BUCKET}/shards/"], endpoint_url=moto.url))
     def shape(tree: Any) -> list[tuple[Any, ...]]:
         return [(n.path, n.mode, n.size, n.nlink, n.target) + ((n.uid, n.gid, n.mtime_ns) if b"/" in n.path else ())
                 for n in tree.nodes]
@@ -490,9 +491,29 @@ def test_shards_in_a_bucket_read_as_the_same_shards_on_disk(moto: MotoServer, sh
 
 
 @pytest.mark.timeout(60)
+def test_shards_in_a_bucket_are_downloaded_once(moto: MotoServer, shards: Path) -> None:
+    """Each shard is listed as it is read: its bytes come from the store once (the zip, read at any
+    offset, in blocks; each shard's first bytes to tell what it is), not once to list and again to pack."""
+    from test_ingest_tar import read_all
+
+    proxy = FlakyProxy(moto.url)
+    try:
+        got = read_all(TarShards([f"s3://{BUCKET}/shards/"], endpoint_url=proxy.url))
+    finally:
+        proxy.close()
+    assert got == read_all(TarShards([str(shards)]))
+    sizes = {p.name: p.stat().st_size for p in shards.iterdir()}
+    streamed = sum(n for name, n in sizes.items() if not name.endswith(".zip"))
+    assert streamed + sizes["train-000003.zip"] <= proxy.served <= streamed + 2 * sizes["train-000003.zip"] + 16 * len(sizes), \
+        (proxy.served, sizes)
+
+
+@pytest.mark.timeout(60)
 def test_shards_in_a_bucket_that_fail_say_so(moto: MotoServer, shards: Path) -> None:
+    from test_ingest_tar import listed
+
     def walk(*srcs: str) -> None:
-        TarShards(list(srcs), endpoint_url=moto.url).walk(None)
+        listed(TarShards(list(srcs), endpoint_url=moto.url))
 
     with pytest.raises(SourceError, match=f"^cannot read s3://{BUCKET}/shards/nope.tar: no such object$"):
         walk(f"s3://{BUCKET}/shards/nope.tar")

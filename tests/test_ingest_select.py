@@ -137,6 +137,15 @@ def test_progress_without_a_terminal_is_plain_lines_that_move_within_a_big_file(
     before = [float(m[2]) for m in got if m[1] == "0"]
     assert len(before) >= 6 and before == sorted(set(before)) and before[0] <= 4.2 and before[-1] >= 25.1
     assert (got[-1][1], got[-1][3]) == ("2", "100")
+    # Tar shards are listed as they are read: the totals are not known, the lines say what is done so far.
+    subprocess.run(["tar", "-czf", tmp_path / "s.tar.gz", "-C", src, "."], check=True)
+    proc = subprocess.run([*DLFS, "ingest", "--expand-tar", str(tmp_path / "s.tar.gz"), "--name", "progs"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ingest progs: ")]
+    got = [re.fullmatch(r"ingest progs: (\d) files, ([\d.]+ [kM]?B), [\d.]+ [kMG]?B/s", ln) for ln in lines]
+    assert lines and all(got), proc.stderr
+    assert (got[-1][1], got[-1][2]) == ("2", "25.2 MB") and len({m[2] for m in got}) >= 6
     bad = subprocess.run([*DLFS, "ingest", str(src), "--name", "prog"], capture_output=True, text=True,
                          env={**node.env, "DLFS_PROGRESS_EVERY": "soon"}, timeout=60)
     assert bad.returncode == UsageError.exit_code

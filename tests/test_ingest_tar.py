@@ -16,6 +16,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -25,7 +26,8 @@ from damage import inode_of
 from dlfs.errors import SourceError, UsageError
 from dlfs.format.index import Index
 from dlfs.ingest.tar import TarShards, find_shards
-from dlfs.ingest.walk import Selection
+from dlfs.ingest.walk import Node as Entry
+from dlfs.ingest.walk import Selection, Tree
 
 MiB = 1 << 20
 LONG_DIR = "d" * 120  # a path over 100 bytes (GNU longname / pax path) ...
@@ -119,8 +121,18 @@ def extract(shards: list[Path], into: Path, flatten: bool = False) -> Path:
 
 def read_all(source: TarShards, select: Selection | None = None) -> dict[str, bytes]:
     """Walk and read every file as the packer does, in pieces: path -> bytes."""
+    return {node.path.decode(): data for node, data in _read_each(source, source.walk(select))}
+
+
+def listed(source: TarShards, select: Selection | None = None) -> Tree:
+    """The whole tree of `source`: shards are listed as they are read, so every member is read."""
     tree = source.walk(select)
-    out = {}
+    for _ in _read_each(source, tree):
+        pass
+    return tree
+
+
+def _read_each(source: TarShards, tree: Tree) -> Iterator[tuple[Entry, bytes]]:
     for node, f in source.files(tree):
         try:
             buf = bytearray(node.size)
@@ -132,8 +144,7 @@ def read_all(source: TarShards, select: Selection | None = None) -> dict[str, by
             f.finish()
         finally:
             f.close()
-        out[node.path.decode()] = bytes(buf)
-    return out
+        yield node, bytes(buf)
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], code: int) -> str:
@@ -349,12 +360,65 @@ def test_a_shard_changed_after_it_was_listed(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "a").write_bytes(b"a" * 10_000)
+    (src / "b").write_bytes(b"b" * 10_000)
     shard = tar_shard(src, tmp_path / "s.tar.gz")
     source = TarShards([str(shard)])
     tree = source.walk(None)
+    files = source.files(tree)
+    node, reader = next(files)  # each shard is listed as it is read: changed while being read
     os.utime(shard, ns=(1, 1))
+    buf = bytearray(node.size)
+    assert reader.readinto(memoryview(buf)) == node.size
+    reader.finish()
+    node, reader = next(files)
+    assert reader.readinto(memoryview(buf)) == node.size
+    reader.finish()
     with pytest.raises(SourceError, match=r"s\.tar\.gz changed while being ingested .*; nothing was published"):
-        next(source.files(tree))
+        next(files)
+
+
+@pytest.mark.timeout(60)
+def test_each_shard_is_read_and_decompressed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dlfs.ingest.tar as tar
+
+    src = source_tree(tmp_path / "t", "1")
+    shards = [tar_shard(src, tmp_path / "s.tar"), tar_shard(src, tmp_path / "g.tar.gz"),
+              tar_shard(src, tmp_path / "z.tar.zst")]
+    opened: list[str] = []
+    inflated: list[str] = []
+    real_open, real_inflate = open, tar._inflate
+
+    def counting_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(path, int):  # (a descriptor: the decompressing thread's own duplicate)
+            opened.append(os.path.basename(path))
+        return real_open(path, *args, **kwargs)
+
+    def counting_inflate(shard: Any, *args: Any) -> Any:
+        inflated.append(os.path.basename(shard.path))
+        return real_inflate(shard, *args)
+
+    monkeypatch.setattr(tar, "open", counting_open, raising=False)
+    monkeypatch.setattr(tar, "_inflate", counting_inflate)
+    got = read_all(TarShards([str(p) for p in shards]))
+    assert sorted(opened) == ["g.tar.gz", "s.tar", "z.tar.zst"] and sorted(inflated) == ["g.tar.gz", "z.tar.zst"]
+    expect = {os.path.relpath(os.path.join(d, f), src): open(os.path.join(d, f), "rb").read()
+              for d, _, names in os.walk(src) for f in names if not os.path.islink(os.path.join(d, f))}
+    per = [{k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(stem + "/")} for stem in "sgz"]
+    inodes = {os.stat(src / k).st_ino for k in expect}  # a hard-linked file is read once, under its first name
+    assert per[0] == per[1] == per[2] and len(per[0]) == len(inodes)
+    assert all(expect[k] == v for k, v in per[0].items())
+
+    # A file the selection leaves out gives its bytes to its hard link that it takes, which comes after
+    # it: that one shard is read a second time, for those bytes alone.
+    opened.clear()
+    shard = crafted(tmp_path / "l.tar", (member("a"), b"the bytes of a"), (member("x"), b"x"),
+                    (member("b", tarfile.LNKTYPE, "a"), b""), (member("c", tarfile.LNKTYPE, "a"), b""))
+    source = TarShards([str(shard)])
+    assert read_all(source, Selection(None, ("a",))) == {"l/b": b"the bytes of a", "l/x": b"x"}
+    assert opened == ["l.tar", "l.tar"]
+    by_path = {n.path: n for n in source._tree.nodes}  # type: ignore[union-attr]
+    assert b"l/a" not in by_path and by_path[b"l/b"].nlink == 2
+    assert sorted(name for name, ino in by_path[b"l"].children if ino == by_path[b"l/b"].ino) == [b"b", b"c"]
 
 
 @pytest.mark.timeout(30)
@@ -409,8 +473,7 @@ def test_links_devices_and_names_as_archives_hold_them(tmp_path: Path, caplog: p
                     (member("hsym", tarfile.LNKTYPE, "sym"), b""),  # a link to a symlink: a copy of it
                     (member("dev", tarfile.CHRTYPE), b""),
                     (member("fifo", tarfile.FIFOTYPE), b""))
-    source = TarShards([str(shard)])
-    tree = source.walk(None)
+    tree = listed(TarShards([str(shard)]))
     by_path = {n.path: n for n in tree.nodes}
     assert sorted(by_path) == [b"", b"s", b"s/abs", b"s/abs/f", b"s/hsym", b"s/sym"]
     f = by_path[b"s/abs/f"]
@@ -428,11 +491,11 @@ def test_links_devices_and_names_as_archives_hold_them(tmp_path: Path, caplog: p
             ([(member("f"), b"1"), (member("f"), b"2")], r"s\.tar: s/f is named twice"),
             ([(member("f"), b"1"), (member("f/g"), b"2")], r"s\.tar: s/f is a file and also a directory")):
         with pytest.raises(SourceError, match=message):
-            TarShards([str(crafted(tmp_path / "s.tar", *members))]).walk(None)
+            listed(TarShards([str(crafted(tmp_path / "s.tar", *members))]))
     # GNU tar's sparse files are refused rather than read wrong.
     with open(tmp_path / "holes", "wb") as hole:
         hole.truncate(1 << 20)
         hole.write(b"x")
     subprocess.run(["tar", "-S", "-cf", tmp_path / "sparse.tar", "-C", tmp_path, "holes"], check=True)
     with pytest.raises(SourceError, match=r"sparse\.tar: holes is a sparse file, which --expand-tar does not read"):
-        TarShards([str(tmp_path / "sparse.tar")]).walk(None)
+        listed(TarShards([str(tmp_path / "sparse.tar")]))

@@ -201,6 +201,12 @@ class IndexWriter:
             self.dirents += DIRENT.pack(off, n, ino)
         return first, len(entries)
 
+    def size_inodes(self, n_inodes: int) -> None:
+        """Room for `n_inodes` (never fewer than the writer was made with)."""
+        if n_inodes > self.n_inodes:
+            self.inodes.extend(bytes(INODE.size * (n_inodes - self.n_inodes)))
+            self.n_inodes = n_inodes
+
     def set_inode(
         self, ino: int, mode: int, uid: int, gid: int, nlink: int, size: int, mtime_ns: int,
         ref: int, count: int, parent: int,

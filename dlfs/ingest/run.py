@@ -70,7 +70,9 @@ class _Stopped(Exception):
 class Progress(Protocol):
     """What the caller's progress display is told: the totals once, then increments."""
 
-    def start(self, files: int, nbytes: int) -> None: ...
+    def start(self, files: int | None, nbytes: int | None) -> None:
+        """The totals to come (None: not known until the end)."""
+        ...
 
     def advance(self, files: int, nbytes: int) -> None: ...
 
@@ -79,6 +81,7 @@ def build_index(tree: Tree, extents: dict[int, tuple[int, int]], writer: IndexWr
     """Fill the inode and directory tables once every file's extents are known."""
     import stat as st
 
+    writer.size_inodes(len(tree.nodes))  # a tree listed while it was packed grew after the writer was made
     for n in tree.nodes:
         if st.S_ISDIR(n.mode):
             ref, count = writer.add_dirents(n.children)
@@ -177,9 +180,12 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
                   force: bool, interrupt: Interrupt | None = None) -> IngestReport:
     # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
     tree = await trio.to_thread.run_sync(source.walk, select, abandon_on_cancel=True)
-    files = tree.files
     if progress:
-        progress.start(len(files), sum(f.size for f in files))
+        if getattr(source, "streamed", False):  # listed as it is read (tar shards): totals known at the end
+            progress.start(None, None)
+        else:
+            files = tree.files
+            progress.start(len(files), sum(f.size for f in files))
     writer = IndexWriter(len(tree.nodes), chunk_size, time.time_ns())
     # Chunk buffers are reused: a pool bounds memory and makes the packer wait for the uploaders.
     pool: queue.Queue[ChunkBuffer] = queue.Queue()

@@ -2,12 +2,16 @@
 the dataset, under a folder named for its shard (or at the top, with --flatten), read as a stream and
 never extracted to disk.
 
-Each shard is read twice. walk() lists it: a plain tar by seeking from header to header, a gzip or
-zstd tar by decompressing it (there is no other way to find its headers; several shards at once), a
-zip from its central directory. Inodes follow the shards in the order named and the members in shard
-order, so the packer puts the members of one shard in the same chunks. files() then reads each shard
-once from its start, handing the packer each member's bytes as they come out of the stream. A shard
-must still be the one listed when it is read (its size and mtime, and each member's name and size).
+Each shard is read once, from its start: its members are added to the tree as their headers come out
+of the stream (TarShards._streamed), and each wanted member's bytes go to the packer there and then;
+the tree's totals are known only at the end. Shards are read in the order named and members in shard
+order, so the packer puts the members of one shard in the same chunks; the shards in a bucket are
+fetched whole by one read-ahead (a zip, whose directory is at its end, in blocks). A file that the
+selection leaves out but a later hard link to it takes costs that shard a second pass. A shard must
+not change while it is read (its size and mtime; in a bucket, the ETag of every GET).
+
+With --files-from over shards in a bucket, walk() lists every shard first instead (several at once):
+a plain tar by its headers alone, so that only the members listed are fetched afterwards.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 SHARD_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar", ".zip")
 PIECE = 1 << 20  # compressed bytes read at a time; at most this much decompressed output at a time (gzip)
 READ_AHEAD = 8  # decompressed pieces made ahead of the packer
+CODEC_BYTES = 10  # a shard's first bytes, which say what it is
 LIST_AHEAD = 2  # listed shards waiting for the tree builder, per listing thread
 NOTHING = "; nothing was published"
 
@@ -122,6 +127,12 @@ class TarShards:
         self.threads = threads or max(1, min(8, os.cpu_count() or 1))
         self.shards: list[Shard] = []
         self._tree: Tree | None = None
+        self._streaming: tuple[TreeBuilder, list[Shard]] | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """Whether walk() left the listing to files(): the tree's totals are known only once it is done."""
+        return self._streaming is not None
 
     # --- listing ------------------------------------------------------------------------------
     def walk(self, select: Selection | None) -> Tree:
@@ -136,8 +147,15 @@ class TarShards:
             b = TreeBuilder(self.where, select, top.st_uid, top.st_gid, top.st_mtime_ns)
         # A shard whose folder the selection leaves out is not even opened.
         shards = [s for s in shards if self.flatten or b.taken(s.folder, True)]
-        firsts: list[int] = []  # each listed shard's first inode, to name the shard of a clash (--flatten)
         self.shards = []
+        # A list of paths over shards in a bucket is the one case where listing first reads less: a plain
+        # tar's headers, then only the members listed. Otherwise each shard is read once, listed as it
+        # is packed: the tree grows while files() runs.
+        if not (select is not None and select.listed is not None and any(s.obj is not None for s in shards)):
+            self._streaming = (b, shards)
+            self._tree = Tree(os.fsencode(self.where), b.nodes, b.skipped)
+            return self._tree
+        firsts: list[int] = []  # each listed shard's first inode, to name the shard of a clash (--flatten)
         for shard, members in in_order(list_shard, shards, self.threads):
             firsts.append(len(b.nodes) + 1)
             self.shards.append(shard)
@@ -151,6 +169,9 @@ class TarShards:
     def files(self, tree: Tree) -> Iterator[tuple[Node, FileReader]]:
         if tree is not self._tree:
             raise ValueError("files() reads the tree that walk() returned")
+        if self._streaming is not None:
+            yield from self._streamed(*self._streaming)
+            return
         ahead = self._bucket_reads()
         try:
             for shard in self.shards:
@@ -166,6 +187,38 @@ class TarShards:
         finally:
             if ahead is not None:
                 ahead.close()
+
+    def _streamed(self, b: TreeBuilder, shards: list[Shard]) -> Iterator[tuple[Node, FileReader]]:
+        """Each shard read once, in order: its members added to the tree as they come and each wanted one
+        handed to the packer straight from the stream. The shards in a bucket (but zips, read at any
+        offset) are fetched whole by one read-ahead, the next shard's GETs under way while one is read."""
+        firsts: list[int] = []
+        ahead = None
+        remote = [s for s in shards if s.obj is not None and not s.path.endswith(".zip")]
+        if remote:
+            from dlfs.ingest.s3 import WINDOW_BYTES, ReadAhead
+            from dlfs.ingest.s3file import object_ranges, plan
+
+            assert self.client is not None
+            for shard in remote:
+                assert shard.obj is not None
+                shard.ranges = object_ranges(shard.obj.size)
+            total = sum(n for shard in remote for _, n in shard.ranges)
+            if total:
+                ahead = ReadAhead(self.client, plan([(s.obj, s.ranges) for s in remote if s.obj is not None]),
+                                  min(WINDOW_BYTES, total))
+        try:
+            for shard in shards:
+                firsts.append(len(b.nodes) + 1)
+                self.shards.append(shard)
+                b.where = shard.path
+                adder = _ShardAdder(b, shard, self.flatten, lambda ino: self.shards[bisect.bisect(firsts, ino) - 1])
+                yield from _stream_shard(shard, adder, ahead if shard.ranges else None)
+        finally:
+            if ahead is not None:
+                ahead.close()
+        b.where = self.where
+        b.finish()  # a path the list names that no shard held
 
     def _bucket_reads(self) -> ReadAhead | None:
         """One read-ahead for the tars in the bucket, in the order they are read: each plain tar's wanted
@@ -352,9 +405,13 @@ def _list_s3(shard: Shard, obj: S3Object, stop: threading.Event) -> list[Member]
 
 
 def _codec(path: str, f: Any) -> str:
-    """What the shard is, by its first bytes (its name may say otherwise)."""
-    head = f.read(10) or b""
+    """What the shard is, by its first bytes (its name may say otherwise); `f` is left at its start."""
+    head = f.read(CODEC_BYTES) or b""
     f.seek(0)
+    return _codec_of(path, head)
+
+
+def _codec_of(path: str, head: bytes) -> str:
     if head.startswith(b"\x1f\x8b"):
         return "gzip"
     if head.startswith(b"\x28\xb5\x2f\xfd"):
@@ -384,68 +441,75 @@ def _member_path(shard: Shard, name: str) -> bytes:
     return b"/".join(parts)
 
 
+class _ShardAdder:
+    """Adds one shard's members to the tree as they come, in shard order (a listing's, or a stream's), and
+    says which members' bytes the packer takes. Hard links go to their first name (a link to a link is
+    to that one's target). A file the selection leaves out gives its bytes to its first hard link the
+    selection takes: such a link comes after the file, so its bytes are `late` (the read pass takes
+    them in member order; a stream reads the shard again for them)."""
+
+    def __init__(self, b: TreeBuilder, shard: Shard, flatten: bool, shard_of: Callable[[int], Shard]) -> None:
+        self.b, self.shard, self.flatten, self.shard_of = b, shard, flatten, shard_of
+        self.prefix = b"" if flatten else shard.folder + b"/"
+        if not flatten:
+            b.add(shard.folder, stat.S_IFDIR | 0o755, 0, shard.mtime_ns, shard.uid, shard.gid)
+        self.first: dict[bytes, Member] = {}
+        self.nodes: dict[int, Node] = {}  # a member's index -> the node that holds its bytes (or is its symlink)
+        self.late: list[Wanted] = []
+
+    def _add(self, path: bytes, m: Member) -> Node | None:
+        if self.flatten:
+            _check_clash(self.b, path, m.kind == DIR, self.shard, self.shard_of)
+        return self.b.add(path, m.mode, m.size, m.mtime_ns, m.uid, m.gid, m.target if m.kind == SYM else b"")
+
+    def add(self, m: Member) -> Wanted | None:
+        """Add member `m`; its bytes as the packer takes them, if it is a regular file the tree takes."""
+        shard, b = self.shard, self.b
+        target = m  # what a hard link is a link to
+        if m.kind == HARD:
+            found = self.first.get(m.target)
+            if found is None:
+                raise SourceError(f"{shard.path}: {os.fsdecode(m.name)} is a hard link to "
+                                  f"{os.fsdecode(m.target)}, which is not before it in the shard")
+            if found.kind == DIR:
+                raise SourceError(f"{shard.path}: {os.fsdecode(m.name)} is a hard link to a directory")
+            target = found
+        self.first[m.name] = target
+        if not m.name:  # the shard's own top directory ("./"): its metadata goes to the shard's folder
+            if m.kind == DIR and not self.flatten:
+                b.add(shard.folder, m.mode, 0, m.mtime_ns, m.uid, m.gid)
+            return None
+        path = self.prefix + m.name
+        if m.kind == HARD:
+            node = self.nodes.get(target.index)
+            if node is not None and target.kind == REG:
+                if self.flatten:
+                    _check_clash(b, path, False, shard, self.shard_of)
+                b.link(path, node)
+            elif target.kind != REG:  # a hard link to a symlink or a special file: a copy of it
+                self._add(path, Member(m.index, m.name, target.kind, target.mode, target.uid, target.gid,
+                                       target.size, target.mtime_ns, target.target))
+            else:  # the file was left out: this link, if taken, is the file (its bytes are behind us)
+                node = self._add(path, target)
+                if node is not None:
+                    self.nodes[target.index] = node
+                    self.late.append(Wanted(target.index, target.name, target.size, node, target.offset))
+            return None
+        node = self._add(path, m)
+        if node is None:
+            return None
+        self.nodes[m.index] = node
+        return Wanted(m.index, m.name, m.size, node, m.offset) if m.kind == REG else None
+
+
 def _add_shard(b: TreeBuilder, shard: Shard, members: list[Member], flatten: bool,
                shard_of: Callable[[int], Shard]) -> None:
     """Add a listed shard's members to the tree, in shard order, and note in `shard.wanted` which members'
-    bytes the packer will take (in the same order)."""
-    prefix = b"" if flatten else shard.folder + b"/"
-    if not flatten:
-        b.add(shard.folder, stat.S_IFDIR | 0o755, 0, shard.mtime_ns, shard.uid, shard.gid)
-    # Hard links: each to its first name (a link to a link is to that one's target).
-    first: dict[bytes, Member] = {}
-    links: dict[int, list[Member]] = {}  # a member's index -> the hard links to it, in order
-    for m in members:
-        if m.kind == HARD:
-            target = first.get(m.target)
-            if target is None:
-                raise SourceError(f"{shard.path}: {os.fsdecode(m.name)} is a hard link to "
-                                  f"{os.fsdecode(m.target)}, which is not before it in the shard")
-            if target.kind == DIR:
-                raise SourceError(f"{shard.path}: {os.fsdecode(m.name)} is a hard link to a directory")
-            first[m.name] = target
-            links.setdefault(target.index, []).append(m)
-        else:
-            first[m.name] = m
-    nodes: dict[int, Node] = {}  # a member's index -> the node that holds its bytes (or is its symlink)
-    placed: set[int] = set()  # hard links that took the bytes of a file the selection leaves out
-    shard.wanted = []
-
-    def add(path: bytes, m: Member) -> Node | None:
-        if flatten:
-            _check_clash(b, path, m.kind == DIR, shard, shard_of)
-        return b.add(path, m.mode, m.size, m.mtime_ns, m.uid, m.gid, m.target if m.kind == SYM else b"")
-
-    for m in members:
-        if not m.name:  # the shard's own top directory ("./"): its metadata goes to the shard's folder
-            if m.kind == DIR and not flatten:
-                b.add(shard.folder, m.mode, 0, m.mtime_ns, m.uid, m.gid)
-            continue
-        path = prefix + m.name
-        if m.kind == HARD:
-            target = first[m.name]
-            if m.index in placed:
-                continue
-            node = nodes.get(target.index)
-            if node is not None and target.kind == REG:
-                if flatten:
-                    _check_clash(b, path, False, shard, shard_of)
-                b.link(path, node)
-            elif target.kind != REG:  # a hard link to a symlink or a special file: a copy of it
-                add(path, Member(m.index, m.name, target.kind, target.mode, target.uid, target.gid, target.size,
-                                 target.mtime_ns, target.target))
-            continue  # else neither the file nor any link before this one is taken, nor is this one
-        node = add(path, m)
-        if m.kind == REG and node is None:
-            # The selection leaves the file out: its first hard link that it takes gets the bytes.
-            for link in links.get(m.index, ()):
-                node = add(prefix + link.name, m)
-                if node is not None:
-                    placed.add(link.index)
-                    break
-        if node is not None:
-            nodes[m.index] = node
-            if m.kind == REG:
-                shard.wanted.append(Wanted(m.index, m.name, m.size, node, m.offset))
+    bytes the packer will take (in member order)."""
+    adder = _ShardAdder(b, shard, flatten, shard_of)
+    shard.wanted = [w for w in map(adder.add, members) if w is not None]
+    if adder.late:
+        shard.wanted = sorted(shard.wanted + adder.late, key=lambda w: w.index)
 
 
 def _check_clash(b: TreeBuilder, path: bytes, is_dir: bool, shard: Shard, shard_of: Callable[[int], Shard]) -> None:
@@ -757,10 +821,76 @@ def _changed(shard: Shard, name: bytes) -> SourceError:
     return SourceError(f"{shard.path} changed while being ingested ({os.fsdecode(name)} is not as listed){NOTHING}")
 
 
+def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> Iterator[tuple[Node, FileReader]]:
+    """One shard, listed and read in one pass (see TarShards._streamed); `ahead` holds its ranges if it is
+    in a bucket (and not a zip). A file whose bytes a later hard link takes is read in a second pass."""
+    if shard.obj is not None:
+        from dlfs.ingest.s3file import S3Blocks, S3Stream
+
+        obj = shard.obj
+        shard.size, shard.mtime_ns, shard.uid, shard.gid = obj.size, obj.mtime_ns, os.getuid(), os.getgid()
+        with S3Blocks(obj) as blocks:
+            shard.codec = _codec_of(shard.path, blocks.head(CODEC_BYTES))  # not a block: the read-ahead has it
+            if shard.codec == "zip":
+                if ahead is not None:  # named as something else: its planned GETs are let go
+                    S3Stream(ahead, obj, shard.ranges).close()
+                shard.wanted = [w for w in map(adder.add, _list_zip(shard, blocks)) if w is not None]
+        if shard.codec == "zip":
+            yield from _read_zip(shard)
+            return
+        if ahead is None or not shard.ranges:  # an empty object: tar says what it makes of nothing
+            yield from _members_as_read(shard, _Plain(io.BytesIO()), adder)  # type: ignore[arg-type]
+            return
+        raw = S3Stream(ahead, obj, shard.ranges)
+        read = False
+        try:
+            stream: _TarStream = raw if shard.codec == "tar" else _Inflated(_inflate(shard, raw, NOTHING))  # type: ignore[arg-type, assignment]
+            yield from _members_as_read(shard, stream, adder)
+            read = True
+        finally:
+            raw.close(rest=read)
+    else:
+        try:
+            f = open(shard.path, "rb", buffering=0)
+        except OSError as exc:
+            raise SourceError(f"cannot read {shard.path}: {exc.strerror}{NOTHING}") from None
+        with f:
+            st = os.fstat(f.fileno())
+            shard.size, shard.mtime_ns, shard.uid, shard.gid = st.st_size, st.st_mtime_ns, st.st_uid, st.st_gid
+            shard.codec = _codec(shard.path, f)
+            if shard.codec == "zip":
+                shard.wanted = [w for w in map(adder.add, _list_zip(shard, f)) if w is not None]
+            else:
+                stream = _open_stream(shard, f, NOTHING, ahead=True)
+                try:
+                    yield from _members_as_read(shard, stream, adder)
+                finally:
+                    stream.close()
+                _check_unchanged(shard, f)
+        if shard.codec == "zip":
+            yield from _read_zip(shard)
+            return
+    if adder.late:  # rare: a file left out, a hard link to it taken
+        shard.wanted = adder.late
+        yield from _read_tar(shard)
+
+
+def _members_as_read(shard: Shard, stream: _TarStream, adder: _ShardAdder) -> Iterator[tuple[Node, FileReader]]:
+    """Each member of a tar stream added to the tree as its header is read; a wanted one's bytes handed
+    to the packer there and then (tarfile skips whatever of them it does not read)."""
+    for index, info in enumerate(_tar_members(shard, stream, NOTHING)):
+        want = adder.add(_tar_member(shard, index, info))
+        if want is not None:
+            yield want.node, _TarMember(stream, want.size, f"{shard.path}: {info.name}",
+                                        f"{shard.path} ends inside member {info.name} (a truncated shard?){NOTHING}")
+    stream.drain()  # a gzip or zstd stream must end as it should: a truncated one is caught here
+
+
 def _read_tar(shard: Shard) -> Iterator[tuple[Node, FileReader]]:
-    """The wanted members of a tar shard, each as a reader of the stream (read in order, or not at all)."""
+    """The wanted members of a tar shard, each as a reader of the stream (read in order, or not at all);
+    a shard in a bucket through S3Blocks (only a second pass for a few members reads one so)."""
     with _open_again(shard) as f:
-        stream = _open_stream(shard, f, NOTHING, ahead=True)
+        stream = _open_stream(shard, f, NOTHING, ahead=shard.obj is None)
         try:
             yield from _wanted_in(shard, stream)
         finally:
@@ -810,16 +940,18 @@ def _read_s3_tar(shard: Shard, ahead: ReadAhead) -> Iterator[tuple[Node, FileRea
 class _TarMember:
     """One member's bytes, straight from the shard's stream into the packer's buffer."""
 
-    def __init__(self, stream: _TarStream, size: int, name: str) -> None:
+    def __init__(self, stream: _TarStream, size: int, name: str, short: str = "") -> None:
         self.stream, self.left, self.name = stream, size, name
+        # What a shard that ends inside the member is: listed whole before, it was changed since.
+        self.short = short or (f"{name}: the shard ends inside this member (changed or truncated after it was "
+                               f"listed){NOTHING}")
 
     def readinto(self, buf: memoryview) -> int:
         if not self.left:
             return 0
         n = self.stream.readinto(buf[: self.left] if len(buf) > self.left else buf)
         if not n:
-            raise SourceError(f"{self.name}: the shard ends inside this member (changed or truncated after it "
-                              f"was listed){NOTHING}")
+            raise SourceError(self.short)
         self.left -= n
         return n
 
