@@ -360,15 +360,24 @@ def list_shard(shard: Shard, stop: threading.Event) -> tuple[Shard, list[Member]
     """Every member of `shard`, in shard order; fills in its codec and what it was when listed."""
     if shard.obj is not None:
         return shard, _list_s3(shard, shard.obj, stop)
+    with _open_local(shard, "") as f:
+        return shard, _members(shard, f, stop)
+
+
+def _open_local(shard: Shard, tail: str) -> Any:
+    """A local shard opened at its start (the caller closes it); notes its size, mtime, owner and codec."""
     try:
         f = open(shard.path, "rb", buffering=0)
     except OSError as exc:
-        raise SourceError(f"cannot read {shard.path}: {exc.strerror}") from None
-    with f:
+        raise SourceError(f"cannot read {shard.path}: {exc.strerror}{tail}") from None
+    try:
         st = os.fstat(f.fileno())
         shard.size, shard.mtime_ns, shard.uid, shard.gid = st.st_size, st.st_mtime_ns, st.st_uid, st.st_gid
         shard.codec = _codec(shard.path, f)
-        return shard, _members(shard, f, stop)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def _members(shard: Shard, f: Any, stop: threading.Event) -> list[Member]:
@@ -850,14 +859,7 @@ def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> 
         finally:
             raw.close(rest=read)
     else:
-        try:
-            f = open(shard.path, "rb", buffering=0)
-        except OSError as exc:
-            raise SourceError(f"cannot read {shard.path}: {exc.strerror}{NOTHING}") from None
-        with f:
-            st = os.fstat(f.fileno())
-            shard.size, shard.mtime_ns, shard.uid, shard.gid = st.st_size, st.st_mtime_ns, st.st_uid, st.st_gid
-            shard.codec = _codec(shard.path, f)
+        with _open_local(shard, NOTHING) as f:
             if shard.codec == "zip":
                 shard.wanted = [w for w in map(adder.add, _list_zip(shard, f)) if w is not None]
             else:
