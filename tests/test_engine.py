@@ -19,7 +19,7 @@ from conftest import Node, mount_pids, mount_stats, needs_fuse, one_line_error, 
 
 from dlfs import direct
 from dlfs.errors import MountError
-from dlfs.mount.lifecycle import want_io_uring
+from dlfs.mount.lifecycle import URING_BIG_FILES, want_io_uring
 from dlfs.native import native
 
 pytestmark = [needs_fuse, pytest.mark.skipif(native is None, reason="dlfs's C helper is not built")]
@@ -63,6 +63,12 @@ def test_io_uring_setting(tmp_path: Path) -> None:
     assert want_io_uring("auto", param) is True and param.read_text() == "Y"
     param.write_text("N\n")
     assert want_io_uring("on", param) is True and param.read_text() == "Y"
+    # A dataset of big files: auto serves from /dev/fuse (and leaves the module's switch alone); on: a ring.
+    param.write_text("N\n")
+    assert want_io_uring("auto", param, mean_file=URING_BIG_FILES) is False and param.read_text() == "N\n"
+    assert want_io_uring("auto", param, mean_file=URING_BIG_FILES - 1) is True
+    param.write_text("N\n")
+    assert want_io_uring("on", param, mean_file=URING_BIG_FILES) is True and param.read_text() == "Y"
 
 
 @pytest.mark.timeout(120)

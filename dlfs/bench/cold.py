@@ -1,7 +1,9 @@
 """`dlfs bench --only cold`: the cold path, where a dataset bigger than memory puts every epoch.
 
-Its own node and dataset (big files of 16 MiB and 40 MB, and ~110 KB files), read by local disk,
-squashfuse_ll and dlfs, each figure beside local disk's in the same state, measured in the same run:
+Its own node and files (big files of 16 MiB and 40 MB, and ~110 KB files), read by local disk,
+squashfuse_ll and dlfs, each figure beside local disk's in the same state, measured in the same run.
+dlfs has them as two datasets, one of the big files and one of the small ones, as a user would have
+them (a mount chooses how it serves by its dataset: see want_io_uring):
 
   - big files read whole (open(p, "rb").read()), cold: page cache dropped, a fresh mount; 1 and 2 readers;
   - two cold epochs of the small files on ONE mount, the page cache dropped between them (what a job
@@ -34,7 +36,7 @@ from dlfs.bench.epoch import list_files, timed_epoch
 from dlfs.bench.sample import make_sample
 
 Say = Callable[[str], None]
-DATASET = "bench-cold"
+DATASETS = {"big": "bench-cold-big", "small": "bench-cold-small"}  # each of the tree's two folders alone
 BIG_SIZES = (16 << 20, 40_000_000)  # a 3D-U-Net-like sample (MLPerf Storage's unet3d) and a bigger shard
 SMALL_MEAN = 110_000
 SMALL_MAX = 8000  # small files at most: enough for a steady epoch, a dataset of ~0.9 GB
@@ -115,27 +117,29 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
     node.start()
     try:
         say(f"cold path: dlfs ingest and mksquashfs of {len(bigs) + len(smalls)} files ({total / 1e9:.2f} GB), untimed")
-        node.cli("ingest", str(src), "--name", DATASET)
+        for folder, name in DATASETS.items():
+            other = next(f for f in DATASETS if f != folder)
+            node.cli("ingest", str(src), "--name", name, "--exclude", f"/{other}/")
         build_squashfs(src, image)
-        systems: list[System] = [LocalDisk(src), SquashfuseLL(image, mnt / "squashfuse_ll", work / "cold-squash.log"),
-                                 DlfsMount(node, DATASET, mnt / "dlfs")]
-        for s in systems[1:]:
+        base: list[System] = [LocalDisk(src), SquashfuseLL(image, mnt / "squashfuse_ll", work / "cold-squash.log")]
+        dlfs = {folder: DlfsMount(node, name, mnt / f"dlfs-{folder}") for folder, name in DATASETS.items()}
+        for s in [*base[1:], *dlfs.values()]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
             for readers in (1, 2):
                 out["big"][str(readers)] = {}
-                for s in systems:
+                for s in [*base, dlfs["big"]]:
                     say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}")
                     fresh_start(s)
                     before = mount_sample(s)
                     r = timed_epoch(s, bigs, readers, seed=readers, read="open")
                     r["python"] = _spent(before, mount_sample(s))
                     out["big"][str(readers)][s.name] = r
-            for s in systems:
+            for s in [*base, dlfs["small"]]:
                 say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
                 out["small"][s.name] = two_cold_epochs(s, smalls, 2)
         finally:
-            for s in systems:
+            for s in [*base, *dlfs.values()]:
                 s.unmount()
     finally:
         node.stop()
