@@ -418,6 +418,9 @@ def test_each_shard_is_read_and_decompressed_once(tmp_path: Path, monkeypatch: p
     assert opened == ["l.tar", "l.tar"]
     by_path = {n.path: n for n in source._tree.nodes}  # type: ignore[union-attr]
     assert b"l/a" not in by_path and by_path[b"l/b"].nlink == 2
+    # A shard with no ./ entry: its folder has the shard file's time and owner (known once it is open).
+    st = os.stat(shard)
+    assert (by_path[b"l"].mtime_ns, by_path[b"l"].uid, by_path[b"l"].gid) == (st.st_mtime_ns, st.st_uid, st.st_gid)
     assert sorted(name for name, ino in by_path[b"l"].children if ino == by_path[b"l/b"].ino) == [b"b", b"c"]
 
 

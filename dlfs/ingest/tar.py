@@ -460,11 +460,15 @@ class _ShardAdder:
     def __init__(self, b: TreeBuilder, shard: Shard, flatten: bool, shard_of: Callable[[int], Shard]) -> None:
         self.b, self.shard, self.flatten, self.shard_of = b, shard, flatten, shard_of
         self.prefix = b"" if flatten else shard.folder + b"/"
-        if not flatten:
-            b.add(shard.folder, stat.S_IFDIR | 0o755, 0, shard.mtime_ns, shard.uid, shard.gid)
         self.first: dict[bytes, Member] = {}
         self.nodes: dict[int, Node] = {}  # a member's index -> the node that holds its bytes (or is its symlink)
         self.late: list[Wanted] = []
+
+    def begin(self) -> None:
+        """The shard's folder, once the shard's own time and owner are known (it is open, or listed)."""
+        shard = self.shard
+        if not self.flatten:
+            self.b.add(shard.folder, stat.S_IFDIR | 0o755, 0, shard.mtime_ns, shard.uid, shard.gid)
 
     def _add(self, path: bytes, m: Member) -> Node | None:
         if self.flatten:
@@ -516,6 +520,7 @@ def _add_shard(b: TreeBuilder, shard: Shard, members: list[Member], flatten: boo
     """Add a listed shard's members to the tree, in shard order, and note in `shard.wanted` which members'
     bytes the packer will take (in member order)."""
     adder = _ShardAdder(b, shard, flatten, shard_of)
+    adder.begin()
     shard.wanted = [w for w in map(adder.add, members) if w is not None]
     if adder.late:
         shard.wanted = sorted(shard.wanted + adder.late, key=lambda w: w.index)
@@ -838,6 +843,7 @@ def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> 
 
         obj = shard.obj
         shard.size, shard.mtime_ns, shard.uid, shard.gid = obj.size, obj.mtime_ns, os.getuid(), os.getgid()
+        adder.begin()
         with S3Blocks(obj) as blocks:
             shard.codec = _codec_of(shard.path, blocks.head(CODEC_BYTES))  # not a block: the read-ahead has it
             if shard.codec == "zip":
@@ -860,6 +866,7 @@ def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> 
             raw.close(rest=read)
     else:
         with _open_local(shard, NOTHING) as f:
+            adder.begin()
             if shard.codec == "zip":
                 shard.wanted = [w for w in map(adder.add, _list_zip(shard, f)) if w is not None]
             else:
