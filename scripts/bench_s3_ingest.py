@@ -13,8 +13,9 @@ ingest's rate, the server is the bottleneck and not the ingest.
 
     .venv/bin/python scripts/bench_s3_ingest.py --total 1G
 
-With --shards N the same files are also packed into N plain tar shards (WebDataset's layout), kept
-on disk and in the bucket, and `dlfs ingest --expand-tar` of each is timed the same way.
+With --shards N the same files are also packed into N tar shards (WebDataset's layout; --codec gzip or
+zstd compresses them), kept on disk and in the bucket, and `dlfs ingest --expand-tar` of each is timed
+the same way.
 """
 
 from __future__ import annotations
@@ -94,20 +95,29 @@ def fill(src: Path, s3: object, files: dict[str, int]) -> None:
         list(pool.map(one, files.items()))
 
 
-def make_shards(src: Path, out: Path, s3: object, n: int) -> int:
-    """The files under src in `n` plain tars (in path order, about equal bytes each), on disk under out
-    and in the bucket under shards/; their bytes in all."""
+SHARD_SUFFIX = {"tar": ".tar", "gzip": ".tar.gz", "zstd": ".tar.zst"}
+
+
+def make_shards(src: Path, out: Path, s3: object, n: int, codec: str = "tar") -> int:
+    """The files under src in `n` tars (in path order, about equal bytes each; plain, or gzip or zstd at
+    their fastest levels), on disk under out and in the bucket under shards/; their bytes in all."""
+    import gzip
     import tarfile
+
+    import zstandard
 
     files = sorted(p for p in src.rglob("*") if p.is_file())
     out.mkdir()
     per = -(-len(files) // n)
     total = 0
     for k in range(n):
-        path = out / f"train-{k:06d}.tar"
-        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
-            for p in files[k * per:(k + 1) * per]:
-                tf.add(p, str(p.relative_to(src)))
+        path = out / f"train-{k:06d}{SHARD_SUFFIX[codec]}"
+        with open(path, "wb") as raw:
+            sink = (gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if codec == "gzip" else
+                    zstandard.ZstdCompressor(level=1).stream_writer(raw, closefd=False) if codec == "zstd" else raw)
+            with sink, tarfile.open(fileobj=sink, mode="w", format=tarfile.GNU_FORMAT) as tf:  # type: ignore[arg-type]
+                for p in files[k * per:(k + 1) * per]:
+                    tf.add(p, str(p.relative_to(src)))
         with open(path, "rb") as f:
             s3.put_object(Bucket=BUCKET, Key=f"shards/{path.name}", Body=f)  # type: ignore[attr-defined]
         total += path.stat().st_size
@@ -175,6 +185,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2, help="ingests each way (default 2)")
     ap.add_argument("--pin", action="store_true", help="moto on CPU 0, the node and the ingests on the others")
     ap.add_argument("--shards", type=int, default=0, help="also time --expand-tar of N tar shards of the files")
+    ap.add_argument("--codec", choices=sorted(SHARD_SUFFIX), default="tar",
+                    help="the shards' compression (default tar: none; gzip and zstd at level 1)")
     ap.add_argument("--dir", help="scratch directory (default: a temporary one, removed after)")
     args = ap.parse_args()
 
@@ -214,7 +226,7 @@ def main() -> int:
               f"{parse_size(args.max_size) >> 20} MiB; filling {base} and s3://{BUCKET}/data ...", flush=True)
         fill(src, s3, files)
         if args.shards:
-            make_shards(src, base / "shards", s3, args.shards)
+            make_shards(src, base / "shards", s3, args.shards, args.codec)
 
         node = PinnedNode(home)
         node.start()
@@ -245,8 +257,9 @@ def main() -> int:
         print(f"S3 ingest / reader alone:   {re_ / raw:7.2f}")
         if args.shards:
             ta, st = statistics.median(tars), statistics.median(s3tars)
-            print(f"{args.shards} tar shards on disk:     {ta:7.0f} MB/s of files (median of {args.reps})")
-            print(f"{args.shards} tar shards in S3:       {st:7.0f} MB/s of files (median of {args.reps})")
+            kind = {"tar": "tar", "gzip": "tar.gz", "zstd": "tar.zst"}[args.codec]
+            print(f"{args.shards} {kind} shards on disk:  {ta:7.0f} MB/s of files (median of {args.reps})")
+            print(f"{args.shards} {kind} shards in S3:    {st:7.0f} MB/s of files (median of {args.reps})")
             print(f"ratio S3 shards / local:    {st / ta:7.2f};  S3 shards / local tree: {st / lo:.2f}")
     finally:
         if node is not None:
