@@ -181,7 +181,7 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
     # Abandoned on cancel (Ctrl-C): a walk of millions of files must not hold the ingest up.
     tree = await trio.to_thread.run_sync(source.walk, select, abandon_on_cancel=True)
     if progress:
-        if getattr(source, "streamed", False):  # listed as it is read (tar shards): totals known at the end
+        if source.streamed:  # listed as it is read (tar shards): the totals are known at the end
             progress.start(None, None)
         else:
             files = tree.files

@@ -495,6 +495,8 @@ class S3Prefix:
     is a directory; a key that cannot be a path (an empty, `.` or `..` component, one over 255 bytes,
     a file that is also a directory) is a SourceError naming it, unless --exclude leaves it out."""
 
+    streamed = False
+
     def __init__(self, url: str, endpoint_url: str | None = None, connections: int = CONNECTIONS,
                  range_size: int = RANGE_SIZE, window_bytes: int = WINDOW_BYTES) -> None:
         self.where = url

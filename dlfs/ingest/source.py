@@ -37,6 +37,12 @@ class FileReader(Protocol):
 class Source(Protocol):
     where: str  # what the user named, for messages
 
+    @property
+    def streamed(self) -> bool:
+        """Whether files() lists the tree as it reads it (tar shards): walk()'s tree is complete, and its
+        totals known, only once files() is done."""
+        ...
+
     def walk(self, select: Selection | None) -> Tree: ...
 
     def files(self, tree: Tree) -> Iterator[tuple[Node, FileReader]]:
@@ -46,6 +52,8 @@ class Source(Protocol):
 
 class LocalTree:
     """A directory tree on a local (or network) file system."""
+
+    streamed = False
 
     def __init__(self, src: str) -> None:
         self.where = src
