@@ -515,15 +515,19 @@ class _ShardAdder:
         return Wanted(m.index, m.name, m.size, node, m.offset) if m.kind == REG else None
 
 
+    def add_listed(self, members: list[Member]) -> None:
+        """Add a listed shard's members, in shard order, and note in `shard.wanted` which members' bytes
+        the packer will take (in member order, the late ones among them)."""
+        wanted = [w for w in map(self.add, members) if w is not None]
+        self.shard.wanted = sorted(wanted + self.late, key=lambda w: w.index) if self.late else wanted
+
+
 def _add_shard(b: TreeBuilder, shard: Shard, members: list[Member], flatten: bool,
                shard_of: Callable[[int], Shard]) -> None:
-    """Add a listed shard's members to the tree, in shard order, and note in `shard.wanted` which members'
-    bytes the packer will take (in member order)."""
+    """A listed shard's members added to the tree (see _ShardAdder.add_listed)."""
     adder = _ShardAdder(b, shard, flatten, shard_of)
     adder.begin()
-    shard.wanted = [w for w in map(adder.add, members) if w is not None]
-    if adder.late:
-        shard.wanted = sorted(shard.wanted + adder.late, key=lambda w: w.index)
+    adder.add_listed(members)
 
 
 def _check_clash(b: TreeBuilder, path: bytes, is_dir: bool, shard: Shard, shard_of: Callable[[int], Shard]) -> None:
@@ -837,7 +841,8 @@ def _changed(shard: Shard, name: bytes) -> SourceError:
 
 def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> Iterator[tuple[Node, FileReader]]:
     """One shard, listed and read in one pass (see TarShards._streamed); `ahead` holds its ranges if it is
-    in a bucket (and not a zip). A file whose bytes a later hard link takes is read in a second pass."""
+    in a bucket (and not a zip). A zip is listed from its directory, then read; a file whose bytes a
+    later hard link takes is read in a second pass."""
     if shard.obj is not None:
         from dlfs.ingest.s3file import S3Blocks, S3Stream
 
@@ -849,26 +854,25 @@ def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> 
             if shard.codec == "zip":
                 if ahead is not None:  # named as something else: its planned GETs are let go
                     S3Stream(ahead, obj, shard.ranges).close()
-                shard.wanted = [w for w in map(adder.add, _list_zip(shard, blocks)) if w is not None]
-        if shard.codec == "zip":
-            yield from _read_zip(shard)
-            return
-        if ahead is None or not shard.ranges:  # an empty object: tar says what it makes of nothing
+                adder.add_listed(_list_zip(shard, blocks))
+        if shard.codec != "zip" and (ahead is None or not shard.ranges):
+            # An empty object (no ranges to fetch): tar says what it makes of nothing.
             yield from _members_as_read(shard, _Plain(io.BytesIO()), adder)  # type: ignore[arg-type]
-            return
-        raw = S3Stream(ahead, obj, shard.ranges)
-        read = False
-        try:
-            stream: _TarStream = raw if shard.codec == "tar" else _Inflated(_inflate(shard, raw, NOTHING))  # type: ignore[arg-type, assignment]
-            yield from _members_as_read(shard, stream, adder)
-            read = True
-        finally:
-            raw.close(rest=read)
+        elif shard.codec != "zip":
+            assert ahead is not None
+            raw = S3Stream(ahead, obj, shard.ranges)
+            read = False
+            try:
+                stream: _TarStream = raw if shard.codec == "tar" else _Inflated(_inflate(shard, raw, NOTHING))  # type: ignore[arg-type, assignment]
+                yield from _members_as_read(shard, stream, adder)
+                read = True
+            finally:
+                raw.close(rest=read)
     else:
         with _open_local(shard, NOTHING) as f:
             adder.begin()
             if shard.codec == "zip":
-                shard.wanted = [w for w in map(adder.add, _list_zip(shard, f)) if w is not None]
+                adder.add_listed(_list_zip(shard, f))
             else:
                 stream = _open_stream(shard, f, NOTHING, ahead=True)
                 try:
@@ -876,10 +880,9 @@ def _stream_shard(shard: Shard, adder: _ShardAdder, ahead: ReadAhead | None) -> 
                 finally:
                     stream.close()
                 _check_unchanged(shard, f)
-        if shard.codec == "zip":
-            yield from _read_zip(shard)
-            return
-    if adder.late:  # rare: a file left out, a hard link to it taken
+    if shard.codec == "zip":
+        yield from _read_zip(shard)
+    elif adder.late:  # rare: a file left out, a hard link to it taken
         shard.wanted = adder.late
         yield from _read_tar(shard)
 
