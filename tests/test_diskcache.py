@@ -53,6 +53,12 @@ def read(cache: DiskCache, cid: bytes, ranges: list[tuple[int, int]], into: memo
     return None if got is None else [bytes(p) for p in got]
 
 
+def bounded(root: Path, **kw: Any) -> DiskCache:
+    """A cache with a bound of its own: with none it keeps a tenth of its file system free, so what a test
+    of anything else sees would depend on how full the machine's disk is (CI's was over 90%)."""
+    return DiskCache(root, size=64 * MiB, **kw)
+
+
 def catalogue(root: Path) -> sqlite3.Connection:
     """The catalogue, opened as any other process would (close it: an open one keeps its files busy)."""
     return sqlite3.connect(root / CATALOGUE)
@@ -81,7 +87,7 @@ def _consistent(root: Path, db: sqlite3.Connection) -> int:
 
 # --- the cache, unit by unit ----------------------------------------------------------------------
 def test_store_and_read_back_any_range_inside(tmp_path: Path) -> None:
-    cache = DiskCache(tmp_path / "c")
+    cache = bounded(tmp_path / "c")
     cid = cid_of(1)
     assert read(cache, cid, [(0, 100)]) is None  # nothing yet
     assert cache.store(cid, [(4096, 300_000)], [content(cid, 4096, 300_000)]) == 300_000
@@ -104,7 +110,7 @@ def test_private_modes(tmp_path: Path) -> None:
     root = tmp_path / "loose"
     root.mkdir(mode=0o755)
     os.chmod(root, 0o755)
-    cache = DiskCache(root)
+    cache = bounded(root)
     cid = cid_of(2)
     cache.store(cid, [(0, 10_000)], [content(cid, 0, 10_000)])
     cache.close()
@@ -177,7 +183,7 @@ def test_without_a_size_it_keeps_a_tenth_of_its_file_system_free(tmp_path: Path,
 
 
 def test_write_behind_never_waits_and_drops_when_behind(tmp_path: Path) -> None:
-    cache = DiskCache(tmp_path / "c", slot_bytes=MiB)
+    cache = bounded(tmp_path / "c", slot_bytes=MiB)
     assert not cache.put(cid_of(9), [(0, MiB + 1)], [content(cid_of(9), 0, MiB + 1)])  # bigger than a buffer
     # Another process holds the catalogue: the writer waits on its first write, so the buffers fill.
     blocker = catalogue(cache.root)
@@ -218,7 +224,7 @@ cache.close()
 
 
 def test_lost_bytes_are_a_miss_and_the_entry_goes(tmp_path: Path) -> None:
-    cache = DiskCache(tmp_path / "c")
+    cache = bounded(tmp_path / "c")
     cid = cid_of(5)
     cache.store(cid, [(0, 200_000)], [content(cid, 0, 200_000)])
     (path,) = (cache.root / "chunks").glob("*/*")
@@ -230,7 +236,7 @@ def test_lost_bytes_are_a_miss_and_the_entry_goes(tmp_path: Path) -> None:
 
 
 def test_drop_forgets_a_chunk_at_once(tmp_path: Path) -> None:
-    cache = DiskCache(tmp_path / "c")
+    cache = bounded(tmp_path / "c")
     cid = cid_of(6)
     cache.store(cid, [(0, 10_000)], [content(cid, 0, 10_000)])
     assert read(cache, cid, [(0, 10)]) is not None
@@ -239,7 +245,7 @@ def test_drop_forgets_a_chunk_at_once(tmp_path: Path) -> None:
     cache.close()
     assert consistent(cache.root) == 0
     # A copy written after the bad one was read (under a new name) is not dropped with it.
-    cache = DiskCache(tmp_path / "c")
+    cache = bounded(tmp_path / "c")
     cache.store(cid, [(0, 10_000)], [content(cid, 0, 10_000)])
     assert read(cache, cid, [(0, 10)]) is not None
     cache._drop_chunk(cid, "an-older-name")
@@ -261,6 +267,20 @@ def test_full_disk_evicts_and_never_fails(tmp_path: Path) -> None:
             cache.store(cid, [(0, MiB)], [content(cid, 0, MiB)])
         assert cache.full > 0
         assert read(cache, cid_of(11), [(0, MiB)]) == [content(cid_of(11), 0, MiB)]
+        # Not a byte left, not even for a catalogue (SQLITE_FULL), and nothing of its own to evict: a
+        # store gives up, it never raises.
+        other = DiskCache(fs / "other", size=64 * MiB)
+        filler = fs / "filler"
+        with open(filler, "wb") as f, pytest.raises(OSError, match="No space left"):
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        assert other.store(cid_of(20), [(0, MiB)], [content(cid_of(20), 0, MiB)]) == 0
+        assert other.full > 0 and other.errors == 0
+        filler.unlink()
+        assert other.store(cid_of(21), [(0, 10_000)], [content(cid_of(21), 0, 10_000)]) == 10_000
+        assert read(other, cid_of(21), [(0, 10_000)]) == [content(cid_of(21), 0, 10_000)]
+        other.close()
         cache.close()
         assert 0 < consistent(fs / "c") <= 6 * MiB
     finally:

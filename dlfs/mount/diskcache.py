@@ -85,6 +85,13 @@ def check_cache_dir(root: Path) -> Path:
     return root
 
 
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT on a chunk file, or SQLITE_FULL on the catalogue: no room, not a fault."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def _pwrite_all(fd: int, data: Buffer, off: int) -> None:
     """Write all of `data` at `off`, leaving no page cache behind where the kernel can (RWF_DONTCACHE):
     what is read from here goes to the mount's slabs, and the kernel keeps the FUSE file's pages."""
@@ -208,7 +215,12 @@ class DiskCache:
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
+        try:
+            db.execute("COMMIT")
+        except sqlite3.Error:
+            if db.in_transaction:  # a COMMIT that failed (a full disk) may leave it open
+                db.execute("ROLLBACK")
+            raise
 
     @staticmethod
     def _schema(db: sqlite3.Connection) -> int | None:
@@ -356,10 +368,36 @@ class DiskCache:
 
     def store(self, cid: bytes, ranges: Sequence[tuple[int, int]], pieces: Sequence[Buffer]) -> int:
         """Write verified bytes of chunk `cid` here and list them (blocking: a writer thread's, or
-        warmup's); bytes newly held. A full disk evicts and tries once more, then gives up (0)."""
+        warmup's); bytes newly held. A full disk (the chunk file's write, or the catalogue's) evicts and
+        tries once more, then gives up (0)."""
         db = self._db()
         if self._covered(db, cid, ranges):
             return 0
+        need = sum(len(p) for p in pieces)
+        for attempt in (1, 2):
+            try:
+                added = self._store_once(cid, ranges, pieces)
+                break
+            except (OSError, sqlite3.OperationalError) as exc:
+                if not _disk_full(exc):
+                    raise
+                self.full += 1
+                try:
+                    freed = self._evict(max(need * 4, self.held_bytes() // 16), keep=cid) if attempt == 1 else 0
+                except sqlite3.OperationalError as again:
+                    if not _disk_full(again):
+                        raise
+                    freed = 0  # not even room to note an eviction
+                if not freed:
+                    log.info("disk cache %s: file system full and nothing more to evict; %s not kept",
+                             self.root, human_bytes(need))
+                    return 0
+        self.written += 1
+        self.written_bytes += added
+        self._evict(self._excess(), keep=cid)
+        return added
+
+    def _store_once(self, cid: bytes, ranges: Sequence[tuple[int, int]], pieces: Sequence[Buffer]) -> int:
         now = time.time()
         with self._txn() as db:
             row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
@@ -369,26 +407,13 @@ class DiskCache:
             else:
                 name = row[0]
         path = self._path(name)
-        need = sum(len(p) for p in pieces)
-        for attempt in (1, 2):
-            try:
-                private_dirs(path.parent)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-                try:
-                    for (off, _), piece in zip(ranges, pieces):
-                        _pwrite_all(fd, piece, off)
-                finally:
-                    os.close(fd)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                self.full += 1
-                freed = self._evict(max(need * 4, self.held_bytes() // 16), keep=cid)
-                if attempt == 2 or not freed:
-                    log.info("disk cache %s: file system full and nothing more to evict; %s not kept",
-                             self.root, human_bytes(need))
-                    return 0
+        private_dirs(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        try:
+            for (off, _), piece in zip(ranges, pieces):
+                _pwrite_all(fd, piece, off)
+        finally:
+            os.close(fd)
         with self._txn() as db:
             row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
             if row is None or row[0] != name:  # evicted while it was written: the file is no one's
@@ -397,9 +422,6 @@ class DiskCache:
             added = sum(self._merge(db, cid, off, off + n) for off, n in ranges)
             db.execute("UPDATE chunks SET bytes=bytes+?, used=? WHERE cid=?", (added, now, cid))
             db.execute("UPDATE meta SET value=value+? WHERE key='bytes'", (added,))
-        self.written += 1
-        self.written_bytes += added
-        self._evict(self._excess(), keep=cid)
         return added
 
     @staticmethod
