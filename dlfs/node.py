@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dlfs.meta.engine_sqlite import EmbeddedEngine
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.private import private_dirs, tighten_home
-from dlfs.procs import hold_lock
+from dlfs.procs import hold_lock, raise_open_files_limit
 from dlfs.sdnotify import notify
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
@@ -94,24 +93,6 @@ def data_transport(opts: NodeOptions) -> TransportChoice:
     log.info("data daemon: chunks served over %s (%s)", "RDMA and TCP" if choice.name == "rdma" else "TCP",
              choice.reason)
     return choice
-
-
-def raise_open_files_limit() -> int:
-    """Raise this process's soft limit on open descriptors to its hard limit (connections, chunk
-    files and a flood's half-open connections all take one); returns the limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        try:  # the kernel's own ceiling: setrlimit refuses more
-            hard = int(Path("/proc/sys/fs/nr_open").read_text())
-        except (OSError, ValueError):
-            hard = soft
-    if soft != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-            soft = hard
-        except (OSError, ValueError) as exc:
-            log.info("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
-    return soft
 
 
 def _lock_home(home: Path) -> int:

@@ -1,5 +1,5 @@
 """Process matters: whether a daemon or mount recorded in a pid file is still alive; one process at a time
-on a state directory (a held lock file); how its memory goes back; what `ps` calls it; which processes use
+on a state directory (a held lock file); how many descriptors it may open; how its memory goes back; what `ps` calls it; which processes use
 files under a path (as `fuser -m` finds them)."""
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ import ctypes
 import fcntl
 import logging
 import os
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dlfs.private import FILE_MODE
 
@@ -50,6 +52,24 @@ def hold_lock(path: str | os.PathLike[str]) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open descriptors to its hard limit (connections, chunk
+    files and a flood's half-open connections all take one); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        try:  # the kernel's own ceiling: setrlimit refuses more
+            hard = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            hard = soft
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.info("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
+    return soft
 
 
 def give_freed_memory_back() -> None:

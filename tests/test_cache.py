@@ -484,3 +484,50 @@ def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:
     finally:
         disk.close()
     assert served == ["urgent", "first", "second", "third"]
+
+
+@pytest.mark.timeout(60)
+async def test_chunk_files_opened_ahead_serve_reads_with_no_open_of_their_own(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the mount does as it starts (LocalChunks.open_ahead): this machine's chunk files of the
+    # dataset opened in a thread, as many as it keeps open, so that no file's first read waits for one.
+    import dlfs.mount.localchunks as localchunks
+
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(40 + i, [20_000] * 4) for i in range(3)])
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB, prefetch=False)
+        local = cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        ids = [index.chunk(ci).id for ci in range(3)]
+        local.open_files = 2  # a budget smaller than the dataset: the first chunks first, the rest when read
+        assert await local.open_ahead([*ids, b"\x99" * 16]) == 2
+        assert [local._kept(cid) for cid in ids] == [True, True, False]
+        assert local.stats()["local_open_files"] == 2 and local.stats()["local_opened_ahead"] == 2
+
+        def no_open(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a chunk file opened ahead was opened again")
+
+        monkeypatch.setattr(localchunks, "_open_both", no_open)
+        for ext in range(8):  # the records of the two chunks opened ahead
+            got = await cache.record(ext, ahead=False)
+            assert bytes(got) == payloads[ext]
+            cache.consume(ext, len(got))
+        assert local.stats()["local_reads"] == 8 and local.stats()["local_slow_opens"] == 0
+        monkeypatch.undo()
+        assert bytes(await cache.record(8, ahead=False)) == payloads[8]  # the third: opened when read
+        n.cancel_scope.cancel()
+
+
+def test_an_open_whose_path_is_in_memory_needs_no_thread(tmp_path: Path) -> None:
+    from dlfs.mount.localchunks import _open_both
+
+    path = tmp_path / "chunk"
+    path.write_bytes(b"x" * 4096)
+    try:
+        fd, dfd = _open_both(path, direct=False, cached=True)  # just made: its dentry is in memory
+    except BlockingIOError:
+        pytest.skip("this kernel cannot tell a cached lookup (openat2 RESOLVE_CACHED: Linux 5.12+)")
+    assert fd is not None and dfd is None and os.pread(fd, 4, 0) == b"xxxx"
+    os.close(fd)
+    assert not (tmp_path / "absent").exists()  # looked up once: the kernel now remembers it is not there
+    assert _open_both(tmp_path / "absent", direct=False, cached=True) == (None, None)

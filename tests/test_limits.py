@@ -25,7 +25,7 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster, NodeSpec, ensure_home_key, runtime_file
 from dlfs.errors import AuthError, Unreachable
 from dlfs.metrics import MAX_SCRAPES, NodeCollector, registry_of, serve_metrics
-from dlfs.node import raise_open_files_limit
+from dlfs.procs import raise_open_files_limit
 from dlfs.transport.base import Address
 from dlfs.wire import auth, limits, protocol, rpc
 from dlfs.wire.protocol import HEADER, MAGIC, MAX_DATA, REQUEST, VERSION, FrameStream, Msg

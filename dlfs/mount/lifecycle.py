@@ -48,7 +48,7 @@ from dlfs.mount.statsfile import SAMPLE_NOW, MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
-from dlfs.procs import Holder, holders, running, set_title, start_ticks
+from dlfs.procs import Holder, holders, raise_open_files_limit, running, set_title, start_ticks
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
 from dlfs.units import human_bytes
@@ -214,6 +214,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
     # Asked for a stats sample before the writer listens, or after it stopped: not a reason to die.
     signal.signal(SAMPLE_NOW, signal.SIG_IGN)
     tighten_home(opts.home)  # its index cache, records and control socket: once, before any is made
+    raise_open_files_limit()  # chunk files kept open (localchunks.open_files_budget) and connections
     arena = arena_for_cache(opts.cache_size)
     choice = choose_for(opts.cluster, arena, f"mount of {opts.dataset}")
     async with AsyncExitStack() as stack:
@@ -243,6 +244,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         cache.fetcher.local = await open_local_chunks(client) if opts.short_circuit else None
         if cache.fetcher.local is not None:
             stack.callback(cache.fetcher.local.close)
+            # Its chunk files opened behind the mount's start, in chunk order (an epoch's first files first).
+            chunk_ids = [index.chunk(ci).id for ci in range(min(index.totals.chunks, cache.fetcher.local.open_files))]
+            nursery.start_soon(cache.fetcher.local.open_ahead, chunk_ids, name="dlfs-open-chunk-files")
         if opts.cache_dir is not None:  # closed after the nursery: its writer finishes what is queued
             cache.fetcher.disk = DiskCache(opts.cache_dir, opts.cache_dir_size, cache.slab_size)
             last.append(cache.fetcher.disk.close)

@@ -5,6 +5,9 @@ They are one source of the cache's fetch pipeline (dlfs/mount/cache.py), beside 
 and RDMA: a window is read in place into a slab, checked record by record there, and served from it
 until the kernel has it, like any other fetch. A chunk that is not here, is short or fails a check is
 read from the replicas as usual (the caller's fallback).
+
+Chunk files are kept open (up to open_files_budget(), two descriptors each: plain and O_DIRECT); the
+mount opens its dataset's as it starts (open_ahead), so no file's first read waits for an open.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import itertools
 import logging
 import os
 import queue
+import resource
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,8 @@ from dlfs.wire.messages import DataStatus, reply
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
-OPEN_FILES = 256
+OPEN_FILES = 4096  # chunk files kept open at most (two descriptors each): 32 GiB of 8 MiB chunks
+OPEN_AHEAD_BATCH = 64  # chunk files opened ahead per hop to a thread
 RECHECK = 1.0  # seconds a kept descriptor (or a chunk found absent) is trusted before its path is looked at again
 THREAD_BYTES = 1 << 20  # ranges this big are read, and verified, in a worker thread: not on the event loop
 DIRECT_MIN = 256 << 10  # windows this big go from the disk straight to their slab (O_DIRECT)
@@ -70,17 +75,62 @@ def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
         raise
 
 
-def _open_both(path: Path, direct: bool) -> tuple[int | None, int | None]:
-    """A chunk file opened plainly and with O_DIRECT (None: not there, or no O_DIRECT here)."""
+def open_files_budget() -> int:
+    """Chunk files this process may keep open: OPEN_FILES, within a quarter of its descriptor limit (two
+    each, and the rest for connections and everything else)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return OPEN_FILES
+    return max(16, min(OPEN_FILES, soft // 8))
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)  # Linux 5.6+
+RESOLVE_CACHED = 0x20  # Linux 5.12+: EAGAIN rather than a lookup that would read the disk
+AT_FDCWD = -100
+
+
+def _open_cached(path: Path, flags: int) -> int:
+    """open(path, flags) if its lookup needs nothing the kernel does not hold in memory (cheap on the
+    event loop); BlockingIOError if it would read the disk, or the kernel cannot say (no RESOLVE_CACHED)."""
+    if _OPENAT2 is None:
+        raise BlockingIOError(errno.EAGAIN, "no openat2 here")
+    how = _OpenHow(flags, 0, RESOLVE_CACHED)
+    fd = _libc.syscall(ctypes.c_long(_OPENAT2), ctypes.c_long(AT_FDCWD), ctypes.c_char_p(os.fsencode(path)),
+                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd >= 0:
+        return int(fd)
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.ENOSYS, errno.EINVAL, errno.E2BIG):  # would block; or an older kernel
+        raise BlockingIOError(err, os.strerror(err))
+    raise OSError(err, os.strerror(err), str(path))
+
+
+def _open_both(path: Path, direct: bool, cached: bool = False) -> tuple[int | None, int | None]:
+    """A chunk file opened plainly and with O_DIRECT (None: not there, or no O_DIRECT here). `cached`:
+    only if that needs no disk I/O (BlockingIOError otherwise): then it may run on the event loop."""
+    opener = _open_cached if cached else os.open
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = opener(path, os.O_RDONLY | os.O_CLOEXEC)
+    except BlockingIOError:
+        raise
     except OSError:
         return None, None
     try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC) if direct else None
+        dfd = opener(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC) if direct else None
+    except BlockingIOError:
+        os.close(fd)
+        raise
     except OSError:
         dfd = None  # _direct_fd says why, the next time it is asked
     return fd, dfd
+
+
+def _open_all(paths: list[Path], direct: bool) -> list[tuple[int | None, int | None]]:
+    return [_open_both(p, direct) for p in paths]
 
 
 def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
@@ -208,6 +258,9 @@ class LocalChunks:
         self.direct = True  # O_DIRECT works on this file system (until it says otherwise)
         self._opening: dict[bytes, trio.Event] = {}  # chunks whose files a thread is opening
         self.reads = self.bytes = self.fallbacks = self.direct_reads = 0
+        self.open_files = open_files_budget()
+        self.opened_ahead = 0  # chunk files opened by open_ahead, before a read asked
+        self.slow_opens = 0  # opens a read waited for in a thread (the path's metadata was not in memory)
 
     def _current(self, cid: bytes) -> bool:
         """Whether what is kept of chunk `cid` (a descriptor, or that it is absent) still holds: trusted
@@ -252,20 +305,30 @@ class LocalChunks:
         return self._current(cid) and (cid in self._fds or self._seen[cid][1] == 0)
 
     async def _open(self, cid: bytes) -> None:
-        """Open chunk `cid`'s file (both ways) in a thread, for _fd and _direct_fd to keep: a cold open
-        reads the file system's metadata from the disk, queued behind the windows being read there,
-        and on the event loop it would hold up every other read's answer meanwhile (a big-file epoch
-        here: 105 such reads, 152 ms of waiting in 1.0 s)."""
+        """Open chunk `cid`'s file (both ways), for _fd and _direct_fd to keep: on the event loop where the
+        kernel holds its path's lookup (openat2 RESOLVE_CACHED), else in a thread: a cold open reads the
+        file system's metadata from the disk, queued behind the windows being read there, and on the
+        event loop it would hold up every other read's answer meanwhile (a big-file epoch here: 105
+        such reads, 152 ms of waiting in 1.0 s)."""
         busy = self._opening.get(cid)
         if busy is not None:
             await busy.wait()
             return
-        self._opening[cid] = done = trio.Event()
+        path = chunk_path(self.chunk_dir, cid)
         try:
-            opened = await trio.to_thread.run_sync(_open_both, chunk_path(self.chunk_dir, cid), self.direct)
-        finally:
-            del self._opening[cid]
-            done.set()
+            opened = _open_both(path, self.direct, cached=True)
+        except BlockingIOError:
+            self.slow_opens += 1
+            self._opening[cid] = done = trio.Event()
+            try:
+                opened = await trio.to_thread.run_sync(_open_both, path, self.direct)
+            finally:
+                del self._opening[cid]
+                done.set()
+        self._install(cid, opened)
+
+    def _install(self, cid: bytes, opened: tuple[int | None, int | None]) -> None:
+        """Keep what _open_both opened of chunk `cid` (or close it, if it is kept meanwhile)."""
         fd, dfd = opened
         if self._kept(cid):  # kept meanwhile (a read that did not wait for this one)
             for d in (fd, dfd):
@@ -274,10 +337,29 @@ class LocalChunks:
             return
         if self._fd(cid, opened=fd) == fd and dfd is not None:
             self._direct_fds[cid] = dfd
-            if len(self._direct_fds) > OPEN_FILES:
+            if len(self._direct_fds) > self.open_files:
                 os.close(self._direct_fds.popitem(last=False)[1])
         elif dfd is not None:
             os.close(dfd)
+
+    async def open_ahead(self, cids: Sequence[bytes]) -> int:
+        """Open the files of chunks `cids` (as many as are kept open at once, the first first) in a
+        thread, before any read needs them: a cold epoch then finds each one open, where each file's
+        first read would wait for the disk's metadata (~1 ms a chunk here, on every file's critical
+        path), and the kept descriptors hold their inodes whatever the kernel drops. Files opened."""
+        todo = [cid for cid in cids[: self.open_files] if not self._kept(cid)]
+        n = 0
+        for at in range(0, len(todo), OPEN_AHEAD_BATCH):
+            batch = todo[at : at + OPEN_AHEAD_BATCH]
+            paths = [chunk_path(self.chunk_dir, cid) for cid in batch]
+            opened = await trio.to_thread.run_sync(_open_all, paths, self.direct)
+            for cid, got in zip(batch, opened):
+                if got[0] is None:
+                    continue  # not here: asked when read, as any chunk held elsewhere
+                self._install(cid, got)
+                n += 1
+        self.opened_ahead += n
+        return n
 
     def _fd(self, cid: bytes, opened: int | None = -1) -> int | None:
         """Chunk `cid`'s file, kept open; None if it is not here. `opened`: what _open opened (None: it
@@ -304,7 +386,7 @@ class LocalChunks:
         self._bad.pop(cid, None)
         self._seen[cid] = (st.st_dev, st.st_ino, time.monotonic())
         self._fds[cid] = fd
-        if len(self._fds) > OPEN_FILES:
+        if len(self._fds) > self.open_files:
             old, oldfd = self._fds.popitem(last=False)
             os.close(oldfd)
             self._drop_direct(old)
@@ -333,7 +415,7 @@ class LocalChunks:
             os.close(fd)
             return None
         self._direct_fds[cid] = fd
-        if len(self._direct_fds) > OPEN_FILES:
+        if len(self._direct_fds) > self.open_files:
             os.close(self._direct_fds.popitem(last=False)[1])
         return fd
 
@@ -443,7 +525,8 @@ class LocalChunks:
 
     def stats(self) -> dict[str, int]:
         return {"local_reads": self.reads, "local_bytes": self.bytes, "local_fallbacks": self.fallbacks,
-                "local_direct_reads": self.direct_reads}
+                "local_direct_reads": self.direct_reads, "local_open_files": len(self._fds),
+                "local_opened_ahead": self.opened_ahead, "local_slow_opens": self.slow_opens}
 
 
 async def open_local_chunks(client: ClusterClient) -> LocalChunks | None:
