@@ -76,8 +76,8 @@ def _read_cached(fd: int, buf: memoryview, offset: int) -> int:
 
 
 def open_files_budget() -> int:
-    """Chunk files this process may keep open: OPEN_FILES, within a quarter of its descriptor limit (two
-    each, and the rest for connections and everything else)."""
+    """Chunk files this process may keep open: OPEN_FILES, within an eighth of its descriptor limit (two
+    descriptors each: a quarter of them, the rest for connections and everything else)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return OPEN_FILES
