@@ -67,6 +67,10 @@ class SourceError(DlfsError):
     errno = errno.EIO
 
 
+# What a write fails with when its file system (or the user's quota there) has no room left.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
 class StorageFull(DlfsError):
     """A daemon's disk is full."""
 

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -16,7 +15,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from dlfs.errors import CorruptData, DlfsError, NotFound, StorageFull
+from dlfs.errors import NO_ROOM, CorruptData, DlfsError, NotFound, StorageFull
 from dlfs.format.chunk import HEADER, check_header, chunk_id, verify_chunk
 from dlfs.private import DIR_MODE, FILE_MODE, private_dirs
 from dlfs.wire.protocol import FileRange
@@ -152,7 +151,7 @@ class ChunkStore:
         return True
 
     def _failed(self, cid: bytes, exc: OSError) -> DlfsError:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno in NO_ROOM:
             return StorageFull(f"data daemon disk is full at {self.root}")  # the caller names the chunk
         return DlfsError(f"data daemon cannot store chunk {cid.hex()}: {exc.strerror}")
 

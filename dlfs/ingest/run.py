@@ -27,7 +27,7 @@ import trio
 from dlfs.client.cluster import ClusterClient, rank
 from dlfs.config import Cluster, NodeSpec, check_dataset_name
 from dlfs.data.store import boot_id
-from dlfs.errors import DlfsError, NotFound, ProtocolError, StorageFull, Unreachable, UsageError
+from dlfs.errors import NO_ROOM, DlfsError, NotFound, ProtocolError, StorageFull, Unreachable, UsageError
 from dlfs.format.chunk import MAX_CHUNK_SIZE, ChunkBuffer
 from dlfs.format.index import HEADER, IndexWriter, header_body_sum
 from dlfs.ingest.pack import Packed, Packer
@@ -365,7 +365,7 @@ class LocalStores:
         except PermissionError as exc:
             return self._cannot(spec, f"cannot write its files ({exc.strerror})")
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # sent instead: the daemon finds it full, and says so
+            if exc.errno in NO_ROOM:  # sent instead: the daemon finds it full, and says so
                 return False
             raise Unreachable(f"cannot write chunk {p.cid.hex()} into {spec.name}'s store: {exc.strerror}") from None
         await self.client.call(spec, "data", Msg.PUT_STAGED, {"id": p.cid, "path": path, "size": len(p.data)},
@@ -431,7 +431,7 @@ def _write_index(writer: IndexWriter, f: BinaryIO, where: Path | None) -> tuple[
         return checksum, f.tell()
     except OSError as exc:
         place = where if where is not None else tempfile.gettempdir()
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno in NO_ROOM:
             raise StorageFull(f"cannot write the index locally: the disk is full at {place}") from None
         raise DlfsError(f"cannot write the index locally at {place}: {exc.strerror}") from None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlfs.config import check_dataset_name
-from dlfs.errors import Conflict, CorruptData, DlfsError, ProtocolError, StorageFull, UsageError
+from dlfs.errors import NO_ROOM, Conflict, CorruptData, DlfsError, ProtocolError, StorageFull, UsageError
 from dlfs.format.index import MAX_INDEX_BYTES, Index, file_checksum
 from dlfs.private import DIR_MODE, FILE_MODE
 
@@ -138,8 +138,7 @@ class IngestSessions:
 
 def os_error(exc: OSError, what: str) -> DlfsError:
     """A failed write of the metadata daemon's files as one line: StorageFull when its disk is full."""
-    import errno
 
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if exc.errno in NO_ROOM:
         return StorageFull(f"{what}: the metadata daemon's disk is full")
     return DlfsError(f"{what}: {exc.strerror}")

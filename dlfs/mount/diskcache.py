@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from dlfs.errors import UsageError
+from dlfs.errors import NO_ROOM, UsageError
 from dlfs.mount.localchunks import DIRECT_ALIGN, DiskQueue, _all_cached, _pread_uncached, _read_window
 from dlfs.private import DIR_MODE, FILE_MODE, OTHERS, private_dirs
 from dlfs.units import human_bytes
@@ -89,7 +89,7 @@ def _disk_full(exc: BaseException) -> bool:
     """ENOSPC or EDQUOT on a chunk file, or SQLITE_FULL on the catalogue: no room, not a fault."""
     if isinstance(exc, sqlite3.OperationalError):
         return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, OSError) and exc.errno in NO_ROOM
 
 
 def _pwrite_all(fd: int, data: Buffer, off: int) -> None:
