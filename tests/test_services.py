@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import random
 import socket
@@ -25,7 +26,7 @@ from dlfs.errors import AuthError, Conflict, CorruptData, DlfsError, NotFound, P
 from dlfs.format.chunk import ChunkWriter, Record, decode_record
 from dlfs.format.index import IndexWriter
 from dlfs.meta.engine_sqlite import EmbeddedEngine
-from dlfs.meta.service import MetaService
+from dlfs.meta.service import ABORT_RETRY, MetaService
 from dlfs.meta.store import MetaStore
 from dlfs.node import NodeOptions, run_node
 from dlfs.transport.base import Address
@@ -617,6 +618,39 @@ async def test_chunk_pinned_during_a_collection_is_not_collected(tmp_path: Path)
     assert "error" not in result, result.get("error")
     assert result["info"]["version"] == 1  # type: ignore[index]
     assert reused[0] in ledger.stored and old[0] not in ledger.stored
+
+
+@pytest.mark.timeout(20)
+async def test_an_abort_still_sweeping_is_not_finished_again_by_the_retry_loop(
+        tmp_path: Path, autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
+    """The loop that retries held-up aborts wakes while an ABORT_INGEST's own try is still sweeping: it
+    leaves that session to it (one sweep, one line), and has nothing left to do once it is finished."""
+    chunk = make_chunk(60)
+    ledger = MemoryLedger({chunk[0]})
+    svc = MetaService(EmbeddedEngine(MetaStore(tmp_path / "meta")), b"k" * 32, "n", ledger)
+    sweeps: list[set[bytes] | None] = []
+    sweep = ledger.sweep
+
+    async def counted(live: set[bytes], only: set[bytes] | None = None) -> tuple[int, list[str]]:
+        sweeps.append(only)
+        return await sweep(live, only)
+
+    ledger.sweep = counted  # type: ignore[method-assign]
+    sid = (await call_handler(svc, Msg.BEGIN_INGEST, {"name": "x"}))["session"]
+    await call_handler(svc, Msg.PIN_CHUNKS, {"session": sid, "ids": [chunk[0]]})
+    caplog.set_level(logging.INFO, logger="dlfs.meta.service")
+    async with trio.open_nursery() as n:
+        n.start_soon(svc._retry_aborts)
+        n.start_soon(call_handler, svc, Msg.ABORT_INGEST, {"session": sid})
+        await ledger.sweeping.wait()
+        await trio.sleep(3 * ABORT_RETRY[0])  # the loop wakes (the clock jumps) while the sweep is held
+        ledger.release.set()
+        await trio.sleep(3 * ABORT_RETRY[0])  # and again once the abort is finished
+        n.cancel_scope.cancel()
+    assert sweeps == [{chunk[0]}] and chunk[0] not in ledger.stored
+    said = [r.getMessage() for r in caplog.records]
+    assert [line for line in said if "given up" in line or "abort is finished" in line] == [
+        f"ingest session {sid} given up: 1 of its 1 chunks freed"]
 
 
 class Sleep(msgspec.Struct):

@@ -65,6 +65,7 @@ class MetaService(Service):
         self.ledger = ledger
         # Aborted sessions whose chunks are not freed yet (the engine or a data node held that up): sid -> (pins, since).
         self._aborting: dict[str, tuple[set[bytes], float]] = {}
+        self._finishing: set[str] = set()  # aborted sessions a task is finishing now: no second one starts
         self._committing: set[str] = set()  # sessions whose COMMIT is running
         # Commit and collection exclude each other: a commit checks its chunks exist and a
         # collection decides what is dead, each against a catalog the other cannot change.
@@ -194,16 +195,24 @@ class MetaService(Service):
                         req.session, exc, len(pins))
         return Empty(), b""
 
-    async def _finish_abort(self, sid: str) -> None:
+    async def _finish_abort(self, sid: str) -> bool:
         """Close an aborted session in the engine and free its chunks nothing else needs; raises (and keeps
-        it for another try) while the engine, the gc lock or a data node holds that up."""
-        pins, _ = self._aborting[sid]
-        pins |= await self.engine.close_ingest(sid)
-        if pins:
-            freed, deferred = await self._collect(only=pins)
-            log.info("ingest session %s given up: %d of its %d chunks freed%s", sid, freed, len(pins),
-                     f" ({deferred})" if deferred else "")
-        self._aborting.pop(sid, None)
+        it for another try) while the engine, the gc lock or a data node holds that up. False, with nothing
+        done, where it is finished already or another task is finishing it."""
+        if sid not in self._aborting or sid in self._finishing:
+            return False
+        self._finishing.add(sid)
+        try:
+            pins, _ = self._aborting[sid]
+            pins |= await self.engine.close_ingest(sid)
+            if pins:
+                freed, deferred = await self._collect(only=pins)
+                log.info("ingest session %s given up: %d of its %d chunks freed%s", sid, freed, len(pins),
+                         f" ({deferred})" if deferred else "")
+            self._aborting.pop(sid, None)
+        finally:
+            self._finishing.discard(sid)
+        return True
 
     async def upkeep(self) -> None:
         """Background work: the engine's own (following a cluster's catalog, publishing pins, compaction),
@@ -218,10 +227,12 @@ class MetaService(Service):
             await trio.sleep(pause)
             failed = False
             for sid in list(self._aborting):
-                pins, since = self._aborting[sid]
+                if sid not in self._aborting:
+                    continue  # finished meanwhile by its ABORT_INGEST's own try
+                since = self._aborting[sid][1]
                 try:
-                    await self._finish_abort(sid)
-                    log.warning("ingest session %s: its abort is finished", sid)
+                    if await self._finish_abort(sid):
+                        log.warning("ingest session %s: its abort is finished", sid)
                 except (Conflict, Unreachable) as exc:  # etcd down (ControlUnavailable), the gc lock held
                     failed = True
                     if trio.current_time() - since > ABORT_GIVE_UP:
