@@ -9,11 +9,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -205,10 +208,33 @@ class Node:
         return [] if self.cluster is None else ["--cluster", str(self.cluster), "--name", str(self.name)]
 
 
+def notify_socket() -> tuple[socket.socket, str]:
+    """A datagram socket for systemd's readiness protocol, and the NOTIFY_SOCKET naming it (abstract)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    name = f"dlfs-test-{os.getpid()}-{os.urandom(6).hex()}"
+    s.bind("\0" + name)
+    return s, "@" + name
+
+
+# A node started by start_node_process says READY=1 on its own socket once it serves (what a systemd unit
+# waits for): the wait is that message, not a poll of `dlfs status` (a Python process each time).
+_ready: weakref.WeakKeyDictionary[subprocess.Popen[bytes], socket.socket] = weakref.WeakKeyDictionary()
+
+
 def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, cluster: Path | None = None,
                   timeout: float = START_TIMEOUT) -> None:
-    """Until node.json exists (embedded node) and `dlfs status` succeeds, bounded."""
+    """Until the node says READY=1 (started by start_node_process), or else node.json exists (embedded
+    node) and `dlfs status` succeeds; bounded."""
     deadline = time.monotonic() + timeout
+    sock = _ready.pop(proc, None)
+    if sock is not None:
+        with sock:
+            while (left := deadline - time.monotonic()) > 0:
+                if proc.poll() is not None:
+                    raise AssertionError(f"dlfs node exited {proc.returncode} while starting:\n{log.read_text()}")
+                if select.select([sock], [], [], min(left, 0.1))[0] and b"READY=1" in sock.recv(4096).split(b"\n"):
+                    return
+        raise AssertionError(f"dlfs node did not come up within {timeout} s:\n{log.read_text()}")
     runtime = home / "run" / "node.json"
     status = ["status"] if cluster is None else ["--cluster", str(cluster), "status"]
     while time.monotonic() < deadline:
@@ -224,9 +250,16 @@ def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, cluster:
 def start_node_process(home: Path, *node_args: str) -> tuple[subprocess.Popen[bytes], Path]:
     home.mkdir(parents=True, exist_ok=True, mode=0o700)  # as dlfs makes it: else the node tightens it, and says so
     log = home.parent / f"{home.name}-node.log"
-    with open(log, "ab") as logf:
-        proc = subprocess.Popen([*DLFS, "node", *node_args], env=dlfs_env(home), stdout=logf,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+    env = dlfs_env(home)
+    sock, env["NOTIFY_SOCKET"] = notify_socket()
+    try:
+        with open(log, "ab") as logf:
+            proc = subprocess.Popen([*DLFS, "node", *node_args], env=env, stdout=logf,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+    except BaseException:
+        sock.close()
+        raise
+    _ready[proc] = sock
     return proc, log
 
 

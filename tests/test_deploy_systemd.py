@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _free_ports, force_unmount, needs_fuse, run_dlfs
+from conftest import REPO, _free_ports, force_unmount, needs_fuse, notify_socket, run_dlfs
 
 from dlfs.cli import build_parser, cmd_mount, cmd_node, cmd_umount
 
@@ -177,11 +177,9 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def _notify_socket() -> tuple[socket.socket, str]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    name = f"dlfs-test-{os.getpid()}-{os.urandom(4).hex()}"
-    s.bind("\0" + name)
+    s, name = notify_socket()
     s.settimeout(30)
-    return s, "@" + name
+    return s, name
 
 
 def _ready(sock: socket.socket) -> str:
