@@ -10,8 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from dlfs.ingest.walk import Selection
 
 log = logging.getLogger("dlfs")
+MOUNT_EXIT_WAIT = 30.0  # seconds a mount process that failed to start has to exit
 EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
 
 
@@ -727,7 +730,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     # Here, not in the background process: its errors would reach the user only through its log.
     cluster = _cluster(args)
     if not args.foreground:
-        return _mount_background(args, home, name, mountpoint)
+        code = _mount_background(args, home, mountpoint)
+        if code is not None:
+            return code  # the mount is ready in its own process
+        set_title(f"dlfs mount {args.dataset} {mountpoint}", MOUNT_PROCESS_NAME)  # the forked mount, from here on
     _setup_logging(args, "INFO")
     give_freed_memory_back()
     how = "auto: a quarter of that" if args.cache_size == "auto" else "--cache-size"
@@ -772,20 +778,41 @@ def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | Non
     return check_cache_dir(Path(args.cache_dir).absolute()), size
 
 
-def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoint: Path) -> int:
-    """Start `dlfs mount --foreground` detached, and return once it reports the mount ready."""
+def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path) -> int | None:
+    """Serve the mount detached, and return 0 once it reports the mount ready (or raise its error). In a
+    process with one thread this one forks: the child gets None back and serves in the foreground, its
+    output in the mount's log, with what this process imported and checked already (no second start
+    of Python). Elsewhere it runs `dlfs mount --foreground` with the command line as the user gave it."""
     from dlfs.mount.records import mount_log
 
     log_path = Path(args.log_file) if args.log_file else mount_log(home, args.dataset, mountpoint)
     private_dirs(log_path.parent)
     rfd, wfd = os.pipe()
-    # The command as the user gave it (same environment, same working directory: relative paths mean the
-    # same), served in the foreground: no option is rebuilt here, so none can be lost on the way.
-    cmd = [sys.executable, "-m", "dlfs", *args.argv, "--foreground", "--ready-fd", str(wfd), "--log-file",
-           str(log_path)]
-    with open(os.devnull, "rb") as devnull, open(log_path, "ab") as logf:
-        proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(wfd,),
-                                start_new_session=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if threading.active_count() == 1:  # a fork of a threaded process may hold a lock no thread will free
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            logfd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            for fd, to in ((devnull, 0), (logfd, 1), (logfd, 2)):
+                os.dup2(fd, to)
+            os.close(devnull)
+            os.close(logfd)
+            args.foreground, args.ready_fd, args.log_file = True, wfd, str(log_path)
+            return None
+        wait: Callable[[], int] = partial(_reap, pid)
+    else:
+        # The command as the user gave it (same environment, same working directory: relative paths mean
+        # the same), served in the foreground: no option is rebuilt here, so none can be lost on the way.
+        cmd = [sys.executable, "-m", "dlfs", *args.argv, "--foreground", "--ready-fd", str(wfd), "--log-file",
+               str(log_path)]
+        with open(os.devnull, "rb") as devnull_f, open(log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdin=devnull_f, stdout=logf, stderr=logf, pass_fds=(wfd,),
+                                    start_new_session=True)
+        wait = partial(proc.wait, timeout=MOUNT_EXIT_WAIT)
     os.close(wfd)
     with os.fdopen(rfd, "rb") as r:
         line = r.readline().decode(errors="replace").strip()
@@ -794,12 +821,24 @@ def _mount_background(args: argparse.Namespace, home: Path, name: str, mountpoin
         return 0
     if line.startswith("error "):
         _, _kind, code, message = line.split(" ", 3)
-        proc.wait(timeout=30)
+        wait()
         err = DlfsError(message)
         err.exit_code = int(code)
         raise err
-    rc = proc.wait(timeout=30)
+    rc = wait()
     raise MountError(f"mount process exited ({rc}) before the mount was ready; see {log_path}")
+
+
+def _reap(pid: int, timeout: float = MOUNT_EXIT_WAIT) -> int:
+    """The exit status of a child that said it is ending (negative: the signal that ended it); bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            raise MountError(f"mount process {pid} said it failed but had not exited {timeout:.0f} s later")
+        time.sleep(0.01)
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:

@@ -491,6 +491,7 @@ def test_memory_section_runs_in_a_small_cgroup_and_leaves_nothing_behind(tmp_pat
                 assert "OOM kill" in r["status"], key
             if key != "local":  # the serving process was watched all along
                 m = r["mount"]
+                assert m is not None, (key, r["status"])
                 assert m["samples"] > 0 and m["peak_anon_shmem"] >= max(m["peak_anon"], m["peak_shmem"]) > 0, key
                 assert m["alive"] == (not m["exited"]) or not r["completed"], key
                 assert (m.get("bound_bytes") == mem["bound_bytes"]) == (key in memory.DLFS_ROWS), key

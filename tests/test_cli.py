@@ -3,11 +3,13 @@ lifecycles, and the node's own start and stop."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shlex
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -232,6 +234,39 @@ def test_mount_foreground_stops_on_sigterm(node: Node, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@needs_fuse
+@pytest.mark.timeout(60)
+def test_a_mount_made_from_a_threaded_process_serves_the_command_as_given(node: Node, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dlfs mount` forks its mount process; from a process with other threads (a fork would copy the
+    locks they hold) it runs `dlfs mount --foreground` with the command line as given instead: the same
+    mount, its options kept."""
+    _small_dataset(node, tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    monkeypatch.setenv("DLFS_HOME", str(node.home))
+
+    def no_fork() -> int:
+        raise AssertionError("a process with other threads forked")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    try:
+        assert main(["mount", "small", str(mnt), "--cache-size", "96M"]) == 0
+    finally:
+        stop.set()
+        other.join()
+    try:
+        [pid] = mount_pids(node.home)
+        assert Path(f"/proc/{pid}/comm").read_text() == "dlfs-mount\n"
+        assert [m["cache_size"] for m in json.loads(node.run("mounts", "--json").stdout)["mounts"]] == [96 << 20]
+        assert sorted(os.listdir(mnt)) == ["sub", "top.bin"]
+    finally:
+        node.run("umount", mnt)
 
 
 @pytest.mark.timeout(60)
