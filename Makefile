@@ -22,12 +22,11 @@ demo: install
 	$(VENV)/bin/python scripts/demo.py
 
 # Four workers (the tests mostly wait on daemons), one test file each at a time: a file's module fixtures
-# (a node, a cluster) start once, the longest files first (tests/conftest.py LONG_FIRST, an order xdist
-# keeps with --no-loadscope-reorder); tests marked `serial` run alone (tests/conftest.py). Bytecode is
+# (a node, a cluster) start once; tests marked `serial` run alone (tests/conftest.py). Bytecode is
 # written even where the environment says not to: hundreds of dlfs processes and four workers would
 # otherwise each compile the same modules (pytest's rewritten tests too).
 test: install
-	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest -rs --durations=25 -n 4 --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest -rs --durations=25 -n 4 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .demo build *.egg-info

@@ -96,23 +96,13 @@ def _alone_if_serial(item: pytest.Item, nextitem: pytest.Item | None) -> Iterato
         fcntl.flock(locks.every, fcntl.LOCK_UN)
 
 
-# The files that take longest alone (wall time, `pytest --durations`), in the order a run on several workers
-# starts them (`make test` keeps this order: --no-loadscope-reorder): short files then fill the end of the
-# run instead of one long file running on alone. Those with serial tests lead: a serial test waits for
-# the tests in progress elsewhere to end, and that wait is shortest while every worker has just begun.
-LONG_FIRST = ("test_memory.py", "test_bench.py", "test_cold_path.py", "test_cluster.py", "test_deploy_slurm.py",
-              "test_ingest_s3.py", "test_control_bounded.py", "test_ingest.py", "test_engine.py", "test_repair.py",
-              "test_chaos.py", "test_faults.py", "test_control.py", "test_fuse.py", "test_csi.py")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # A file's serial tests run one after another at its end: the other workers wait for a run of them
     # once (_alone_if_serial), not once for each.
     first: dict[Path, int] = {}
     for i, item in enumerate(items):
         first.setdefault(item.path, i)
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), first[item.path], _serial(item)))
+    items.sort(key=lambda item: (first[item.path], _serial(item)))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
