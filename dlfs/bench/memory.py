@@ -368,12 +368,14 @@ class Section:
                                "group_peak_unreclaimable": None}
         oom0 = self.group.oom_kills()
         try:
+            if isinstance(s, DlfsMount):
+                self._node_up()
             fresh(s)
             if isinstance(s, DlfsMount) and self.bound is None:
                 self.bound = mount_bound(self.node, s, self.limit)
         except (DlfsError, OSError, subprocess.SubprocessError) as exc:
             row["oom_kills"] = self.group.oom_kills() - oom0
-            row["status"] = f"could not mount: {exc}"
+            row["status"] = f"could not mount: {exc}{_oom_phrase(row['oom_kills'])}"
             return row
         pid = s.pid
         job, result = self.work / f"job-{key}.json", self.work / f"result-{key}.json"
@@ -405,7 +407,8 @@ class Section:
                 row[k if k != "bad_files" else "bad_examples"] = got[k]
             row["bad_files"] = got["bad"]
             row["bytes_ok"] = got["bad"] == 0 if got["files"] else None  # None: nothing was read to check
-        row["status"] = self._status(row, rc, got, timeout)
+        node_exit = self.node.proc.poll() if isinstance(s, DlfsMount) and self.node.proc is not None else None
+        row["status"] = self._status(row, rc, got, timeout, node_exit)
         row["completed"] = (rc == 0 and got is not None and not got["died"] and not got["errors"]
                             and got["files"] == len(self.relpaths)
                             and (row["mount"] is None or row["mount"]["alive"]))
@@ -414,8 +417,26 @@ class Section:
             row["mb_per_s"] = row["bytes"] / 1e6 / row["seconds"]
         return row
 
-    def _status(self, row: dict[str, Any], rc: int | None, got: dict[str, Any] | None, timeout: float) -> str:
-        oom = f" ({row['oom_kills']} OOM kill{'s' if row['oom_kills'] != 1 else ''} in the group)" if row["oom_kills"] else ""
+    def _node_up(self) -> None:
+        """Start the dlfs node again where an earlier epoch ended it (an OOM kill in the group), saying so:
+        each epoch is measured on a node that runs."""
+        proc = self.node.proc
+        if proc is not None and proc.poll() is not None:
+            self.say(f"memory: the dlfs node had exited ({proc.returncode}); starting it again in the group")
+            self.node.start()
+
+    def _status(self, row: dict[str, Any], rc: int | None, got: dict[str, Any] | None, timeout: float,
+                node_exit: int | None = None) -> str:
+        """What became of an epoch, in a few words; with node_exit, that the dlfs node is gone as well."""
+        if node_exit is None:
+            return self._epoch_status(row, rc, got, timeout)
+        oom = _oom_phrase(row["oom_kills"])
+        own = self._epoch_status(row, rc, got, timeout).removesuffix(oom)
+        lead = "completed, but" if own in ("ok", "completed, but") else f"{own};"
+        return f"{lead} the dlfs node died (exit {node_exit}){oom}"
+
+    def _epoch_status(self, row: dict[str, Any], rc: int | None, got: dict[str, Any] | None, timeout: float) -> str:
+        oom = _oom_phrase(row["oom_kills"])
         mount = row["mount"]
         if mount is not None and not mount["alive"]:
             return f"the mount died{oom}"
@@ -436,6 +457,10 @@ class Section:
         if got["bad"]:
             return f"wrong bytes in {got['bad']} files, e.g. {got['bad_files'][0]}"
         return "ok"
+
+
+def _oom_phrase(kills: int) -> str:
+    return f" ({kills} OOM kill{'s' if kills != 1 else ''} in the group)" if kills else ""
 
 
 def choose_dataset(work: Path, limit: int, mean_size: int, src: Path | None, total: int | None,
