@@ -17,10 +17,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
+import trio.testing
 import xxhash
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster, NodeSpec, ensure_home_key
+from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import AuthError, Conflict, CorruptData, DlfsError, NotFound, ProtocolError, Unreachable
 from dlfs.format.chunk import ChunkWriter, Record, decode_record
@@ -651,6 +653,39 @@ async def test_an_abort_still_sweeping_is_not_finished_again_by_the_retry_loop(
     said = [r.getMessage() for r in caplog.records]
     assert [line for line in said if "given up" in line or "abort is finished" in line] == [
         f"ingest session {sid} given up: 1 of its 1 chunks freed"]
+
+
+@pytest.mark.timeout(20)
+async def test_a_chunk_being_stored_is_answered_for_once_its_store_ends(tmp_path: Path) -> None:
+    """An aborted ingest's collection asks HAS_CHUNKS, then deletes what is held: a store of one of its
+    chunks still in flight is waited for, so the chunk is deleted rather than landing after it."""
+    cid, blob, _, _ = make_chunk(70)
+    store = ChunkStore(tmp_path / "data")
+    entered, release = threading.Event(), threading.Event()
+    put = store.put
+
+    def held_put(c: bytes, d: bytes | bytearray | memoryview) -> bool:
+        entered.set()
+        release.wait(10)
+        return put(c, d)
+
+    store.put = held_put  # type: ignore[method-assign]
+    svc = DataService(store, b"k" * 32, "n")
+    answers: dict[str, dict] = {}
+
+    async def has() -> None:
+        answers["has"] = await call_handler(svc, Msg.HAS_CHUNKS, {"ids": [cid]})
+
+    async with trio.open_nursery() as n:
+        n.start_soon(call_handler, svc, Msg.PUT_CHUNK, {"id": cid}, blob)
+        await trio.to_thread.run_sync(entered.wait, 10)
+        n.start_soon(has)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == {}  # not "missing" while the store runs
+        release.set()
+    assert answers["has"]["missing"] == []
+    assert (await call_handler(svc, Msg.DELETE_CHUNKS, {"ids": [cid]}))["deleted"] == 1
+    assert (await call_handler(svc, Msg.HAS_CHUNKS, {"ids": [cid]}))["missing"] == [cid]
 
 
 class Sleep(msgspec.Struct):

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dlfs.data.rdmaserve import RdmaResponder
 
 log = logging.getLogger(__name__)
-PUT_WAIT = 120.0  # seconds a delete waits for a store of the same chunk in flight (a put's own timeout)
+PUT_WAIT = 120.0  # seconds a delete or HAS_CHUNKS waits for a store of the chunk in flight (a put's own timeout)
 STAGE_TTL = 600.0  # seconds a staged file waits for its PUT_STAGED before it is removed (its client died)
 FULL_LOG_EVERY = 60.0  # seconds between two "store is full" lines: an ingest meets a full node once per chunk
 
@@ -158,14 +158,21 @@ class DataService(Service):
 
     async def has_chunks(self, req: ChunkIds, data: bytearray) -> Reply:
         ids = req.ids
+        # A chunk being stored is neither held nor missing yet: the answer waits for its store to end.
+        # (An aborted ingest's collection asks this first, and must see a store that was in flight.)
+        await self._puts_ended(ids)
         missing = await trio.to_thread.run_sync(lambda: [c for c in ids if not self.store.has(c)])
         return Missing(missing), b""
 
-    async def delete_chunks(self, req: ChunkIds, data: bytearray) -> Reply:
-        ids = req.ids
+    async def _puts_ended(self, ids: list[bytes]) -> None:
+        """Until no store of any of `ids` runs here (bounded: a put's own timeout)."""
         with trio.move_on_after(PUT_WAIT):
             while not self._putting.keys().isdisjoint(ids):
                 await self._put_ended.wait()
+
+    async def delete_chunks(self, req: ChunkIds, data: bytearray) -> Reply:
+        ids = req.ids
+        await self._puts_ended(ids)
         if self.rdma is not None:
             for cid in ids:  # readers must not get a mapping of a deleted file
                 self.rdma.registry.invalidate(cid)
