@@ -126,8 +126,10 @@ async def _listen(nursery: trio.Nursery, service: Service, address: Address, fal
     try:
         return (await nursery.start(serve, service, address))[0]
     except OSError as exc:
-        if fallback is None:
-            raise
+        if fallback is None:  # a port of the cluster file's (or --meta-port/--data-port): the user's to change
+            daemon = "metadata" if service.name == "meta" else service.name
+            raise UsageError(f"the {daemon} daemon cannot listen on {address}: {exc.strerror or exc} (another process "
+                             "holds that port: stop it, or give this node another port)") from None
         log.info("%s daemon: %s is taken (%s); listening on %s", service.name, address, exc.strerror, fallback)
         return (await nursery.start(serve, service, fallback))[0]
 

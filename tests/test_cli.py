@@ -8,6 +8,7 @@ import os
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -267,6 +268,23 @@ def test_a_mount_made_from_a_threaded_process_serves_the_command_as_given(node: 
         assert sorted(os.listdir(mnt)) == ["sub", "top.bin"]
     finally:
         node.run("umount", mnt)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_that_another_process_holds_is_one_line_naming_it(tmp_path: Path) -> None:
+    run_dlfs(tmp_path, "keygen", tmp_path / "cluster.key")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        (tmp_path / "cluster.toml").write_text(
+            'replicas = 1\nkey_file = "cluster.key"\n[[node]]\nname = "n1"\naddress = "127.0.0.1"\n'
+            f"meta_port = {port + 1 if port < 65535 else port - 1}\ndata_port = {port}\n")
+        proc = run_dlfs(tmp_path / "home", "node", "--cluster", tmp_path / "cluster.toml", "--name", "n1", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dlfs: error: the data daemon cannot listen on 127.0.0.1:{port}: Address already in use (another process "
+        "holds that port: stop it, or give this node another port)")
 
 
 @pytest.mark.timeout(60)
