@@ -38,20 +38,27 @@ HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not N
 needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse and fusermount3")
 
 # `make test` runs the suite on several pytest-xdist workers; a test marked `serial` changes or measures
-# what the whole machine shares (drop_caches, a kernel parameter, a memory cgroup), so it runs alone.
-SERIAL = "serial: runs with no other test in progress (it drops the page cache, sets a kernel parameter, "\
-         "or makes a memory cgroup of a fixed name)"
+# what the whole machine shares (a kernel parameter, a memory cgroup, memory or timing measured while it
+# runs), so it runs alone. A test that only drops the page cache is marked `drops_caches` instead: it runs
+# beside any other test except another such one and those marked `page_cache`, whose assertions need what
+# the kernel cached in one step to be there in the next (found by reading every test for it).
+SERIAL = "serial: runs with no other test in progress (it sets a kernel parameter, makes a memory cgroup of "\
+         "a fixed name, or measures memory or timing that other tests would change; it may drop the page cache)"
+DROPS_CACHES = "drops_caches: drops the page cache; runs with no other drops_caches or page_cache test in progress"
+PAGE_CACHE = "page_cache: needs what the kernel caches in one step to be there in the next (no drop_caches meanwhile)"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", SERIAL)
+    for line in (SERIAL, DROPS_CACHES, PAGE_CACHE):
+        config.addinivalue_line("markers", line)
 
 
 class _Locks:
-    """This worker's two lock files of the run (opened once), and whether it holds `all` exclusively."""
+    """This worker's lock files of the run (opened once), and whether it holds `all` exclusively."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.gate, self.every = (open(run_dir / f"dlfs-{name}.lock", "a") for name in ("gate", "all"))
+        self.gate, self.every, self.caches = (open(run_dir / f"dlfs-{name}.lock", "a")
+                                              for name in ("gate", "all", "caches"))
         self.alone = False
 
 
@@ -67,7 +74,9 @@ def _alone_if_serial(item: pytest.Item, nextitem: pytest.Item | None) -> Iterato
     """Across the workers of one run: a `serial` test holds `all` exclusively, every other test holds it
     shared. `gate` gives the serial one priority: while it waits for `all`, no new test starts. A run of
     serial tests on one worker keeps both from the first to the last, rather than letting the other
-    workers start a test between two of them that the next would then wait for."""
+    workers start a test between two of them that the next would then wait for. Besides, a `drops_caches`
+    test holds `caches` exclusively and a `page_cache` one holds it shared (taken after `gate` is let go:
+    a long drops_caches test holds up only those two kinds)."""
     basetemp = item.config.option.basetemp
     if not os.environ.get("PYTEST_XDIST_WORKER") or not basetemp:
         yield
@@ -90,9 +99,15 @@ def _alone_if_serial(item: pytest.Item, nextitem: pytest.Item | None) -> Iterato
     fcntl.flock(locks.gate, fcntl.LOCK_EX)
     fcntl.flock(locks.every, fcntl.LOCK_SH)
     fcntl.flock(locks.gate, fcntl.LOCK_UN)
+    caches = (fcntl.LOCK_EX if item.get_closest_marker("drops_caches") else
+              fcntl.LOCK_SH if item.get_closest_marker("page_cache") else None)
     try:
+        if caches is not None:
+            fcntl.flock(locks.caches, caches)
         yield
     finally:
+        if caches is not None:
+            fcntl.flock(locks.caches, fcntl.LOCK_UN)
         fcntl.flock(locks.every, fcntl.LOCK_UN)
 
 

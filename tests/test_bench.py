@@ -159,7 +159,7 @@ def test_bigfile_targets_are_issue_12s_and_21s() -> None:
     assert [t["met"] for t in bigfile_targets(big(2.0, 2000.0, 900.0, None))] == [True, True, None, True]
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @needs_bench
 @pytest.mark.timeout(180)
 def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_path: Path) -> None:
@@ -483,7 +483,7 @@ def _cgroup_reason() -> str | None:
     return None
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @pytest.mark.timeout(150)
 def test_memory_section_runs_in_a_small_cgroup_and_leaves_nothing_behind(tmp_path: Path) -> None:
     reason = _cgroup_reason()
@@ -548,7 +548,7 @@ def test_memory_section_runs_in_a_small_cgroup_and_leaves_nothing_behind(tmp_pat
     assert group is not None and not group.exists()  # the cgroup is removed
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @needs_bench
 @pytest.mark.timeout(120)
 def test_ingest_section_times_each_system_from_an_empty_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

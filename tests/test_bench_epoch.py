@@ -227,6 +227,7 @@ def test_cpu_seconds_counts_threads_reaped_children_and_live_descendants() -> No
         proc.wait(timeout=10)
 
 
+@pytest.mark.page_cache  # the interpreter's own files stay cached: its reads are the file's
 @pytest.mark.timeout(30)
 def test_io_read_bytes_counts_storage_reads_of_a_process_and_its_children(tmp_path: Path) -> None:
     if _on_tmpfs(tmp_path):
@@ -268,7 +269,7 @@ def test_cpu_cost_spreads_cpu_over_files_and_bytes() -> None:
     assert cpu_cost(0.0, 0, 0) == {"cpu_us_per_file": None, "cpu_s_per_gb": None}
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @pytest.mark.timeout(60)
 def test_timed_epoch_on_local_disk_records_how_it_read(tmp_path: Path) -> None:
     info = _sample(tmp_path / "src")
@@ -313,7 +314,7 @@ def test_pick_preads_are_aligned_whole_and_deterministic() -> None:
         pick_preads([10, 4095], 1)
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @needs_root
 @pytest.mark.timeout(60)
 def test_pread_pass_on_local_disk_reads_checks_and_counts_storage(tmp_path: Path) -> None:
@@ -361,7 +362,7 @@ def test_block_device_is_the_disk_under_a_directory_or_said_missing(tmp_path: Pa
                                            f"0:{os.minor(os.stat('/proc').st_dev)}, not a block device)")
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @needs_root
 @pytest.mark.timeout(60)
 def test_sequential_pass_on_local_disk_reads_every_file_whole_both_ways(tmp_path: Path) -> None:

@@ -330,6 +330,7 @@ def _uncache(path: Path) -> None:
     pytest.skip(f"the page cache keeps {path} whatever it is told")
 
 
+@pytest.mark.page_cache  # a chunk file read into the page cache is then copied from it, not read O_DIRECT
 @pytest.mark.timeout(60)
 async def test_local_windows_come_from_the_disk_straight_into_slabs(tmp_path: Path) -> None:
     # A big window of a local chunk that the page cache does not hold is read O_DIRECT into its slab:
@@ -518,6 +519,7 @@ async def test_chunk_files_opened_ahead_serve_reads_with_no_open_of_their_own(tm
         n.cancel_scope.cancel()
 
 
+@pytest.mark.page_cache  # a negative dentry made here must still be there for RESOLVE_CACHED
 def test_an_open_whose_path_is_in_memory_needs_no_thread(tmp_path: Path) -> None:
     from dlfs.mount.localchunks import _open_both
 

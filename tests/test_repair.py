@@ -295,7 +295,7 @@ def served(node: Node, of: Node, cid: str) -> bytes:
     return trio.run(ask)
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @needs_fuse
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("engine", ["native", "python"])
@@ -341,7 +341,7 @@ def test_a_repaired_replica_is_read_from_its_new_file(cluster: tuple[list[Node],
         n1.umount(mnt)
 
 
-@pytest.mark.serial
+@pytest.mark.drops_caches
 @pytest.mark.timeout(30)
 def test_a_mount_reads_the_chunk_file_its_path_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LocalChunks keeps descriptors, and trusts them (or that a chunk is absent) for RECHECK seconds at

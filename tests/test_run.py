@@ -218,6 +218,7 @@ def engine_after(node: Node, mnt: Path) -> dict[str, int]:
     return mount_stats(node.home, mnt, lambda s: s["time"] > now)["engine"]
 
 
+@pytest.mark.page_cache  # warm epochs: the kernel keeps dentries, inodes and pages between them
 @needs_fuse
 @pytest.mark.skipif(native is None, reason="dlfs's C helper is not built")
 @pytest.mark.timeout(120)
