@@ -214,7 +214,8 @@ def test_a_mount_killed_under_load_is_cleared_by_umount(node: Node, tmp_path: Pa
     assert read_and_drop(again / "big.bin") == tree["big.bin"]
 
 
-@pytest.mark.serial
+# Not serial: every mount in the default `--io-uring auto` switches the fuse module's enable_uring on as
+# root (want_io_uring), as this one does, so other tests' mounts meet the same setting either way.
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not URING_PARAM.exists(), reason="this kernel has no FUSE over io_uring (Linux 6.14+)")
 def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tree: dict[str, bytes]) -> None:

@@ -25,7 +25,7 @@ from dlfs.mount.cache import MIN_AUTO_CACHE, auto_cache_size
 from dlfs.mount.localchunks import cached_pages
 from dlfs.units import human_bytes
 
-pytestmark = pytest.mark.serial  # memory cgroups, drop_caches, and memory measured while it runs
+pytestmark = pytest.mark.drops_caches  # drop_caches; memory measured in cgroups of its own (dlfs-test-*), which no other test makes
 
 LIMIT = 256 << 20
 FILE_SIZE = 256 << 10
