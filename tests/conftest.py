@@ -38,12 +38,12 @@ HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not N
 needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse and fusermount3")
 
 # `make test` runs the suite on several pytest-xdist workers; a test marked `serial` changes or measures
-# what the whole machine shares (a kernel parameter, a memory cgroup, memory or timing measured while it
-# runs), so it runs alone. A test that only drops the page cache is marked `drops_caches` instead: it runs
-# beside any other test except another such one and those marked `page_cache`, whose assertions need what
-# the kernel cached in one step to be there in the next (found by reading every test for it).
-SERIAL = "serial: runs with no other test in progress (it sets a kernel parameter, makes a memory cgroup of "\
-         "a fixed name, or measures memory or timing that other tests would change; it may drop the page cache)"
+# what the whole machine shares (a kernel parameter, timing that other tests' load would change), so it
+# runs alone. A test that drops the page cache is marked `drops_caches` instead: it runs beside any other
+# test except another such one and those marked `page_cache`, whose assertions need what the kernel
+# cached in one step to be there in the next (found by reading every test for it).
+SERIAL = "serial: runs with no other test in progress (it sets a kernel parameter, or measures timing or "\
+         "counts that other tests' load would change; it may drop the page cache)"
 DROPS_CACHES = "drops_caches: drops the page cache; runs with no other drops_caches or page_cache test in progress"
 PAGE_CACHE = "page_cache: needs what the kernel caches in one step to be there in the next (no drop_caches meanwhile)"
 
