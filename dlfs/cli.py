@@ -7,6 +7,7 @@ import datetime
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -831,14 +832,13 @@ def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path) ->
 
 def _reap(pid: int, timeout: float = MOUNT_EXIT_WAIT) -> int:
     """The exit status of a child that said it is ending (negative: the signal that ended it); bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
+    fd = os.pidfd_open(pid)  # readable once the child has exited
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
             raise MountError(f"mount process {pid} said it failed but had not exited {timeout:.0f} s later")
-        time.sleep(0.01)
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:

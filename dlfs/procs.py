@@ -1,6 +1,6 @@
 """Process matters: whether a daemon or mount recorded in a pid file is still alive; one process at a time
-on a state directory (a held lock file); how many descriptors it may open; how its memory goes back; what `ps` calls it; which processes use
-files under a path (as `fuser -m` finds them)."""
+on a state directory (a held lock file); how many descriptors it may open; how its memory goes back;
+what `ps` calls it; which processes use files under a path (as `fuser -m` finds them)."""
 
 from __future__ import annotations
 

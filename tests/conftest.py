@@ -242,24 +242,28 @@ def wait_for_node(home: Path, proc: subprocess.Popen[bytes], log: Path, cluster:
     node) and `dlfs status` succeeds; bounded."""
     deadline = time.monotonic() + timeout
     sock = _ready.pop(proc, None)
-    if sock is not None:
-        with sock:
-            while (left := deadline - time.monotonic()) > 0:
-                if proc.poll() is not None:
-                    raise AssertionError(f"dlfs node exited {proc.returncode} while starting:\n{log.read_text()}")
-                if select.select([sock], [], [], min(left, 0.1))[0] and b"READY=1" in sock.recv(4096).split(b"\n"):
-                    return
-        raise AssertionError(f"dlfs node did not come up within {timeout} s:\n{log.read_text()}")
     runtime = home / "run" / "node.json"
     status = ["status"] if cluster is None else ["--cluster", str(cluster), "status"]
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"dlfs node exited {proc.returncode} while starting:\n{log.read_text()}")
+
+    def up() -> bool:
+        if sock is not None:
+            return bool(select.select([sock], [], [], 0.1)[0]) and b"READY=1" in sock.recv(4096).split(b"\n")
         if (cluster is not None or runtime.exists()) and run_dlfs(home, *status, check=False,
                                                                    timeout=10).returncode == 0:
-            return
+            return True
         time.sleep(0.05)
-    raise AssertionError(f"dlfs node did not come up within {timeout} s:\n{log.read_text()}")
+        return False
+
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"dlfs node exited {proc.returncode} while starting:\n{log.read_text()}")
+            if up():
+                return
+        raise AssertionError(f"dlfs node did not come up within {timeout} s:\n{log.read_text()}")
+    finally:
+        if sock is not None:
+            sock.close()
 
 
 def start_node_process(home: Path, *node_args: str) -> tuple[subprocess.Popen[bytes], Path]:
