@@ -461,7 +461,7 @@ def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:
 
     from dlfs.mount.localchunks import DiskQueue, ticket
 
-    disk = DiskQueue(threads=1)
+    disk = DiskQueue()  # these reads are all small: one lane, one thread
     taken, gate, served = threading.Event(), threading.Event(), []
     first, second, third = ticket(), ticket(), ticket()
 
@@ -485,6 +485,39 @@ def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:
     finally:
         disk.close()
     assert served == ["urgent", "first", "second", "third"]
+
+
+def test_disk_queue_reads_one_window_at_a_time_and_small_reads_beside_them() -> None:
+    """Two windows at once would share the disk's bandwidth (the one a reader waits for lands later):
+    they take turns in their lane; a small read has a lane of its own, so it waits for no window."""
+    import threading
+    from functools import partial
+
+    from dlfs.mount.localchunks import WINDOW_LANE_MIN, DiskQueue
+
+    disk = DiskQueue()
+    taken, gate, served = threading.Event(), threading.Event(), []
+
+    def window(name: str) -> None:
+        served.append(name)
+        if name == "window 1":
+            taken.set()
+            gate.wait(10)  # the disk still reading it
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(partial(disk.run, window, "window 1", nbytes=4 << 20))
+            await trio.to_thread.run_sync(taken.wait, 10)
+            n.start_soon(partial(disk.run, window, "window 2", nbytes=WINDOW_LANE_MIN))
+            await disk.run(served.append, "small", nbytes=WINDOW_LANE_MIN - 1)  # done while window 1 is read
+            assert served == ["window 1", "small"]  # window 2 waits its turn
+            gate.set()
+
+    try:
+        trio.run(main)
+    finally:
+        disk.close()
+    assert served == ["window 1", "small", "window 2"]
 
 
 @pytest.mark.timeout(60)

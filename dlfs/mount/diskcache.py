@@ -278,7 +278,8 @@ class DiskCache:
             return None
         self._read_from[cid] = path.name
         try:
-            pieces = await self.disk.run(_read_ranges, path, ranges, into, urgent=urgent, order=order)
+            pieces = await self.disk.run(_read_ranges, path, ranges, into, nbytes=sum(n for _, n in ranges),
+                                         urgent=urgent, order=order)
         except OSError as exc:
             self.errors += 1
             log.warning("disk cache %s: chunk %s: %s; reading it from the replicas", self.root, cid.hex(), exc)
