@@ -220,6 +220,8 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
             for name in ("local", "squashfuse_ll", "dlfs"):
                 r = cold["big"][readers][name]
                 assert r["files"] == 4 and r["mb_per_s"] > 0, (readers, name)
+                # Reading 4 big files costs each system's readers CPU of their own (copies, page cache).
+                assert r["reader_cpu_s"] > 0 and r["reader_cpu_s_per_gb"] == r["reader_cpu_s"] / (r["bytes"] / 1e9)
         for name in ("local", "squashfuse_ll", "dlfs"):
             two = cold["small"][name]
             assert two["first"]["files"] == two["second"]["files"] == 300, name
@@ -241,7 +243,9 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         # The printed report is the JSON's, every figure of it.
         assert proc.stdout.rstrip("\n") == format_report(out)
         for title in ("TARGETS (issues 4, 5, 12, 13, 21, 22)", "EPOCH", "CPU µs/file", "BIG FILES", "DIRECT",
-                      "warm, raw, 1 reader", "warm, run, 1 reader"):
+                      "warm, raw, 1 reader", "warm, run, 1 reader", "reader s/GB",
+                      "the readers' own CPU per GB (the kernel's page cache work and copies), dlfs / local disk: "
+                      "big files, 1 reader(s) "):
             assert title in proc.stdout, title
     finally:
         # Whatever happened: nothing of the run may stay mounted, looped or running.

@@ -269,6 +269,29 @@ def test_cpu_cost_spreads_cpu_over_files_and_bytes() -> None:
     assert cpu_cost(0.0, 0, 0) == {"cpu_us_per_file": None, "cpu_s_per_gb": None}
 
 
+def test_readers_report_the_cpu_their_reads_cost_them(tmp_path: Path) -> None:
+    (tmp_path / "big").write_bytes(os.urandom(1 << 20) * 24)  # 24 MiB: copies no clock tick misses
+    (tmp_path / "small").write_bytes(b"x")
+    for read in READS:
+        big = read_epoch(str(tmp_path), ["big"], readers=1, read=read)
+        assert big.files == 1 and big.reader_cpu_s > 0, read
+    # Two readers, a file each: the one that copied 24 MiB reports CPU, and the sum carries it.
+    r = read_epoch(str(tmp_path), ["big", "small"], readers=2, seed=3)
+    assert r.files == 2 and r.reader_cpu_s > 0
+
+
+def test_reader_cpu_ratios_compare_dlfs_with_local_disk_per_workload() -> None:
+    from dlfs.bench.cold import reader_cpu_ratios
+
+    def row(per_gb: float | None) -> dict:
+        return {"reader_cpu_s_per_gb": per_gb}
+
+    c = {"big": {"1": {"local": row(0.6), "dlfs": row(0.75)}, "2": {"local": row(0.5), "dlfs": row(None)}},
+         "small": {"local": {"first": row(2.0)}, "dlfs": {"first": row(3.0)}}}
+    assert reader_cpu_ratios(c) == {"big files, 1 reader(s)": pytest.approx(1.25),
+                                    "small files, first epoch": pytest.approx(1.5)}  # none without a figure
+
+
 @pytest.mark.drops_caches
 @pytest.mark.timeout(60)
 def test_timed_epoch_on_local_disk_records_how_it_read(tmp_path: Path) -> None:
@@ -279,6 +302,7 @@ def test_timed_epoch_on_local_disk_records_how_it_read(tmp_path: Path) -> None:
         assert (r["read"], r["files"], r["bytes"]) == (read, N, info.total_bytes)
         assert r["files_per_s"] > 0 and r["mb_per_s"] > 0
         assert r["cpu_s"] is None and r["cpu_us_per_file"] is None  # the kernel serves: nothing to charge
+        assert r["reader_cpu_s_per_gb"] == r["reader_cpu_s"] / (info.total_bytes / 1e9)
 
 
 # --- big files ---------------------------------------------------------------------------------------

@@ -170,13 +170,15 @@ def format_cold(c: dict[str, Any]) -> list[str]:
     lines = ["", f"cold path ({d['big_files']} big files of 16 MiB and 40 MB, {d['small_files']} files of ~110 KB, "
                  f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped)",
              f"  {'workload':<44}{'system':<15}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
-             f"{'to Python':>10}"]
+             f"{'to Python':>10}{'reader s/GB':>12}"]
 
     def row(what: str, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> str:
         cpu = r.get("cpu_us_per_file")
         py = r.get("python", {}).get("python_reads")
+        own = r.get("reader_cpu_s_per_gb")
         return (f"  {what:<44}{name:<15}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
-                f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}")
+                f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
+                f"{'-' if own is None else f'{own:.2f}':>12}")
 
     for readers, by in c["big"].items():
         for name, r in by.items():
@@ -187,4 +189,21 @@ def format_cold(c: dict[str, Any]) -> list[str]:
                              "files_per_s"))
     lines.append(f"  second cold epoch / first on one mount: dlfs {c['small']['dlfs']['second_over_first']:.2f}x, "
                  f"local disk {c['small']['local']['second_over_first']:.2f}x")
+    own = reader_cpu_ratios(c)
+    if own:
+        lines.append("  the readers' own CPU per GB (the kernel's page cache work and copies), dlfs / local disk: "
+                     + ", ".join(f"{what} {x:.2f}x" for what, x in own.items()))
     return lines
+
+
+def reader_cpu_ratios(c: dict[str, Any]) -> dict[str, float]:
+    """The readers' own CPU per GB through dlfs over theirs on local disk, per workload: what a FUSE file
+    costs the process reading it, which no server can change (measured on Linux 6.18: the page cache of a
+    FUSE file is all 4 KiB pages, a local ext4 file's mostly large folios)."""
+    out: dict[str, float] = {}
+    pairs = [(f"big files, {n} reader(s)", by["dlfs"], by["local"]) for n, by in c["big"].items()]
+    pairs.append(("small files, first epoch", c["small"]["dlfs"]["first"], c["small"]["local"]["first"]))
+    for what, mine, theirs in pairs:
+        if mine.get("reader_cpu_s_per_gb") and theirs.get("reader_cpu_s_per_gb"):
+            out[what] = mine["reader_cpu_s_per_gb"] / theirs["reader_cpu_s_per_gb"]
+    return out

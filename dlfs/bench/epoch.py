@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import resource
 import stat
 import subprocess
 import sys
@@ -50,6 +51,9 @@ class EpochResult:
     seconds: float
     errors: list[str] = field(default_factory=list)
     n_errors: int = 0
+    # The readers' own CPU (user + system) over their timed reads: the kernel's side of a read (page
+    # cache lookups, copies, faults) is charged to the reader, however the file system serves it.
+    reader_cpu_s: float = 0.0
 
     @property
     def files_per_s(self) -> float:
@@ -128,6 +132,7 @@ def _worker(
         barrier.wait(_START_TIMEOUT_S)
     except Exception:  # broken barrier: parent already gave up
         return
+    cpu0 = _own_cpu()
     try:
         for rel in share:
             try:
@@ -141,7 +146,7 @@ def _worker(
                 seen.append((rel, size, dig))
     except BaseException as e:  # report instead of leaving the parent waiting
         err("<worker>", repr(e))
-    results.put(("timed", wid, files, nbytes))
+    results.put(("timed", wid, files, nbytes, _own_cpu() - cpu0))
 
     if verify_root is not None:
         for rel, size, dig in seen:
@@ -155,6 +160,11 @@ def _worker(
             elif src_dig != dig:
                 err(rel, "content differs from source")
     results.put(("verified", wid, errors, n_errors))
+
+
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _collect(results: Any, procs: list[Any], kind: str, inbox: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -228,6 +238,7 @@ def read_epoch(
         seconds=seconds,
         errors=errors,
         n_errors=n_errors,
+        reader_cpu_s=sum(m[4] for m in timed),
     )
     log.info("epoch over %s: %d files, %d bytes, %.2fs, %d errors", root, res.files, res.bytes, seconds, n_errors)
     return res
@@ -267,7 +278,9 @@ def timed_epoch(s: System, relpaths: Sequence[str], readers: int, seed: int, rea
                         f"{'; '.join(r.errors[:3])}")
     cpu = cpu_seconds(pid) - cpu0 if pid else None
     return {"read": read, "preload": preload, "files": r.files, "bytes": r.bytes, "seconds": r.seconds,
-            "files_per_s": r.files_per_s, "mb_per_s": r.mb_per_s, "cpu_s": cpu, **cpu_cost(cpu, r.files, r.bytes)}
+            "files_per_s": r.files_per_s, "mb_per_s": r.mb_per_s, "cpu_s": cpu, **cpu_cost(cpu, r.files, r.bytes),
+            "reader_cpu_s": r.reader_cpu_s,
+            "reader_cpu_s_per_gb": r.reader_cpu_s / (r.bytes / 1e9) if r.bytes else None}
 
 
 def verify_system(s: System, src: str, relpaths: Sequence[str]) -> dict[str, Any]:
