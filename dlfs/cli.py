@@ -745,7 +745,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
                         args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit,
                         log_file=Path(args.log_file).absolute() if args.log_file else None,
-                        cache_dir=cache_dir, cache_dir_size=cache_dir_size, retry_timeout=args.retry_timeout)
+                        cache_dir=cache_dir, cache_dir_size=cache_dir_size, retry_timeout=args.retry_timeout,
+                        direct_io=args.direct_io)
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
@@ -1164,6 +1165,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where the "
                          "kernel has it, turning /sys/module/fuse/parameters/enable_uring on as root; on fails in "
                          "one line where it cannot (default auto)")
+    sp.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
+                    help="read files of 1 MiB or more past the kernel's page cache: each read is answered from the "
+                         "mount's cache, the one copy in memory (faster cold reads of big files; a file read again "
+                         "is fetched again). auto: for a dataset of such files bigger than the memory the mount may "
+                         "use, whose every epoch is cold anyway (default auto)")
     sp.add_argument("--nonempty", action="store_true",
                     help="mount onto a directory that has entries (the mount hides them until it ends); without it, "
                          "such a mountpoint is refused")

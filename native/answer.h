@@ -140,6 +140,19 @@ enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3 };
  * it alone anyway). */
 void dlfs_set_scan(int on);
 
+/* Direct mode (`dlfs mount --direct-io`), set before the engine starts: files of `min` bytes or more are
+ * opened FOPEN_DIRECT_IO (the kernel keeps no page of them: every read comes here, answered from the
+ * cache; each byte is in memory once), smaller ones FOPEN_KEEP_CACHE. 0, the default: OPEN is refused
+ * once (no_open), and the kernel keeps the pages of every file. */
+void dlfs_set_direct_io(uint64_t min);
+uint64_t dlfs_direct_io_min(void);
+/* Kernels since 6.6 map a FOPEN_DIRECT_IO file MAP_SHARED only if INIT's reply says so; libfuse 3.14
+ * cannot say it, so its INIT reply (`init_out`, `len` bytes) is amended in direct mode: 1 if it was. */
+#ifndef FUSE_DIRECT_IO_ALLOW_MMAP
+#define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)
+#endif
+int dlfs_amend_init_reply(void *init_out, size_t len);
+
 /* The size of `opcode`'s fixed argument struct, or -1 if it is not one answered here. */
 int dlfs_op_len(uint32_t opcode);
 /* Answer `rq` into `rp` (DLFS_ANSWERED: send rp->iov[0..n), then call dlfs_reply_done), or say it

@@ -63,6 +63,8 @@ static struct {
     struct dlfs_serve serve;
     struct worker *workers;
     int nworkers;
+    uint64_t init_unique; /* INIT's, until its reply (from pyfuse3's thread) is seen */
+    int init_amended;     /* whether that reply said shared mmap of FOPEN_DIRECT_IO files is allowed */
 } E = {.devfd = -1, .wake_fd = -1, .proto_ok = -1, .lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* A READ waiting for its record's window to land (dlfs_engine_park), as the device gave it. */
@@ -185,6 +187,9 @@ static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
     }
     memcpy(buf, f->data, f->len);
     ssize_t n = f->len;
+    const struct fuse_in_header *in = buf;
+    if (in->opcode == FUSE_INIT) /* its reply may need amending (dlfs_amend_init_reply) */
+        __atomic_store_n(&E.init_unique, in->unique, __ATOMIC_RELAXED);
     free(f);
     return n;
 }
@@ -195,6 +200,13 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
     (void)fd;
     (void)userdata;
     __atomic_fetch_add(&E.python_replies, 1, __ATOMIC_RELAXED);
+    uint64_t init = __atomic_load_n(&E.init_unique, __ATOMIC_RELAXED);
+    if (init && count >= 2 && iov[0].iov_len >= sizeof(struct fuse_out_header) &&
+        ((const struct fuse_out_header *)iov[0].iov_base)->unique == init) {
+        __atomic_store_n(&E.init_unique, 0, __ATOMIC_RELAXED);
+        if (((const struct fuse_out_header *)iov[0].iov_base)->error == 0)
+            E.init_amended = dlfs_amend_init_reply(iov[1].iov_base, iov[1].iov_len);
+    }
     if (dlfs_uring_reply(iov, count)) {
         size_t n = 0;
         for (int i = 0; i < count; i++)
@@ -616,6 +628,7 @@ void dlfs_engine_stats(struct dlfs_engine_stats *out)
     out->write_errors = __atomic_load_n(&E.write_errors, __ATOMIC_RELAXED);
     out->python_replies = __atomic_load_n(&E.python_replies, __ATOMIC_RELAXED);
     out->ended = E.ended;
+    out->direct_mmap = E.init_amended;
     out->abandoned = (uint64_t)__atomic_load_n(&E.abandoned, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&E.lock);
 }

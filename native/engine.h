@@ -15,6 +15,7 @@ struct dlfs_engine_stats {
     uint64_t abandoned; /* serving threads a stop left running past DLFS_STOP_SECONDS (stuck in I/O) */
     int uring_state; /* 0 off, 1 registering, 2 serving, -errno: could not */
     int ended;
+    int direct_mmap; /* INIT's reply let FOPEN_DIRECT_IO files be mapped shared (direct mode) */
 };
 
 /* Called by the session hook once pyfuse3's session is mounted: take /dev/fuse over (libfuse then

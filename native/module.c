@@ -286,7 +286,7 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O}",
         "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
         s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
@@ -296,7 +296,16 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
         s.uring_queues, "queued_max", s.queued_max, "write_errors", s.write_errors, "python_replies",
         s.python_replies, "io_uring", state, "ended", s.ended ? Py_True : Py_False, "abandoned", s.abandoned,
-        "answering", dlfs_engine_answering() ? Py_True : Py_False);
+        "answering", dlfs_engine_answering() ? Py_True : Py_False, "direct_mmap", s.direct_mmap ? Py_True : Py_False);
+}
+
+static PyObject *set_direct_io(PyObject *self, PyObject *arg)
+{
+    unsigned long long min = PyLong_AsUnsignedLongLong(arg);
+    if (min == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    dlfs_set_direct_io(min);
+    Py_RETURN_NONE;
 }
 
 static PyObject *wake_parked(PyObject *self, PyObject *unused)
@@ -323,6 +332,8 @@ static PyMethodDef methods[] = {
      "(kind, reply): one FUSE request as the serving threads answer it (kind: answered, forward, no_reply)."},
     {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
     {"set_scan", set_scan, METH_O, "Scan mode on or off: serving threads read whole small local records themselves."},
+    {"set_direct_io", set_direct_io, METH_O,
+     "set_direct_io(min): files of min bytes or more open FOPEN_DIRECT_IO, the rest keep their pages (0: no_open)."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
     {"wake_parked", wake_parked, METH_NOARGS,
      "Answer the READs parked for records that have landed (and pass on the rest that wait no more); how many."},

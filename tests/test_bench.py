@@ -217,7 +217,8 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         cold = out["cold"]  # 2 big files of each size, the 300 small ones
         assert cold["dataset"]["big_files"] == 4 and cold["dataset"]["small_files"] == 300
         for readers in ("1", "2"):
-            for name in ("local", "squashfuse_ll", "dlfs"):
+            assert set(cold["big"][readers]) == {"local", "squashfuse_ll", "dlfs", "dlfs_direct_io"}
+            for name in ("local", "squashfuse_ll", "dlfs", "dlfs_direct_io"):
                 r = cold["big"][readers][name]
                 assert r["files"] == 4 and r["mb_per_s"] > 0, (readers, name)
                 # Reading 4 big files costs each system's readers CPU of their own (copies, page cache).
@@ -236,6 +237,7 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         names = [t["target"] for t in out["targets"]]
         assert 'warm epoch, open(p, "rb"), 2 readers: dlfs / local disk (hot page cache)' in names
         assert "random 4 KiB preads in big files: bytes read by the mount / bytes served" in names
+        assert "big files (16 MiB, 40 MB) read whole, cold, 2 reader(s): dlfs --direct-io / local disk" in names
         assert not any(n.startswith("epoch warm") for n in names)  # issue 4's epoch targets are replaced
         by_name = {t["target"]: t for t in out["targets"]}
         assert by_name["cold epoch, 2 readers: dlfs / squashfuse_ll"]["met"] is None  # --readers 1

@@ -286,9 +286,11 @@ def test_reader_cpu_ratios_compare_dlfs_with_local_disk_per_workload() -> None:
     def row(per_gb: float | None) -> dict:
         return {"reader_cpu_s_per_gb": per_gb}
 
-    c = {"big": {"1": {"local": row(0.6), "dlfs": row(0.75)}, "2": {"local": row(0.5), "dlfs": row(None)}},
+    c = {"big": {"1": {"local": row(0.6), "dlfs": row(0.75), "dlfs_direct_io": row(0.3)},
+                 "2": {"local": row(0.5), "dlfs": row(None)}},
          "small": {"local": {"first": row(2.0)}, "dlfs": {"first": row(3.0)}}}
     assert reader_cpu_ratios(c) == {"big files, 1 reader(s)": pytest.approx(1.25),
+                                    "big files, 1 reader(s) --direct-io": pytest.approx(0.5),
                                     "small files, first epoch": pytest.approx(1.5)}  # none without a figure
 
 

@@ -18,7 +18,7 @@ from conftest import Node, mount_pids, mount_stats, needs_fuse, one_line_error, 
 
 from dlfs import direct
 from dlfs.errors import MountError
-from dlfs.mount.lifecycle import URING_BIG_FILES, want_io_uring
+from dlfs.mount.lifecycle import DIRECT_IO_MIN, URING_BIG_FILES, want_direct_io, want_io_uring
 from dlfs.native import native
 
 pytestmark = [needs_fuse, pytest.mark.skipif(native is None, reason="dlfs's C helper is not built")]
@@ -68,6 +68,16 @@ def test_io_uring_setting(tmp_path: Path) -> None:
     assert want_io_uring("auto", param, mean_file=URING_BIG_FILES - 1) is True
     param.write_text("N\n")
     assert want_io_uring("on", param, mean_file=URING_BIG_FILES) is True and param.read_text() == "Y"
+
+
+def test_direct_io_setting() -> None:
+    # auto: for a dataset of big files bigger than the mount's memory (every epoch cold anyway); on, off: as said.
+    gib = 1 << 30
+    assert want_direct_io("auto", 5 * gib, DIRECT_IO_MIN, 4 * gib) is True
+    assert want_direct_io("auto", 3 * gib, DIRECT_IO_MIN, 4 * gib) is False  # the page cache can hold it
+    assert want_direct_io("auto", 5 * gib, DIRECT_IO_MIN - 1, 4 * gib) is False  # small files: no_open is worth more
+    assert want_direct_io("auto", 0, None, 4 * gib) is False  # an empty dataset
+    assert want_direct_io("on", 1, 1, 4 * gib) is True and want_direct_io("off", 5 * gib, 64 << 20, gib) is False
 
 
 EVICTIONS = 10_000  # windows the tiny cache below evicts while it is read (an idle run of 8 s here: ~38,000)

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Node, mount_stats, needs_fuse, one_line_error, running_cluster, running_node, wait_for
+from conftest import (
+    Node,
+    mount_stats,
+    mount_stats_from_now,
+    needs_fuse,
+    one_line_error,
+    running_cluster,
+    running_node,
+    wait_for,
+)
 from damage import damaged_dataset
 from treegen import BIG, MANY_DIR, MANY_FILES, SPECIALS, TEXT, make_edge_tree
 
@@ -574,3 +583,27 @@ def test_bad_replica_fails_over_to_a_good_one(tmp_path: Path) -> None:
         finally:
             n1.umount(mnt)
         n2.start()
+
+
+def test_direct_io_reads_big_files_past_the_page_cache_and_keeps_small_ones(edge: Edge) -> None:
+    """`--direct-io`: a file of DIRECT_IO_MIN or more is opened FOPEN_DIRECT_IO, so every read of it comes
+    to the mount (the kernel keeps none of its pages), byte-exact, and it still maps shared (INIT's reply
+    said so); a smaller file keeps its pages as on any mount."""
+    from dlfs.mount.lifecycle import DIRECT_IO_MIN
+
+    node = edge.node
+    mnt = node.mount(NAME, edge.base / "mnt-direct-io", "--direct-io", "on")
+    try:
+        big, small = mnt / os.fsdecode(BIG), mnt / os.fsdecode(TEXT)
+        want_big, want_small = (edge.src / os.fsdecode(BIG)).read_bytes(), (edge.src / os.fsdecode(TEXT)).read_bytes()
+        assert len(want_big) >= DIRECT_IO_MIN > len(want_small)
+        assert big.read_bytes() == want_big and small.read_bytes() == want_small
+        before = mount_stats_from_now(node.home, mnt)
+        assert big.read_bytes() == want_big and small.read_bytes() == want_small  # again
+        after = mount_stats_from_now(node.home, mnt)
+        assert after["read_bytes"] - before["read_bytes"] == len(want_big)  # none of the small file's
+        with open(big, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:  # MAP_SHARED
+            assert m[:] == want_big
+        assert after["engine"]["direct_mmap"] is True
+    finally:
+        node.umount(mnt)

@@ -364,9 +364,12 @@ class DlfsNode:
 class DlfsMount(System):
     name, label = "dlfs", "dlfs"
 
-    def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path) -> None:
+    def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False) -> None:
         super().__init__(mountpoint)
         self.node, self.dataset = node, dataset
+        self.direct_io = direct_io  # mounted with --direct-io: then named dlfs_direct_io
+        if direct_io:
+            self.name, self.label = "dlfs_direct_io", "dlfs --direct-io"
         self._pid: int | None = None
         self.mount_seconds = 0.0
 
@@ -431,7 +434,8 @@ class DlfsMount(System):
     def mount(self) -> None:
         """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""
         t0 = time.perf_counter()
-        self.node.cli("mount", *self.node.mount_args(), self.dataset, str(self.root), timeout=300)
+        self.node.cli("mount", *self.node.mount_args(), *(["--direct-io", "on"] if self.direct_io else []), self.dataset,
+                      str(self.root), timeout=300)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True
         self._pid = self.node.mount_pid(self.root)

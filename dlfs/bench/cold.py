@@ -6,6 +6,7 @@ dlfs has them as two datasets, one of the big files and one of the small ones, a
 them (a mount chooses how it serves by its dataset: see want_io_uring):
 
   - big files read whole (open(p, "rb").read()), cold: page cache dropped, a fresh mount; 1 and 2 readers;
+    dlfs mounted as by default and with --direct-io (files of 1 MiB or more past the page cache);
   - two cold epochs of the small files on ONE mount, the page cache dropped between them (what a job
     whose dataset does not fit in memory gets from its second epoch on): files/s of each, the second
     over the first, and the READs each epoch sent to Python (the mount's published misses);
@@ -123,12 +124,13 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
         build_squashfs(src, image)
         base: list[System] = [LocalDisk(src), SquashfuseLL(image, mnt / "squashfuse_ll", work / "cold-squash.log")]
         dlfs = {folder: DlfsMount(node, name, mnt / f"dlfs-{folder}") for folder, name in DATASETS.items()}
-        for s in [*base[1:], *dlfs.values()]:
+        direct = DlfsMount(node, DATASETS["big"], mnt / "dlfs-big-direct-io", direct_io=True)
+        for s in [*base[1:], *dlfs.values(), direct]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
             for readers in (1, 2):
                 out["big"][str(readers)] = {}
-                for s in [*base, dlfs["big"]]:
+                for s in [*base, dlfs["big"], direct]:
                     say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}")
                     fresh_start(s)
                     before = mount_sample(s)
@@ -139,7 +141,7 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
                 say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
                 out["small"][s.name] = two_cold_epochs(s, smalls, 2)
         finally:
-            for s in [*base, *dlfs.values()]:
+            for s in [*base, *dlfs.values(), direct]:
                 s.unmount()
     finally:
         node.stop()
@@ -151,8 +153,10 @@ def cold_targets(c: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 21's targets that this section measures."""
     from dlfs.bench.report import target
 
-    rows = [target(f"big files (16 MiB, 40 MB) read whole, cold, {n} reader(s): dlfs / local disk",
-                   by["dlfs"]["mb_per_s"] / by["local"]["mb_per_s"], 1.0, "x") for n, by in c["big"].items()]
+    rows = [target(f"big files (16 MiB, 40 MB) read whole, cold, {n} reader(s): {label} / local disk",
+                   by[name]["mb_per_s"] / by["local"]["mb_per_s"], 1.0, "x")
+            for n, by in c["big"].items() for name, label in (("dlfs", "dlfs"), ("dlfs_direct_io", "dlfs --direct-io"))
+            if name in by]
     sm = c["small"]
     rows.append(target("second cold epoch on one mount (page cache dropped) / the first, dlfs",
                        sm["dlfs"]["second_over_first"], 0.95, "x"))
@@ -169,14 +173,15 @@ def format_cold(c: dict[str, Any]) -> list[str]:
     d = c["dataset"]
     lines = ["", f"cold path ({d['big_files']} big files of 16 MiB and 40 MB, {d['small_files']} files of ~110 KB, "
                  f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped)",
-             f"  {'workload':<44}{'system':<15}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
+             f"  {'workload':<44}{'system':<17}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
              f"{'to Python':>10}{'reader s/GB':>12}"]
 
     def row(what: str, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> str:
         cpu = r.get("cpu_us_per_file")
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
-        return (f"  {what:<44}{name:<15}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
+        shown = "dlfs --direct-io" if name == "dlfs_direct_io" else name
+        return (f"  {what:<44}{shown:<17}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
                 f"{'-' if own is None else f'{own:.2f}':>12}")
 
@@ -201,7 +206,8 @@ def reader_cpu_ratios(c: dict[str, Any]) -> dict[str, float]:
     costs the process reading it, which no server can change (measured on Linux 6.18: the page cache of a
     FUSE file is all 4 KiB pages, a local ext4 file's mostly large folios)."""
     out: dict[str, float] = {}
-    pairs = [(f"big files, {n} reader(s)", by["dlfs"], by["local"]) for n, by in c["big"].items()]
+    pairs = [(f"big files, {n} reader(s){' --direct-io' if name != 'dlfs' else ''}", by[name], by["local"])
+             for n, by in c["big"].items() for name in ("dlfs", "dlfs_direct_io") if name in by]
     pairs.append(("small files, first epoch", c["small"]["dlfs"]["first"], c["small"]["local"]["first"]))
     for what, mine, theirs in pairs:
         if mine.get("reader_cpu_s_per_gb") and theirs.get("reader_cpu_s_per_gb"):

@@ -102,6 +102,7 @@ class DlfsOperations(pyfuse3.Operations):
         self.errors = 0  # requests that failed (not those refused by design)
         self.read_seconds = LatencyHistogram()
         self.control_path: bytes | None = None  # the control socket dlfs.direct attaches to
+        self.direct_io_min = 0  # --direct-io: files this big are opened past the page cache (0: none)
 
     def attrs(self, ino: int) -> pyfuse3.EntryAttributes:
         a = _new_attrs()
@@ -157,6 +158,9 @@ class DlfsOperations(pyfuse3.Operations):
             raise Refused(errno.EROFS)
         if stat.S_ISDIR(self.attrs(inode).st_mode):
             raise Refused(errno.EISDIR)
+        if self.direct_io_min:  # as native/answer.c's open_: a big file is read past the page cache
+            direct = self.attrs(inode).st_size >= self.direct_io_min
+            return pyfuse3.FileInfo(fh=inode, direct_io=direct, keep_cache=not direct)
         if fuse_hooked():
             # no_open: the kernel stops sending OPEN and RELEASE and keeps every file's pages, and
             # READ still names the file (native/fusehook.c). The mount is ro, so the VFS refuses writes.
