@@ -585,6 +585,7 @@ def test_bad_replica_fails_over_to_a_good_one(tmp_path: Path) -> None:
         n2.start()
 
 
+@pytest.mark.page_cache  # the small file's pages must stay between its two reads
 def test_direct_io_reads_big_files_past_the_page_cache_and_keeps_small_ones(edge: Edge) -> None:
     """`--direct-io`: a file of DIRECT_IO_MIN or more is opened FOPEN_DIRECT_IO, so every read of it comes
     to the mount (the kernel keeps none of its pages), byte-exact, and it still maps shared (INIT's reply
