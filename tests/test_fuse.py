@@ -606,5 +606,15 @@ def test_direct_io_reads_big_files_past_the_page_cache_and_keeps_small_ones(edge
         with open(big, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:  # MAP_SHARED
             assert m[:] == want_big
         assert after["engine"]["direct_mmap"] is True
+        # Reads of any size at any offset (each a READ of its own now), up to and past the end.
+        rng = random.Random(11)
+        fd = os.open(big, os.O_RDONLY)
+        try:
+            for _ in range(200):
+                off = rng.randrange(len(want_big) + 10)
+                n = rng.choice((1, 4095, 4096, 65537, rng.randrange(1, 300_000)))
+                assert os.pread(fd, n, off) == want_big[off : off + n], (off, n)
+        finally:
+            os.close(fd)
     finally:
         node.umount(mnt)
