@@ -16,13 +16,11 @@ import trio
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import ROLES, Cluster, NodeSpec, ensure_home_key, last_ports, runtime_file, write_runtime
-from dlfs.control.plane import ControlPlane, Lease
 from dlfs.data.service import DataService
 from dlfs.data.store import ChunkStore
 from dlfs.errors import DlfsError, UsageError
 from dlfs.logs import set_context
 from dlfs.meta.engine import MetaEngine
-from dlfs.meta.engine_etcd import EtcdEngine
 from dlfs.meta.engine_sqlite import EmbeddedEngine
 from dlfs.meta.service import MetaService
 from dlfs.meta.store import MetaStore
@@ -37,6 +35,7 @@ from dlfs.wire.budget import NODE_MEMORY, MemoryBudget
 from dlfs.wire.rpc import Service, serve
 
 if TYPE_CHECKING:
+    from dlfs.control.plane import ControlPlane, Lease
     from dlfs.data.rdmaserve import RdmaResponder
 
 log = logging.getLogger(__name__)
@@ -191,13 +190,21 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 meta_bound = meta_addr
                 control, lease = None, None
                 if cluster.etcd is not None:
+                    # Only a node of a cluster talks to etcd (httpx and the etcd client: 50 ms of imports).
+                    from dlfs.control.plane import ControlPlane, Lease
+
                     control = ControlPlane(cluster.etcd)
                     lease = Lease(control, f"node {name}", partial(_join, control, name, meta_addr, data_bound, roles))
                     nursery.start_soon(_leave_at_exit, control, lease, name="dlfs-etcd-leave")
                 if "meta" in roles:
                     ledger = ClusterClient(cluster, nursery)
-                    engine: MetaEngine = EmbeddedEngine(meta_store) if control is None else \
-                        EtcdEngine(meta_store, control, lease, name, cluster.meta_nodes, ledger)
+                    engine: MetaEngine
+                    if control is None:
+                        engine = EmbeddedEngine(meta_store)
+                    else:
+                        from dlfs.meta.engine_etcd import EtcdEngine
+
+                        engine = EtcdEngine(meta_store, control, lease, name, cluster.meta_nodes, ledger)
                     meta_service = MetaService(engine, key, name, ledger, memory)
                     services.append(meta_service)
                     meta_bound = await _listen(nursery, meta_service, meta_addr, meta_fallback)

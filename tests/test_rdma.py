@@ -12,6 +12,8 @@ import os
 import random
 import re
 import resource
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -186,6 +188,18 @@ def test_auto_falls_back_to_tcp_here_with_the_reason() -> None:
     assert REPORT.error and REPORT.error in choice.reason
     if not Path("/sys/class/infiniband").exists():
         assert "/sys/class/infiniband does not exist" in choice.reason
+
+
+def test_auto_without_a_verbs_device_does_not_import_pyverbs() -> None:
+    # Every node, mount and ingest picks a transport: where the kernel has no verbs device, auto says so
+    # from /sys alone (pyverbs costs 30 ms to import), with the same reason as the full probe.
+    if Path("/sys/class/infiniband").exists():
+        pytest.skip("this machine has RDMA devices")
+    code = ("import sys; from dlfs.transport.verbs import choose_transport; c = choose_transport('auto', 1, 'x'); "
+            "print(c.name, 'pyverbs' in sys.modules); print(c.reason)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["tcp False", choose_transport("auto", GIB, "x").reason]
+    assert REPORT.pyverbs_path is not None  # the full probe (dlfs doctor's) still imports it
 
 
 def test_rdma_where_impossible_is_a_one_line_usage_error() -> None:
