@@ -148,6 +148,30 @@ def test_trivial_requests(index: Index) -> None:
     assert isinstance(r, fw.Reply) and r.error == 0 and r.body == b""
 
 
+def test_direct_io_opens_big_files_past_the_page_cache(index: Index) -> None:
+    """`--direct-io` (set_direct_io(min)): OPEN is answered, the handle the inode; a file of `min` bytes
+    or more FOPEN_DIRECT_IO, a smaller one FOPEN_KEEP_CACHE; a directory EISDIR, a write EROFS. With 0,
+    the default, OPEN is refused (no_open) and the kernel keeps every page."""
+    direct_io, keep_cache = 1 << 0, 1 << 1  # FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE (linux/fuse.h)
+
+    def open_(ino: int, flags: int = os.O_RDONLY) -> fw.Reply:
+        r = ask(index, fw.request(fw.OPEN, ino, fw.OPEN_IN.pack(flags, 0)))
+        assert isinstance(r, fw.Reply)
+        return r
+
+    native.set_direct_io(300)
+    try:
+        for ino, want in ((2, direct_io), (6, keep_cache)):  # /a: 300 bytes; /LONG: empty
+            r = open_(ino)
+            assert r.error == 0 and fw.OPEN_OUT.unpack(r.body)[:2] == (ino, want), ino
+        assert open_(3).error == errno.EISDIR and open_(2, os.O_WRONLY).error == errno.EROFS
+        native.set_direct_io(301)
+        assert fw.OPEN_OUT.unpack(open_(2).body)[1] == keep_cache
+    finally:
+        native.set_direct_io(0)
+    assert open_(2).error == errno.ENOSYS
+
+
 def test_control_xattr_on_the_root_only(index: Index) -> None:
     x = {"xattr_name": b"user.dlfs.control", "xattr_value": b"/run/dlfs/x.sock"}
     name = fw.GETXATTR_IN.pack(0, 0) + b"user.dlfs.control\0"
