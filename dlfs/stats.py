@@ -21,7 +21,7 @@ from msgspec import Struct
 from dlfs.errors import NotFound, UsageError
 from dlfs.mount.statsfile import STATS_FORMAT, stats_file
 from dlfs.procs import running
-from dlfs.units import human_bytes, iso_time
+from dlfs.units import human_bytes, human_mib, iso_time
 
 NEW_SAMPLE_WAIT = 3.0  # the mount writes every second; a little more for a busy machine
 
@@ -134,7 +134,9 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
         answered, forwarded = eng["answered"] - was.get("answered", 0), eng["forwarded"] - was.get("forwarded", 0)
         t.add_row("answered natively", _pct(answered / (answered + forwarded) if answered + forwarded else None),
                   f"{eng['answered']:,} of {eng['requests']:,} requests, {eng['threads']} threads, "
-                  f"io_uring {eng['io_uring']}")
+                  f"io_uring {eng['io_uring']}"
+                  + (f", files of {human_mib(cur['direct_io_min'])} or more past the page cache (--direct-io)"
+                     if cur.get("direct_io_min") else ""))
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
@@ -210,6 +212,7 @@ class EngineFigures(Struct, frozen=True):
     forwarded: int
     threads: int
     io_uring: str  # off, registering or serving (or why it stopped)
+    direct_io_min: int = 0  # --direct-io: files this big are read past the page cache (0: none)
 
 
 class DirectFigures(Struct, frozen=True):
@@ -274,7 +277,7 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
             cache_capacity=cur["cache_capacity"], fetches=cur["fetches"], fetched_bytes=cur["fetched_bytes"],
             read_errors=cur["read_errors"], failovers=cur["failovers"], checksum_failures=cur["checksum_failures"]),
         engine=EngineFigures(eng["requests"], eng["answered"], eng["forwarded"], eng["threads"],
-                             str(eng["io_uring"])) if eng else None,
+                             str(eng["io_uring"]), int(cur.get("direct_io_min", 0))) if eng else None,
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
         failing_nodes=list(cur["failing_nodes"]),

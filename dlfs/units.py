@@ -27,6 +27,11 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def human_mib(n: int) -> str:
+    """A size set in binary units, as it was set: 1 MiB, 0.5 MiB."""
+    return f"{n / (1 << 20):g} MiB"
+
+
 def human_duration(seconds: float) -> str:
     """A short rendering of a duration: 45 s, 12 min 5 s, 3 h 20 min."""
     s = max(0, round(seconds))

@@ -604,7 +604,10 @@ def test_direct_io_reads_big_files_past_the_page_cache(edge: Edge) -> None:
         assert after["read_bytes"] - before["read_bytes"] == len(want_big)
         with open(big, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:  # MAP_SHARED
             assert m[:] == want_big
-        assert after["engine"]["direct_mmap"] is True
+        assert after["engine"]["direct_mmap"] is True and after["direct_io_min"] == DIRECT_IO_MIN
+        shown = node.run("stats", mnt).stdout
+        assert "files of 1 MiB or more past the page cache (--direct-io)" in shown, shown
+        assert json.loads(node.run("stats", "--json", mnt).stdout)["engine"]["direct_io_min"] == DIRECT_IO_MIN
         # Reads of any size at any offset (each a READ of its own now), up to and past the end.
         rng = random.Random(11)
         fd = os.open(big, os.O_RDONLY)

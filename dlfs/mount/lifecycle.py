@@ -53,7 +53,7 @@ from dlfs.procmounts import is_mount_point, mount_points
 from dlfs.procs import Holder, holders, raise_open_files_limit, running, set_title, start_ticks
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
-from dlfs.units import human_bytes
+from dlfs.units import human_bytes, human_mib
 from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
 
@@ -292,7 +292,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             if opts.direct_io == "auto":
                 log.info("%s: files of %s or more are read past the page cache: the dataset (%s) is bigger than "
                          "the memory this mount may use (%s), so each epoch is cold anyway (--direct-io off to "
-                         "keep them in the page cache)", label, human_bytes(DIRECT_IO_MIN), human_bytes(totals.bytes),
+                         "keep them in the page cache)", label, human_mib(DIRECT_IO_MIN), human_bytes(totals.bytes),
                          human_bytes(opts.memory.effective))
         control = None
         if cache.shared is not None:
@@ -324,7 +324,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                         CONTROL_XATTR, local_dir):
             log.info("%s: %d native threads serve the mount%s%s; misses go to Python", label, opts.threads,
                      ", with FUSE over io_uring" if uring else "",
-                     f", files of {human_bytes(DIRECT_IO_MIN)} or more past the page cache" if direct_io else "")
+                     f", files of {human_mib(DIRECT_IO_MIN)} or more past the page cache" if direct_io else "")
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
         else:
             log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)
@@ -338,7 +338,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             _raise_read_ahead(st.st_dev)
             if direct_io and not _kernel_at_least(6, 6):
                 log.warning("%s: --direct-io on Linux %s: files of %s or more cannot be mapped shared (mmap gives "
-                            "ENODEV) before Linux 6.6", label, platform.release(), human_bytes(DIRECT_IO_MIN))
+                            "ENODEV) before Linux 6.6", label, platform.release(), human_mib(DIRECT_IO_MIN))
             write_record(opts.home, MountRecord(
                 pid=os.getpid(), mountpoint=str(opts.mountpoint), dataset=label, started=time.time(),
                 pid_start=start_ticks(os.getpid()) or 0, cache_size=opts.cache_size,
