@@ -277,7 +277,8 @@ def test_datasets_and_stats_as_json(node: Node, tmp_path: Path) -> None:
     assert [(n["node"], n["bytes"], n["share"]) for n in view["nodes"]] == [("local", t["fetched_bytes"], 1.0)]
     assert view["failing_nodes"] == []
     if view["engine"] is not None:
-        assert set(view["engine"]) == {"requests", "answered", "forwarded", "threads", "io_uring"}
+        assert set(view["engine"]) == {"requests", "answered", "forwarded", "threads", "io_uring", "direct_io_min"}
+        assert view["engine"]["direct_io_min"] == 0  # small files, far less than memory: --direct-io auto is off
         assert view["engine"]["threads"] >= 1
 
     # --watch --json: JSON Lines, one object a view, each with its own interval
