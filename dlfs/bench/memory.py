@@ -427,36 +427,36 @@ class Section:
 
     def _status(self, row: dict[str, Any], rc: int | None, got: dict[str, Any] | None, timeout: float,
                 node_exit: int | None = None) -> str:
-        """What became of an epoch, in a few words; with node_exit, that the dlfs node is gone as well."""
-        if node_exit is None:
-            return self._epoch_status(row, rc, got, timeout)
+        """What became of an epoch, in a few words, the group's OOM kills last; with node_exit, that the dlfs
+        node is gone as well."""
         oom = _oom_phrase(row["oom_kills"])
-        own = self._epoch_status(row, rc, got, timeout).removesuffix(oom)
-        lead = "completed, but" if own in ("ok", "completed, but") else f"{own};"
-        return f"{lead} the dlfs node died (exit {node_exit}){oom}"
+        what = self._failure(row, rc, got, timeout)
+        if what is None and got is not None and got["bad"] and not row["oom_kills"]:
+            what = f"wrong bytes in {got['bad']} files, e.g. {got['bad_files'][0]}"
+        if node_exit is not None:
+            return f"{f'{what};' if what else 'completed, but'} the dlfs node died (exit {node_exit}){oom}"
+        if what is not None:
+            return what + oom
+        return f"completed, but{oom}" if row["oom_kills"] else "ok"
 
-    def _epoch_status(self, row: dict[str, Any], rc: int | None, got: dict[str, Any] | None, timeout: float) -> str:
-        oom = _oom_phrase(row["oom_kills"])
+    def _failure(self, row: dict[str, Any], rc: int | None, got: dict[str, Any] | None, timeout: float) -> str | None:
+        """Why the epoch did not complete (without the group's OOM kills), or None where it did."""
         mount = row["mount"]
         if mount is not None and not mount["alive"]:
-            return f"the mount died{oom}"
+            return "the mount died"
         if rc is None:
-            return f"timed out after {timeout:.0f} s{oom}"
+            return f"timed out after {timeout:.0f} s"
         if rc < 0:
-            return f"the readers' process was killed by signal {-rc}{oom}"
+            return f"the readers' process was killed by signal {-rc}"
         if got is None:
-            return f"the readers' process exited {rc} without a result (see {self.work / 'readers.log'}){oom}"
+            return f"the readers' process exited {rc} without a result (see {self.work / 'readers.log'})"
         if got["died"]:
-            return f"a reader died (exit {', '.join(map(str, got['died']))}){oom}"
+            return f"a reader died (exit {', '.join(map(str, got['died']))})"
         if got["errors"]:
-            return f"{got['errors']} read errors, e.g. {got['error_examples'][0]}{oom}"
+            return f"{got['errors']} read errors, e.g. {got['error_examples'][0]}"
         if got["files"] != len(self.relpaths):
-            return f"read {got['files']} of {len(self.relpaths)} files{oom}"
-        if row["oom_kills"]:
-            return f"completed, but{oom}"
-        if got["bad"]:
-            return f"wrong bytes in {got['bad']} files, e.g. {got['bad_files'][0]}"
-        return "ok"
+            return f"read {got['files']} of {len(self.relpaths)} files"
+        return None
 
 
 def _oom_phrase(kills: int) -> str:

@@ -138,7 +138,6 @@ class IngestSessions:
 
 def os_error(exc: OSError, what: str) -> DlfsError:
     """A failed write of the metadata daemon's files as one line: StorageFull when its disk is full."""
-
     if exc.errno in NO_ROOM:
         return StorageFull(f"{what}: the metadata daemon's disk is full")
     return DlfsError(f"{what}: {exc.strerror}")
