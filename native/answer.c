@@ -20,6 +20,7 @@
 #include <xxhash.h>
 
 #include "answer.h"
+#include "chunkfiles.h"
 
 int dlfs_op_len(uint32_t opcode)
 {
@@ -370,25 +371,6 @@ static void unpin_all(const struct dlfs_serve *sv, struct dlfs_reply *rp)
     rp->npins = 0;
 }
 
-void dlfs_local_fds_init(struct dlfs_local_fds *l)
-{
-    for (int i = 0; i < DLFS_LOCAL_FDS; i++) {
-        l->chunk[i] = -1;
-        l->fd[i] = l->direct[i] = -1;
-        l->ino[i] = l->dev[i] = l->checked[i] = 0;
-    }
-    l->next = 0;
-}
-
-static void local_forget(struct dlfs_local_fds *l, int i);
-
-void dlfs_local_fds_close(struct dlfs_local_fds *l)
-{
-    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
-        local_forget(l, i);
-    dlfs_local_fds_init(l);
-}
-
 void dlfs_sums_init(struct dlfs_sums *s)
 {
     memset(s, 0, sizeof *s);
@@ -453,103 +435,11 @@ static void sums_forget(struct dlfs_sums *s, uint64_t ext)
     pthread_mutex_unlock(&s->lock);
 }
 
-static uint64_t coarse_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* Slot i emptied (its file closed): the next look at its chunk opens the path again. */
-static void local_forget(struct dlfs_local_fds *l, int i)
-{
-    if (l->fd[i] >= 0)
-        close(l->fd[i]);
-    if (l->direct[i] >= 0)
-        close(l->direct[i]);
-    l->direct[i] = -1;
-    l->chunk[i] = -1;
-    l->fd[i] = -1;
-}
-
-/* The slot of this machine's chunk file of chunk `ci` (data/chunks/ab/abcd...), kept open; -1 if it is
- * not here.
- * A kept descriptor (or a kept "not here") is trusted for DLFS_LOCAL_RECHECK_NS, then checked against
- * the path: gone, replaced (another inode) or arrived, it is opened again. */
-static int local_slot(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
-{
-    static const char hex[] = "0123456789abcdef";
-    int slot = -1;
-    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
-        if (l->chunk[i] == (int64_t)ci) {
-            slot = i;
-            break;
-        }
-    uint64_t now = coarse_ns();
-    if (slot >= 0 && now - l->checked[slot] < DLFS_LOCAL_RECHECK_NS)
-        return l->fd[slot] >= 0 ? slot : -1;
-    const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, ci);
-    if (!id)
-        return -1;
-    char path[3 + 2 * DLFS_CHUNK_ID + 1];
-    for (int i = 0; i < DLFS_CHUNK_ID; i++) {
-        path[3 + 2 * i] = hex[id[i] >> 4];
-        path[4 + 2 * i] = hex[id[i] & 15];
-    }
-    path[3 + 2 * DLFS_CHUNK_ID] = 0;
-    path[0] = path[3];
-    path[1] = path[4];
-    path[2] = '/';
-    if (slot >= 0) {
-        struct stat st;
-        int here = fstatat(sv->local_dir, path, &st, 0) == 0;
-        if (here ? l->fd[slot] >= 0 && (uint64_t)st.st_ino == l->ino[slot] && (uint64_t)st.st_dev == l->dev[slot]
-                 : l->fd[slot] < 0) {
-            l->checked[slot] = now; /* as it was */
-            return l->fd[slot] >= 0 ? slot : -1;
-        }
-        local_forget(l, slot);
-    } else {
-        slot = (int)(l->next++ % DLFS_LOCAL_FDS);
-        local_forget(l, slot);
-    }
-    int fd = openat(sv->local_dir, path, O_RDONLY | O_CLOEXEC);
-    struct stat st;
-    if (fd >= 0 && fstat(fd, &st) < 0) {
-        close(fd);
-        fd = -1;
-    }
-    if (fd >= 0) /* reads here are of one record or a few blocks: read-ahead through the chunk would be waste */
-        posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
-    l->chunk[slot] = (int64_t)ci;
-    l->fd[slot] = fd; /* -1 remembered too: a chunk held elsewhere is asked once a recheck */
-    l->ino[slot] = fd >= 0 ? (uint64_t)st.st_ino : 0;
-    l->dev[slot] = fd >= 0 ? (uint64_t)st.st_dev : 0;
-    l->checked[slot] = now;
-    return fd >= 0 ? slot : -1;
-}
-
-static int local_fd(const struct dlfs_serve *sv, struct dlfs_local_fds *l, uint64_t ci)
-{
-    int slot = local_slot(sv, l, ci);
-    return slot >= 0 ? l->fd[slot] : -1;
-}
-
-/* A chunk file whose bytes failed their check: closed, so that the next read looks at the path again
- * (a repaired chunk is a new file) rather than at this inode. */
-static void local_failed(struct dlfs_local_fds *l, uint64_t ci)
-{
-    for (int i = 0; i < DLFS_LOCAL_FDS; i++)
-        if (l->chunk[i] == (int64_t)ci)
-            local_forget(l, i);
-}
-
 #ifndef RWF_DONTCACHE
 #define RWF_DONTCACHE 0x00000080 /* Linux 6.14+: read through the page cache, dropping what it read */
 #endif
 
 #define DIRECT_ALIGN 4096 /* O_DIRECT's alignment of offset, length and memory (a page covers every device's) */
-#define NO_DIRECT (-2)    /* a table slot whose file cannot be read with O_DIRECT */
 
 static int dontcache = RWF_DONTCACHE; /* 0 once the kernel or file system says it has no such flag */
 
@@ -605,14 +495,14 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
     uint64_t sums[DLFS_RANDOM_READ_MAX / DLFS_BLOCK_SIZE + 2];
     if (stop - start > rp->scratch_size || n > sizeof sums / sizeof *sums)
         return -1;
-    int fd = local_fd(sv, &rp->local, e->chunk);
-    if (fd < 0)
+    struct dlfs_chunk_ref f;
+    if (dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 0, &f) < 0)
         return -1;
     char *data = rp->scratch;
-    if (record_sums(sv, fd, ext, e, first, n, sums, c) < 0 ||
-        pread_all(fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
+    if (record_sums(sv, f.fd, ext, e, first, n, sums, c) < 0 ||
+        pread_all(f.fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
         DLFS_COUNT(c, block_failures, 1);
-        local_failed(&rp->local, e->chunk);
+        dlfs_chunk_put(sv->files, &f, 1);
         return -1;
     }
     for (uint64_t b = 0; b < n; b++) {
@@ -620,10 +510,11 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
         if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
             DLFS_COUNT(c, block_failures, 1); /* Python reads it again, from the replicas, and says which block */
             sums_forget(sv->sums, ext);
-            local_failed(&rp->local, e->chunk);
+            dlfs_chunk_put(sv->files, &f, 1);
             return -1;
         }
     }
+    dlfs_chunk_put(sv->files, &f, 0);
     DLFS_COUNT(c, block_reads, 1);
     DLFS_COUNT(c, block_bytes, stop - start);
     add(rp, data + (lo - start), hi - lo);
@@ -635,6 +526,11 @@ static int scan_mode;
 void dlfs_set_scan(int on)
 {
     __atomic_store_n(&scan_mode, on, __ATOMIC_RELAXED);
+}
+
+int dlfs_scan_mode(void)
+{
+    return __atomic_load_n(&scan_mode, __ATOMIC_RELAXED);
 }
 
 static uint64_t direct_io_min;
@@ -682,32 +578,22 @@ static int open_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
     return DLFS_ANSWERED;
 }
 
-/* Record `e` of the file `fd` (slot `slot` of the table) read from the disk straight into the scratch
- * buffer: O_DIRECT, the range widened to whole pages, so no page cache is allocated and dropped again
- * (RWF_DONTCACHE's way: 0.61-0.62x local disk in a 1 GiB cgroup against 0.72-0.80x so). Where its
- * bytes start there, or NULL: then a plain read. */
-static char *direct_record(struct dlfs_local_fds *l, int slot, struct dlfs_reply *rp, const struct dlfs_extent *e)
+/* Record `e` of a held chunk file read from the disk straight into the scratch buffer: O_DIRECT, the
+ * range widened to whole pages, so no page cache is allocated and dropped again (RWF_DONTCACHE's way:
+ * 0.61-0.62x local disk in a 1 GiB cgroup against 0.72-0.80x so). Where its bytes start there, or NULL:
+ * then a plain read. */
+static char *direct_record(const struct dlfs_serve *sv, struct dlfs_chunk_ref *f, struct dlfs_reply *rp,
+                           const struct dlfs_extent *e)
 {
     char *base = (char *)(((uintptr_t)rp->scratch + DIRECT_ALIGN - 1) & ~(uintptr_t)(DIRECT_ALIGN - 1));
     size_t room = rp->scratch_size - (size_t)(base - rp->scratch);
     uint64_t lo = e->offset & ~(uint64_t)(DIRECT_ALIGN - 1);
     uint64_t hi = (e->offset + e->stored_len + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
-    if (hi - lo > room || l->direct[slot] == NO_DIRECT)
+    if (hi - lo > room || f->direct < 0)
         return NULL;
-    if (l->direct[slot] < 0) {
-        /* The inode the kept descriptor names (checked against the path), not the path again. */
-        char path[32];
-        snprintf(path, sizeof path, "/proc/self/fd/%d", l->fd[slot]);
-        int fd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
-        l->direct[slot] = fd >= 0 ? fd : NO_DIRECT;
-        if (fd < 0)
-            return NULL;
-    }
-    ssize_t n = pread(l->direct[slot], base, hi - lo, (off_t)lo);
-    if (n < 0 && errno == EINVAL) { /* a file system that opens O_DIRECT but will not read so */
-        close(l->direct[slot]);
-        l->direct[slot] = NO_DIRECT;
-    }
+    ssize_t n = pread(f->direct, base, hi - lo, (off_t)lo);
+    if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
+        dlfs_chunk_no_direct(sv->files, f);
     if (n < (ssize_t)(e->offset + e->stored_len - lo))
         return NULL;
     return base + (e->offset - lo);
@@ -718,19 +604,19 @@ static char *direct_record(struct dlfs_local_fds *l, int slot, struct dlfs_reply
 static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
                        struct dlfs_counters *c)
 {
-    int slot = local_slot(sv, &rp->local, e->chunk);
-    if (slot < 0)
+    struct dlfs_chunk_ref f;
+    if (dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 1, &f) < 0)
         return -1;
-    int fd = rp->local.fd[slot];
-    char *got = direct_record(&rp->local, slot, rp, e);
+    char *got = direct_record(sv, &f, rp, e);
     if (!got) {
         got = rp->scratch;
-        if (pread_all(fd, got, e->stored_len, (off_t)e->offset) < 0)
+        if (pread_all(f.fd, got, e->stored_len, (off_t)e->offset) < 0)
             got = NULL;
     }
-    if (!got || XXH3_64bits(got, e->stored_len) != e->checksum) {
+    int bad = !got || XXH3_64bits(got, e->stored_len) != e->checksum;
+    dlfs_chunk_put(sv->files, &f, bad);
+    if (bad) {
         DLFS_COUNT(c, record_failures, 1); /* Python reads it again, from the replicas, and says what is wrong */
-        local_failed(&rp->local, e->chunk);
         return -1;
     }
     DLFS_COUNT(c, record_reads, 1);
@@ -741,8 +627,8 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
 
 /* A READ of [lo, hi) of one record not in the cache (`size` asked; `whole_file`: the record is all of
  * its file), read here from this machine's chunk file: inside a big record with block sums, a random
- * read (its blocks alone); in scan mode, the whole of a small record. -1: Python's to fetch (read-ahead,
- * remote or compressed chunks, a failed check). */
+ * read (its blocks alone); in scan mode, the whole of a small record (1: the caller reads it, where
+ * rp->async_records). -1: Python's to fetch (read-ahead, remote or compressed chunks, a failed check). */
 static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t ext, const struct dlfs_extent *e,
                       uint64_t lo, uint64_t hi, uint32_t size, int whole_file, struct dlfs_counters *c)
 {
@@ -751,9 +637,73 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
     if (e->flags & DLFS_RECORD_BLOCK_SUMS)
         return sv->sums && size <= DLFS_RANDOM_READ_MAX ? read_blocks(sv, rp, ext, e, lo, hi, c) : -1;
     if (whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->scratch_size &&
-        __atomic_load_n(&scan_mode, __ATOMIC_RELAXED))
+        __atomic_load_n(&scan_mode, __ATOMIC_RELAXED)) {
+        if (rp->async_records) {
+            rp->record_ext = ext;
+            return 1;
+        }
         return read_record(sv, rp, e, c);
+    }
     return -1;
+}
+
+int dlfs_record_wanted(const struct dlfs_serve *sv, uint64_t ino, uint64_t *ext, struct dlfs_extent *e)
+{
+    struct dlfs_inode n;
+    if (!__atomic_load_n(&scan_mode, __ATOMIC_RELAXED) || sv->local_dir < 0 || !sv->shm || !sv->consume ||
+        dlfs_ix_inode(&sv->ix, ino, &n) < 0 || !S_ISREG(n.mode) || n.count != 1 ||
+        dlfs_ix_extent(&sv->ix, n.ref, e) < 0)
+        return 0;
+    if (e->flags & (DLFS_RECORD_LZ4 | DLFS_RECORD_BLOCK_SUMS) || e->stored_len != e->raw_len || !e->raw_len ||
+        (uint64_t)n.size != e->raw_len || dlfs_consume_pending(sv->consume, n.ref))
+        return 0;
+    const char *buf;
+    uint32_t slab;
+    if (dlfs_shm_pin(sv->shm, sv->pin, n.ref, e->raw_len, &buf, &slab)) { /* in the cache: a READ pins it there */
+        dlfs_shm_unpin(sv->shm, sv->pin, slab);
+        return 0;
+    }
+    *ext = n.ref;
+    return 1;
+}
+
+int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, uint32_t room,
+                     struct dlfs_chunk_ref *f, uint64_t *lo, uint32_t *len)
+{
+    uint64_t a = e->offset & ~(uint64_t)(DIRECT_ALIGN - 1);
+    uint64_t b = (e->offset + e->stored_len + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
+    if (b - a > room || sv->local_dir < 0 ||
+        dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 1, f) < 0)
+        return -1;
+    if (f->direct < 0) {
+        dlfs_chunk_put(sv->files, f, 0);
+        return -1;
+    }
+    *lo = a;
+    *len = (uint32_t)(b - a);
+    return 0;
+}
+
+int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
+                       struct dlfs_counters *c)
+{
+    if (!data || XXH3_64bits(data, e->stored_len) != e->checksum) {
+        DLFS_COUNT(c, record_failures, 1);
+        return DLFS_FORWARD;
+    }
+    memset(&rp->out, 0, sizeof rp->out);
+    rp->out.unique = unique;
+    rp->out.len = (uint32_t)(sizeof rp->out + e->raw_len);
+    rp->n = 0;
+    rp->npins = 0;
+    add(rp, &rp->out, sizeof rp->out);
+    add(rp, data, e->raw_len);
+    DLFS_COUNT(c, record_reads, 1);
+    DLFS_COUNT(c, record_bytes, e->stored_len);
+    DLFS_COUNT(c, reads, 1);
+    DLFS_COUNT(c, read_bytes, e->raw_len);
+    DLFS_COUNT(c, answered, 1);
+    return DLFS_ANSWERED;
 }
 
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
@@ -785,8 +735,11 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
                     rp->n = 1;
                     return DLFS_PARK;
                 }
-                if (rp->npins == 0 && off >= pos && end <= next &&
-                    read_local(sv, rp, i, &e, off - pos, end - pos, r->size, n.count == 1, c) == 0) {
+                int got = rp->npins == 0 && off >= pos && end <= next
+                              ? read_local(sv, rp, i, &e, off - pos, end - pos, r->size, n.count == 1, c) : -1;
+                if (got == 1)
+                    return DLFS_RECORD; /* the caller reads it (rp->async_records) */
+                if (got == 0) {
                     DLFS_COUNT(c, reads, 1);
                     DLFS_COUNT(c, read_bytes, end - off);
                     return DLFS_ANSWERED;

@@ -8,11 +8,11 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
+#include "chunkfiles.h"
 #include "indexview.h"
 #include "shm.h"
 
 #define DLFS_REPLY_IOV 32 /* header + pieces of a READ spanning several records */
-#define DLFS_LOCAL_FDS 16 /* chunk files each serving thread keeps open */
 /* A serving thread's buffer for encoded replies and records read from chunk files: every record
  * without block sums (smaller than dlfs/format/chunk.py's BLOCK_SUMS_MIN) fits. */
 #define DLFS_REPLY_SCRATCH (256 << 10)
@@ -34,6 +34,7 @@ struct dlfs_counters {
     uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
     uint64_t record_reads, record_bytes, record_failures; /* whole small records read there, in scan mode */
     uint64_t parked, parked_answered, parked_forwarded; /* READs that waited in C for a window being fetched */
+    uint64_t records_ahead, records_ahead_used; /* records read from the disk on their file's LOOKUP, and READ */
 };
 
 /* Add `n` to one counter. Each struct dlfs_counters has one writer at a time (its thread, or the holder of
@@ -42,20 +43,6 @@ struct dlfs_counters {
 #define DLFS_COUNT(c, field, n) __atomic_store_n(&(c)->field, (c)->field + (n), __ATOMIC_RELAXED)
 
 #define DLFS_SUMS_KEPT 1024 /* records whose block sums the engine keeps: 8 KiB for a 4 MiB record */
-
-#define DLFS_LOCAL_RECHECK_NS 1000000000ull /* a kept chunk file is checked against its path this often */
-
-/* A serving thread's open chunk files (this machine's own), by chunk number. Each is checked against
- * its path at most every DLFS_LOCAL_RECHECK_NS: repair replaces a chunk file (a new inode under the
- * same name) and an admin may delete one, and neither must be read from its old inode for longer. */
-struct dlfs_local_fds {
-    int64_t chunk[DLFS_LOCAL_FDS]; /* -1: empty; the fd is -1 for a chunk that is not here */
-    int fd[DLFS_LOCAL_FDS];
-    int direct[DLFS_LOCAL_FDS]; /* the same file opened O_DIRECT for whole records: -1 not yet, -2 it cannot be */
-    uint64_t ino[DLFS_LOCAL_FDS], dev[DLFS_LOCAL_FDS]; /* of the file the fd is (0 when it is -1) */
-    uint64_t checked[DLFS_LOCAL_FDS]; /* CLOCK_MONOTONIC_COARSE ns of the last look at the path */
-    unsigned next;
-};
 
 /* The block sum tables of the records read at random lately, shared by the serving threads: a random
  * read then costs one read of the disk, not two (the data, and its sums at the record's end). */
@@ -81,12 +68,9 @@ struct dlfs_reply {
     int npins;
     char *scratch; /* the thread's buffer for encoded replies and blocks read from chunk files */
     uint32_t scratch_size;
-    struct dlfs_local_fds local;
+    int async_records;   /* the caller reads scan mode's whole records itself (DLFS_RECORD), not answer.c */
+    uint64_t record_ext; /* with DLFS_RECORD: the record the READ wants */
 };
-
-/* Empty the thread's chunk file table (before use), and close what it holds (after). */
-void dlfs_local_fds_init(struct dlfs_local_fds *l);
-void dlfs_local_fds_close(struct dlfs_local_fds *l);
 
 /* --- the table: every metadata answer of the mount, as a function of the index alone ---------------
  * The serving threads reply with these, and pyfuse3's handlers (dlfs/mount/ops.py) answer with them
@@ -127,18 +111,38 @@ struct dlfs_serve {
     struct dlfs_consume *consume;
     struct dlfs_pinner pin; /* the serving threads' row of the pin table, and its epoch */
     int local_dir; /* this machine's chunk directory (read in place), or -1 */
-    struct dlfs_sums *sums; /* with local_dir: the sums kept (the one mutable part, locked) */
+    struct dlfs_sums *sums; /* with local_dir: the sums kept and the chunk files open (mutable, locked) */
+    struct dlfs_chunk_files *files;
 };
 
 /* DLFS_PARK: a READ of a record the cache is fetching now: it waits in C (engine.c) and is answered
  * when the record lands, never sent to Python for that. */
-enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3 };
+/* DLFS_RECORD (only where rp->async_records): a READ of a whole small record to be read from this
+ * machine's chunk file, which the caller reads without waiting for the disk (dlfs_record_plan, then
+ * dlfs_record_answer once the bytes are in). */
+enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3, DLFS_RECORD = 4 };
+
+/* Whether a READ of inode `ino` would now be a DLFS_RECORD (scan mode; a file of one small record of
+ * this machine's chunks, not in the cache and not being fetched into it): 1 with its extent in *ext and
+ * *e. A LOOKUP of such a file starts its read before the READ comes (uring.c). */
+int dlfs_record_wanted(const struct dlfs_serve *sv, uint64_t ino, uint64_t *ext, struct dlfs_extent *e);
+/* Where to read record `e` from with O_DIRECT into a page-aligned buffer of `room` bytes: its chunk
+ * file held in *f (dlfs_chunk_put it when done), the page-aligned offset *lo and length *len; the
+ * record starts e->offset - *lo bytes into what is read. -1 if it cannot be read so. */
+int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, uint32_t room,
+                     struct dlfs_chunk_ref *f, uint64_t *lo, uint32_t *len);
+/* The reply to READ `unique` of the whole record `e`, whose stored bytes are `data` (NULL: the read
+ * failed): DLFS_ANSWERED once they pass their check, else DLFS_FORWARD (Python reads it again from the
+ * replicas and says what is wrong). */
+int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
+                       struct dlfs_counters *c);
 
 /* Scan mode, set by the mount's cache when its read-ahead has no room (an epoch over more than the
  * cache holds): a READ of a whole small record of this machine's chunks that is not in the cache is
  * read from the chunk file and checked here, with no slab and no word to Python (which would fetch
  * it alone anyway). */
 void dlfs_set_scan(int on);
+int dlfs_scan_mode(void);
 
 /* Direct mode (`dlfs mount --direct-io`), set before the engine starts: files of `min` bytes or more are
  * opened FOPEN_DIRECT_IO (the kernel keeps no page of them: every read comes here, answered from the

@@ -385,7 +385,6 @@ static void *reader_main(void *arg)
     char *buf = malloc(DEV_BUF);
     w->reply.scratch = malloc(SCRATCH);
     w->reply.scratch_size = SCRATCH;
-    dlfs_local_fds_init(&w->reply.local);
     if (!buf || !w->reply.scratch) {
         free(buf);
         return NULL;
@@ -401,7 +400,6 @@ static void *reader_main(void *arg)
         }
         handle(w, buf, (size_t)n);
     }
-    dlfs_local_fds_close(&w->reply.local);
     free(buf);
     return NULL;
 }
@@ -497,7 +495,6 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
     E.stop_installed = 1;
     E.serve = *sv;
     P.reply.scratch_size = SCRATCH;
-    dlfs_local_fds_init(&P.reply.local);
     memset(&P.counters, 0, sizeof P.counters);
     P.closed = 0;
     atomic_store(&E.started, 1);
@@ -631,6 +628,7 @@ void dlfs_engine_stats(struct dlfs_engine_stats *out)
     out->direct_mmap = E.init_amended;
     out->abandoned = (uint64_t)__atomic_load_n(&E.abandoned, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&E.lock);
+    out->chunk_files_opened = dlfs_chunk_files_opened();
 }
 
 int dlfs_engine_release(void)
@@ -647,7 +645,6 @@ int dlfs_engine_release(void)
     for (int i = 0; i < E.nworkers; i++)
         free(E.workers[i].reply.scratch);
     free(E.workers);
-    dlfs_local_fds_close(&P.reply.local);
     free(P.reply.scratch);
     P.reply.scratch = NULL;
     E.workers = NULL;
@@ -659,6 +656,10 @@ int dlfs_engine_release(void)
     if (E.serve.sums) {
         dlfs_sums_free(E.serve.sums);
         free(E.serve.sums);
+    }
+    if (E.serve.files) {
+        dlfs_chunk_files_free(E.serve.files);
+        free(E.serve.files);
     }
     E.devfd = E.wake_fd = -1;
     E.attached = 0;

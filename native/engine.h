@@ -13,6 +13,7 @@ struct dlfs_engine_stats {
     struct dlfs_counters c;
     uint64_t threads, uring_queues, queued_max, write_errors, python_replies;
     uint64_t abandoned; /* serving threads a stop left running past DLFS_STOP_SECONDS (stuck in I/O) */
+    uint64_t chunk_files_opened; /* this machine's chunk files opened to be read in place (chunkfiles.h) */
     int uring_state; /* 0 off, 1 registering, 2 serving, -errno: could not */
     int ended;
     int direct_mmap; /* INIT's reply let FOPEN_DIRECT_IO files be mapped shared (direct mode) */
@@ -64,6 +65,10 @@ int dlfs_engine_wake(void);
  * largest payload (max_write, max_pages): memory the mount holds per CPU, touched as replies use it. */
 #define DLFS_URING_ENTRIES 4
 #define DLFS_URING_PAYLOAD ((1 << 20) + 4096)
+/* And buffers for the whole small records it reads from chunk files at once (scan mode): every record
+ * without block sums fits one. */
+#define DLFS_URING_RECORDS 8
+#define DLFS_URING_BYTES_PER_CPU (DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD + DLFS_URING_RECORDS * DLFS_REPLY_SCRATCH)
 int dlfs_uring_start(int devfd);
 /* Stop the queues, joining their threads by CLOCK_MONOTONIC `deadline_ns` (0: no wait); how many were
  * left running (their queues are then never freed). */

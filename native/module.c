@@ -43,10 +43,11 @@ static struct {
     PyObject *xattr_name, *xattr_value; /* bytes; the engine points into them */
     int local_dir;
     struct dlfs_sums *sums;
+    struct dlfs_chunk_files *files;
 } kept = {.local_dir = -1};
 
 /* Let go of what serve_from opened for local reads. */
-static void serve_local_free(int local_dir, struct dlfs_sums *sums)
+static void serve_local_free(int local_dir, struct dlfs_sums *sums, struct dlfs_chunk_files *files)
 {
     if (local_dir >= 0)
         close(local_dir);
@@ -54,13 +55,18 @@ static void serve_local_free(int local_dir, struct dlfs_sums *sums)
         dlfs_sums_free(sums);
         free(sums);
     }
+    if (files) {
+        dlfs_chunk_files_free(files);
+        free(files);
+    }
 }
 
 static void release_kept(void)
 {
-    serve_local_free(kept.local_dir, kept.sums); /* not handed to the engine yet: ours to close */
+    serve_local_free(kept.local_dir, kept.sums, kept.files); /* not handed to the engine yet: ours to close */
     kept.local_dir = -1;
     kept.sums = NULL;
+    kept.files = NULL;
     if (kept.held)
         PyBuffer_Release(&kept.index);
     kept.held = 0;
@@ -100,7 +106,10 @@ static int serve_from(PyObject *sections, double timeout, PyObject *xname, PyObj
     if (local_dir != Py_None) {
         sv->local_dir = open(PyBytes_AS_STRING(local_dir), O_PATH | O_DIRECTORY | O_CLOEXEC);
         sv->sums = sv->local_dir >= 0 ? malloc(sizeof *sv->sums) : NULL;
-        if (!sv->sums) {
+        sv->files = sv->sums ? malloc(sizeof *sv->files) : NULL;
+        if (!sv->files || dlfs_chunk_files_init(sv->files, dlfs_chunk_files_budget()) < 0) {
+            free(sv->files);
+            free(sv->sums);
             if (sv->local_dir >= 0) {
                 close(sv->local_dir);
                 PyErr_NoMemory();
@@ -169,6 +178,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
     kept.held = 1;
     kept.local_dir = sv.local_dir; /* ours until the engine has started, then the engine's */
     kept.sums = sv.sums;
+    kept.files = sv.files;
     if (shared != Py_None) {
         struct dlfs_shm *shm;
         struct dlfs_consume *consume;
@@ -203,6 +213,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
     }
     kept.local_dir = -1;
     kept.sums = NULL;
+    kept.files = NULL;
     Py_RETURN_TRUE;
 }
 
@@ -229,7 +240,6 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     memset(&c, 0, sizeof c);
     rp.scratch = scratch;
     rp.scratch_size = sizeof scratch;
-    dlfs_local_fds_init(&rp.local);
     const struct fuse_in_header *in = req.buf;
     int r = DLFS_FORWARD, op_len;
     size_t n = (size_t)req.len;
@@ -253,8 +263,7 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     } else {
         out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : r == DLFS_PARK ? "park" : "no_reply", "");
     }
-    dlfs_local_fds_close(&rp.local);
-    serve_local_free(sv.local_dir, sv.sums);
+    serve_local_free(sv.local_dir, sv.sums, sv.files);
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
     if (out) { /* what the request cost, for tests of the counters */
@@ -286,8 +295,9 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O}",
         "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
+        "records_ahead", s.c.records_ahead, "records_ahead_used", s.c.records_ahead_used,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
         s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
         s.c.record_failures,
@@ -295,8 +305,9 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
         "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
         s.uring_queues, "queued_max", s.queued_max, "write_errors", s.write_errors, "python_replies",
-        s.python_replies, "io_uring", state, "ended", s.ended ? Py_True : Py_False, "abandoned", s.abandoned,
-        "answering", dlfs_engine_answering() ? Py_True : Py_False, "direct_mmap", s.direct_mmap ? Py_True : Py_False);
+        s.python_replies, "chunk_files_opened", s.chunk_files_opened, "io_uring", state, "ended", s.ended ? Py_True : Py_False, "abandoned", s.abandoned,
+        "answering", dlfs_engine_answering() ? Py_True : Py_False, "direct_mmap", s.direct_mmap ? Py_True : Py_False,
+        "scan", dlfs_scan_mode() ? Py_True : Py_False);
 }
 
 static PyObject *set_direct_io(PyObject *self, PyObject *arg)
@@ -363,7 +374,7 @@ PyMODINIT_FUNC PyInit__native(void)
     PyObject *m = PyModule_Create(&module);
     if (m && (dlfs_owner_add_types(m) < 0 || dlfs_arena_add_functions(m) < 0 || dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 ||
               add_layout(m) < 0 ||
-              PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_ENTRIES * DLFS_URING_PAYLOAD) < 0 ||
+              PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_BYTES_PER_CPU) < 0 ||
               PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);

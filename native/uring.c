@@ -54,6 +54,13 @@ enum { CMD_REGISTER = 1, CMD_COMMIT_AND_FETCH = 2 };
 #define PAYLOAD DLFS_URING_PAYLOAD
 #define SCRATCH DLFS_REPLY_SCRATCH
 #define WAKE_TAG 0xffffffffu            /* user_data of the eventfd read */
+#define RECORD_TAG 0x100000000ull       /* user_data of a record's read from the disk: RECORD_TAG | its slot */
+#define RECORDS DLFS_URING_RECORDS       /* records a queue reads from chunk files at once (a power of two) */
+#define RECORD_BUF DLFS_REPLY_SCRATCH   /* a slot's buffer: every record without block sums fits */
+_Static_assert((RECORDS & (RECORDS - 1)) == 0, "a record's slot is the low bits of its read's user_data");
+#define AHEAD_SLOTS 4                   /* slots that may wait for READs their LOOKUPs foretold */
+#define AHEAD_MIN 8                     /* the score below which a LOOKUP starts no read (see ahead()) */
+#define AHEAD_MAX 32
 #define REGISTER_TRIES 10000            /* 1 ms apart: INIT must be answered first */
 
 struct ring {
@@ -74,11 +81,35 @@ struct entry {
     int ready;        /* Python's reply is in the buffers: commit it */
 };
 
+/* A whole small record being read from this machine's chunk file on the queue's ring (scan mode), for
+ * a READ waiting in an entry or ahead of one: a LOOKUP of its file starts it, so the disk works while
+ * the reader opens the file (a cold epoch: ~50 us between the LOOKUP's reply and the READ, against
+ * ~100 us for the disk). */
+struct record {
+    int state;  /* FREE, READING, READ */
+    int waiter; /* the entry whose READ it answers, or -1 */
+    int ahead;  /* started by a LOOKUP, and no READ has claimed it yet */
+    int res;    /* the read's result: bytes, or -errno */
+    uint64_t ext, unique;
+    const struct dlfs_serve *sv; /* what it was started from (still there if serving stops meanwhile) */
+    struct dlfs_extent e;
+    struct dlfs_chunk_ref f;
+    uint64_t lo;
+    uint32_t len;
+    uint64_t age; /* when it was started, in the queue's count of starts (the oldest READ one is reused first) */
+    char *buf;    /* RECORD_BUF bytes, page-aligned, mapped on first use */
+};
+enum { FREE, READING, READ };
+
 struct queue {
     int qid, wake_fd, alive, serving, has_ring;
     pthread_t thread;
     struct ring r;
     struct entry ent[ENTRIES];
+    struct record rec[RECORDS];
+    uint64_t starts;
+    int score; /* how well LOOKUPs have foretold READs lately (AHEAD_MIN..AHEAD_MAX) */
+    unsigned probe;
     pthread_mutex_t lock; /* `waiting`/`ready` of its entries, against Python's thread */
     struct dlfs_reply reply;
     struct dlfs_counters counters;
@@ -209,6 +240,149 @@ static void commit_error(struct queue *q, int i, uint64_t unique, int err)
     commit(q, i);
 }
 
+/* The reply built in q->reply, into entry i and committed. */
+static void answered(struct queue *q, const struct dlfs_serve *sv, int i, uint64_t unique)
+{
+    int bad = fill(&q->ent[i], q->reply.iov, q->reply.n);
+    dlfs_reply_done(sv, &q->reply, !bad);
+    if (bad)
+        commit_error(q, i, unique, EIO);
+    else
+        commit(q, i);
+}
+
+static void to_python(struct queue *q, int i, int park);
+
+/* --- records read from the disk on the ring -------------------------------------------------- */
+
+static struct record *record_of(struct queue *q, uint64_t ext)
+{
+    for (int k = 0; k < RECORDS; k++)
+        if (q->rec[k].state != FREE && q->rec[k].ext == ext)
+            return &q->rec[k];
+    return NULL;
+}
+
+/* A slot to read into: a free one, else the oldest read one that no READ has claimed (a LOOKUP's that
+ * foretold nothing: the score drops); NULL if every slot is being read or waited for. For a LOOKUP
+ * (`ahead`), once AHEAD_SLOTS slots wait for READs, only one of those. */
+static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, int ahead)
+{
+    struct record *best = NULL, *free_one = NULL;
+    int waiting = 0;
+    for (int k = 0; k < RECORDS; k++) {
+        struct record *s = &q->rec[k];
+        if (s->state == FREE) {
+            free_one = free_one ? free_one : s;
+            continue;
+        }
+        waiting += s->ahead;
+        if (s->state == READ && s->waiter < 0 && (!best || s->age < best->age))
+            best = s;
+    }
+    if (free_one && !(ahead && waiting >= AHEAD_SLOTS))
+        best = free_one;
+    if (!best)
+        return NULL;
+    if (best->state == READ) {
+        q->score = q->score > 4 ? q->score - 4 : 0;
+        dlfs_chunk_put(sv->files, &best->f, 0);
+        best->state = FREE;
+    }
+    if (!best->buf) {
+        void *m = mmap(NULL, RECORD_BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED)
+            return NULL;
+        best->buf = m;
+    }
+    return best;
+}
+
+/* Start reading record `ext` (`e`) into slot s on the ring; 0 if it cannot be read so. */
+static int record_start(struct queue *q, const struct dlfs_serve *sv, struct record *s, uint64_t ext,
+                        const struct dlfs_extent *e)
+{
+    if (dlfs_record_plan(sv, e, RECORD_BUF, &s->f, &s->lo, &s->len) < 0)
+        return 0;
+    s->state = READING;
+    s->sv = sv;
+    s->ext = ext;
+    s->e = *e;
+    s->res = 0;
+    s->age = q->starts++;
+    struct io_uring_sqe *sqe = ring_sqe(&q->r);
+    sqe->opcode = IORING_OP_READ;
+    sqe->fd = s->f.direct;
+    sqe->addr = (uint64_t)(uintptr_t)s->buf;
+    sqe->len = s->len;
+    sqe->off = s->lo;
+    sqe->user_data = RECORD_TAG | (uint64_t)(s - q->rec);
+    return 1;
+}
+
+/* Slot s's bytes are in (or failed) and entry s->waiter waits for them: answer it, or hand it to Python. */
+static void record_done(struct queue *q, const struct dlfs_serve *sv, struct record *s)
+{
+    int i = s->waiter;
+    uint64_t need = s->e.offset - s->lo + s->e.stored_len;
+    const char *data = s->res >= 0 && (uint64_t)s->res >= need ? s->buf + (s->e.offset - s->lo) : NULL;
+    if (s->res == -EINVAL) /* a file system that opens O_DIRECT but will not read so */
+        dlfs_chunk_no_direct(sv->files, &s->f);
+    int r = dlfs_record_answer(&q->reply, s->unique, &s->e, data, &q->counters);
+    dlfs_chunk_put(sv->files, &s->f, r != DLFS_ANSWERED && s->res != -EINVAL);
+    s->state = FREE;
+    s->waiter = -1;
+    if (r == DLFS_ANSWERED)
+        answered(q, sv, i, s->unique);
+    else
+        to_python(q, i, 0);
+}
+
+/* Entry i's READ (`unique`) wants record `ext` from the disk: joined to its read, or a read started for
+ * it; 0 if neither (the caller reads it itself). */
+static int record_read(struct queue *q, const struct dlfs_serve *sv, int i, uint64_t unique, uint64_t ext)
+{
+    struct record *s = record_of(q, ext);
+    if (s && s->waiter >= 0)
+        return 0; /* another READ of it waits already (two readers of one file) */
+    if (!s) { /* its LOOKUP was long ago, on another CPU, or let pass (the score rises: READs come again) */
+        q->score = q->score < AHEAD_MAX ? q->score + 1 : AHEAD_MAX;
+        struct dlfs_extent e;
+        if (dlfs_ix_extent(&sv->ix, ext, &e) < 0 || !(s = record_slot(q, sv, 0)) || !record_start(q, sv, s, ext, &e))
+            return 0;
+        s->ahead = 0;
+    } else if (s->ahead) {
+        s->ahead = 0;
+        DLFS_COUNT(&q->counters, records_ahead_used, 1);
+        q->score = q->score < AHEAD_MAX ? q->score + 1 : AHEAD_MAX;
+    }
+    s->waiter = i;
+    s->unique = unique;
+    if (s->state == READ)
+        record_done(q, sv, s);
+    return 1;
+}
+
+/* A LOOKUP of inode `ino` was answered: where a READ of the file would be read from the disk, start
+ * reading it now. Only while LOOKUPs foretell READs (a walk that only stats files would read each of
+ * them for nothing): each READ of the disk raises the score, each read no READ claimed lowers it 4 times
+ * as much, and below AHEAD_MIN one LOOKUP in 16 still tries. */
+static void ahead(struct queue *q, const struct dlfs_serve *sv, uint64_t ino)
+{
+    uint64_t ext;
+    struct dlfs_extent e;
+    if (!ino || !dlfs_record_wanted(sv, ino, &ext, &e) || record_of(q, ext))
+        return;
+    if (q->score < AHEAD_MIN && q->probe++ % 16)
+        return;
+    struct record *s = record_slot(q, sv, 1);
+    if (s && record_start(q, sv, s, ext, &e)) {
+        s->ahead = 1;
+        s->waiter = -1;
+        DLFS_COUNT(&q->counters, records_ahead, 1);
+    }
+}
+
 /* A request arrived in entry i: answer it, or hand it to Python (as the bytes /dev/fuse would give). */
 static void handle(struct queue *q, int i)
 {
@@ -226,23 +400,41 @@ static void handle(struct queue *q, int i)
     int park = 0;
     if (sv) {
         struct dlfs_req rq = {in, e->hdr->op_in, op_len, e->payload, payload_len};
+        uint32_t opcode = in->opcode; /* the reply overwrites the request's header */
         int r = dlfs_answer(sv, &rq, &q->reply, &q->counters);
         if (r == DLFS_ANSWERED) {
-            int bad = fill(e, q->reply.iov, q->reply.n);
-            dlfs_reply_done(sv, &q->reply, !bad);
-            if (bad)
-                commit_error(q, i, in->unique, EIO);
-            else
-                commit(q, i);
+            answered(q, sv, i, in->unique);
+            if (opcode == FUSE_LOOKUP && !q->reply.out.error)
+                ahead(q, sv, ((const struct fuse_entry_out *)q->reply.iov[1].iov_base)->nodeid);
             return;
         }
         if (r == DLFS_NO_REPLY) { /* never through a ring; answer something so the entry comes back */
             commit_error(q, i, in->unique, ENOSYS);
             return;
         }
+        if (r == DLFS_RECORD) {
+            if (record_read(q, sv, i, in->unique, q->reply.record_ext))
+                return; /* answered when its bytes are in (record_done) */
+            q->reply.async_records = 0; /* no slot for it: read here and now */
+            r = dlfs_answer(sv, &rq, &q->reply, &q->counters);
+            q->reply.async_records = 1;
+            if (r == DLFS_ANSWERED) {
+                answered(q, sv, i, in->unique);
+                return;
+            }
+        }
         park = r == DLFS_PARK;
     }
-    /* To Python (or parked): header, op struct and payload contiguous, as read(2) of the device gives them. */
+    to_python(q, i, park);
+}
+
+/* Entry i's request to Python (or parked): header, op struct and payload contiguous, as read(2) of the
+ * device gives them. */
+static void to_python(struct queue *q, int i, int park)
+{
+    struct entry *e = &q->ent[i];
+    const struct fuse_in_header *in = (const void *)e->hdr->in_out;
+    uint32_t payload_len = e->hdr->ent.payload_sz, op_len = in->len - sizeof *in - payload_len;
     char *buf = malloc(in->len);
     if (!buf) {
         commit_error(q, i, in->unique, ENOMEM);
@@ -291,7 +483,7 @@ static void *queue_main(void *arg)
     snprintf(name, sizeof name, "dlfs-uring-%d", q->qid);
     pthread_setname_np(pthread_self(), name);
     /* Here, not in the starting thread: a SINGLE_ISSUER ring belongs to the task that made it. */
-    int rc = ring_setup(&q->r, 2 * ENTRIES + 2);
+    int rc = ring_setup(&q->r, 4 * ENTRIES + 2 * RECORDS + 2); /* what one pass over the completions may prepare */
     if (rc < 0) {
         int expected = 1;
         __atomic_compare_exchange_n(&U.state, &expected, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
@@ -301,7 +493,12 @@ static void *queue_main(void *arg)
         return NULL;
     }
     q->has_ring = 1;
-    dlfs_local_fds_init(&q->reply.local);
+    q->reply.async_records = 1;
+    q->score = AHEAD_MAX / 2;
+    for (int k = 0; k < RECORDS; k++) {
+        q->rec[k].state = FREE;
+        q->rec[k].waiter = -1;
+    }
     int tries = 0;
     prep_wake(q);
     for (int i = 0; i < ENTRIES; i++)
@@ -322,6 +519,14 @@ static void *queue_main(void *arg)
                 commit_ready(q);
                 if (!atomic_load_explicit(&U.stopping, memory_order_relaxed))
                     prep_wake(q);
+                continue;
+            }
+            if (tag & RECORD_TAG) {
+                struct record *s = &q->rec[tag & (RECORDS - 1)];
+                s->res = res;
+                s->state = READ;
+                if (s->waiter >= 0)
+                    record_done(q, s->sv, s);
                 continue;
             }
             int i = (int)tag;
@@ -347,7 +552,9 @@ static void *queue_main(void *arg)
         __atomic_store_n(q->r.cq_head, head, __ATOMIC_RELEASE);
     }
 out:
-    dlfs_local_fds_close(&q->reply.local);
+    for (int k = 0; k < RECORDS; k++) /* a read still in flight keeps its file (io_uring holds it) and buffer (freed after the ring) */
+        if (q->rec[k].state != FREE)
+            dlfs_chunk_put(q->rec[k].sv->files, &q->rec[k].f, 0);
     pthread_mutex_lock(&q->lock);
     q->alive = 0; /* replies for its entries are dropped from now on */
     pthread_mutex_unlock(&q->lock);
@@ -376,6 +583,9 @@ static void free_queue(struct queue *q)
         if (q->ent[i].payload)
             munmap(q->ent[i].payload, PAYLOAD);
     }
+    for (int k = 0; k < RECORDS; k++)
+        if (q->rec[k].buf)
+            munmap(q->rec[k].buf, RECORD_BUF);
     free(q->reply.scratch);
     if (q->wake_fd >= 0)
         close(q->wake_fd);

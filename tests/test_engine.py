@@ -14,7 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Node, mount_pids, mount_stats, needs_fuse, one_line_error, pid_alive, wait_for
+from conftest import (
+    Node,
+    mount_pids,
+    mount_stats,
+    mount_stats_from_now,
+    needs_fuse,
+    one_line_error,
+    pid_alive,
+    wait_for,
+)
 
 from dlfs import direct
 from dlfs.errors import MountError
@@ -242,6 +251,67 @@ def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tre
         assert "with FUSE over io_uring" in node.mount_log("t").read_text()
     finally:
         URING_PARAM.write_text(before)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("io_uring", ["on", "off"], ids=["io-uring", "dev-fuse"])
+def test_scan_mode_reads_small_files_from_their_chunks_from_the_lookup_on(node: Node, tmp_path: Path,
+                                                                         tree: dict[str, bytes], io_uring: str) -> None:
+    # A tiny cache puts the mount in scan mode (read-ahead out of room): the serving threads read each
+    # small file's record from its chunk file and check it themselves. Each chunk file is opened once for
+    # the mount, in one table the threads share (~100 chunks here: a table of 16 per thread once opened
+    # 1.5 files per READ). Through FUSE over io_uring that read starts at the file's LOOKUP, before its
+    # READ comes, while LOOKUPs foretell READs; a walk that only stats files stops it (one LOOKUP in 16
+    # still tries). A flipped byte costs its file EIO (one replica), and nothing else.
+    from dlfs.data.store import chunk_path
+    from dlfs.format.index import Index
+
+    names = sorted(n for n in tree if n != "big.bin")
+    random.Random(11).shuffle(names)
+    read_first, victim, walked, read_after = names[:150], names[150], names[151:250], names[250:]
+    idx = Index(next((node.home / "meta" / "index" / "t").glob("*.idx")))
+    try:
+        folder, name = (part.encode() for part in victim.split("/"))
+        ext = idx.extent(idx.inode(idx.lookup(idx.lookup(1, folder), name)).ref)
+        chunk = chunk_path(node.home / "data" / "chunks", idx.chunk(ext.chunk).id)
+        n_chunks = idx.totals.chunks
+    finally:
+        idx.close()
+    blob = bytearray(chunk.read_bytes())
+    blob[ext.record.offset + 5] ^= 0xFF
+    os.chmod(chunk, 0o644)
+    chunk.write_bytes(bytes(blob))
+
+    def engine() -> dict:
+        return mount_stats_from_now(node.home, mnt)["engine"]
+
+    mnt = node.mount("t", tmp_path / "mnt", "--cache-size", "1M", "--readahead", "64K", "--io-uring", io_uring)
+    for rel in read_first:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    first = engine()
+    assert first["scan"], first  # what follows is about scan mode: read-ahead is still out of room
+    with pytest.raises(OSError) as bad:
+        read_and_drop(mnt / victim)
+    assert bad.value.errno == errno.EIO
+    spoiled = engine()
+    assert spoiled["record_failures"] == 1 and spoiled["scan"], spoiled  # the threads found it, then Python
+    for rel in walked:
+        os.stat(mnt / rel)
+    walk = engine()
+    for rel in read_after:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    after = engine()
+    for rel in walked:  # their LOOKUPs are behind them
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    last = engine()
+    assert last["record_reads"] >= len(names) // 2, last
+    assert last["chunk_files_opened"] <= 2 * n_chunks, (last["chunk_files_opened"], n_chunks)
+    assert last["io_uring"] == ("serving" if io_uring == "on" else "off"), last
+    if io_uring == "on":
+        assert first["records_ahead_used"] >= max(50, 0.8 * first["records_ahead"]), first
+        assert walk["records_ahead"] - spoiled["records_ahead"] <= len(walked) // 3, walk
+        assert after["records_ahead_used"] - walk["records_ahead_used"] >= len(read_after) // 2, after  # READs again
+    assert "checksum mismatch" in node.mount_log("t").read_text()
 
 
 @pytest.mark.timeout(90)

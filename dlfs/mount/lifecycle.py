@@ -141,7 +141,8 @@ def check_mountpoint(path: Path, nonempty: bool = False, home: Path | None = Non
 
 
 def uring_memory() -> int:
-    """What FUSE over io_uring holds at most: a queue per CPU, each with its payload buffers."""
+    """What FUSE over io_uring holds at most: a queue per CPU, each with its payload buffers and the
+    buffers of the records it reads from chunk files (native/engine.h)."""
     per_cpu = getattr(native, "URING_BYTES_PER_CPU", 0) if native is not None else 0
     return per_cpu * (os.cpu_count() or 1)
 
