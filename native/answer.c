@@ -17,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <xxhash.h>
+#include "hash.h"
 
 #include "answer.h"
 #include "chunkfiles.h"
@@ -507,7 +507,7 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
     }
     for (uint64_t b = 0; b < n; b++) {
         size_t len = b + 1 < n ? DLFS_BLOCK_SIZE : stop - start - b * DLFS_BLOCK_SIZE;
-        if (XXH3_64bits(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
+        if (dlfs_xxh3(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
             DLFS_COUNT(c, block_failures, 1); /* Python reads it again, from the replicas, and says which block */
             sums_forget(sv->sums, ext);
             dlfs_chunk_put(sv->files, &f, 1);
@@ -613,7 +613,7 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
         if (pread_all(f.fd, got, e->stored_len, (off_t)e->offset) < 0)
             got = NULL;
     }
-    int bad = !got || XXH3_64bits(got, e->stored_len) != e->checksum;
+    int bad = !got || dlfs_xxh3(got, e->stored_len) != e->checksum;
     dlfs_chunk_put(sv->files, &f, bad);
     if (bad) {
         DLFS_COUNT(c, record_failures, 1); /* Python reads it again, from the replicas, and says what is wrong */
@@ -634,10 +634,18 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
 {
     if (sv->local_dir < 0 || e->flags & DLFS_RECORD_LZ4 || e->stored_len != e->raw_len)
         return -1;
-    if (e->flags & DLFS_RECORD_BLOCK_SUMS)
+    int scan = __atomic_load_n(&scan_mode, __ATOMIC_RELAXED);
+    if (e->flags & DLFS_RECORD_BLOCK_SUMS) {
+        /* A whole file of one such record (page-aligned in version 3 chunks) that the caller can read
+         * straight into its reply (FUSE over io_uring: the entry's payload). */
+        if (scan && rp->async_records && whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->async_max &&
+            !(e->offset & (DIRECT_ALIGN - 1))) {
+            rp->record_ext = ext;
+            return 1;
+        }
         return sv->sums && size <= DLFS_RANDOM_READ_MAX ? read_blocks(sv, rp, ext, e, lo, hi, c) : -1;
-    if (whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->scratch_size &&
-        __atomic_load_n(&scan_mode, __ATOMIC_RELAXED)) {
+    }
+    if (whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->scratch_size && scan) {
         if (rp->async_records) {
             rp->record_ext = ext;
             return 1;
@@ -687,7 +695,7 @@ int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, u
 int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
                        struct dlfs_counters *c)
 {
-    if (!data || XXH3_64bits(data, e->stored_len) != e->checksum) {
+    if (!data || dlfs_xxh3(data, e->stored_len) != e->checksum) {
         DLFS_COUNT(c, record_failures, 1);
         return DLFS_FORWARD;
     }

@@ -69,6 +69,7 @@ struct dlfs_reply {
     char *scratch; /* the thread's buffer for encoded replies and blocks read from chunk files */
     uint32_t scratch_size;
     int async_records;   /* the caller reads scan mode's whole records itself (DLFS_RECORD), not answer.c */
+    uint32_t async_max;  /* and records with block sums up to this size, into the reply's own buffer */
     uint64_t record_ext; /* with DLFS_RECORD: the record the READ wants */
 };
 

@@ -58,6 +58,7 @@ enum { CMD_REGISTER = 1, CMD_COMMIT_AND_FETCH = 2 };
 #define RECORDS DLFS_URING_RECORDS       /* records a queue reads from chunk files at once (a power of two) */
 #define RECORD_BUF DLFS_REPLY_SCRATCH   /* a slot's buffer: every record without block sums fits */
 _Static_assert((RECORDS & (RECORDS - 1)) == 0, "a record's slot is the low bits of its read's user_data");
+#define DIRECT_PAGE 4096                /* O_DIRECT's alignment: a read widened to pages may start this much early */
 #define AHEAD_SLOTS 4                   /* slots that may wait for READs their LOOKUPs foretold */
 #define AHEAD_MIN 8                     /* the score below which a LOOKUP starts no read (see ahead()) */
 #define AHEAD_MAX 32
@@ -98,6 +99,7 @@ struct record {
     uint32_t len;
     uint64_t age; /* when it was started, in the queue's count of starts (the oldest READ one is reused first) */
     char *buf;    /* RECORD_BUF bytes, page-aligned, mapped on first use */
+    char *into;   /* where it is read: buf, or (a record too big for it) its READ's entry's payload */
 };
 enum { FREE, READING, READ };
 
@@ -219,7 +221,8 @@ static int fill(struct entry *e, const struct iovec *iov, int count)
     for (int k = 1; k < count; k++) {
         if (iov[k].iov_len > PAYLOAD - used)
             return -1;
-        memcpy(e->payload + used, iov[k].iov_base, iov[k].iov_len);
+        if (iov[k].iov_base != e->payload + used) /* read from the disk straight into it (record_read) */
+            memcpy(e->payload + used, iov[k].iov_base, iov[k].iov_len);
         used += iov[k].iov_len;
     }
     e->hdr->ent.payload_sz = (uint32_t)used;
@@ -289,31 +292,37 @@ static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, 
         dlfs_chunk_put(sv->files, &best->f, 0);
         best->state = FREE;
     }
-    if (!best->buf) {
-        void *m = mmap(NULL, RECORD_BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m == MAP_FAILED)
-            return NULL;
-        best->buf = m;
-    }
     return best;
 }
 
-/* Start reading record `ext` (`e`) into slot s on the ring; 0 if it cannot be read so. */
-static int record_start(struct queue *q, const struct dlfs_serve *sv, struct record *s, uint64_t ext,
-                        const struct dlfs_extent *e)
+/* Slot s's own buffer, mapped on its first use; NULL if it cannot be. */
+static char *record_buf(struct record *s)
 {
-    if (dlfs_record_plan(sv, e, RECORD_BUF, &s->f, &s->lo, &s->len) < 0)
+    if (!s->buf) {
+        void *m = mmap(NULL, RECORD_BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        s->buf = m == MAP_FAILED ? NULL : m;
+    }
+    return s->buf;
+}
+
+/* Start reading record `ext` (`e`) for slot s on the ring, into `into` (`room` bytes, page-aligned); 0 if
+ * it cannot be read so. */
+static int record_start(struct queue *q, const struct dlfs_serve *sv, struct record *s, uint64_t ext,
+                        const struct dlfs_extent *e, char *into, uint32_t room)
+{
+    if (!into || dlfs_record_plan(sv, e, room, &s->f, &s->lo, &s->len) < 0)
         return 0;
     s->state = READING;
     s->sv = sv;
     s->ext = ext;
     s->e = *e;
     s->res = 0;
+    s->into = into;
     s->age = q->starts++;
     struct io_uring_sqe *sqe = ring_sqe(&q->r);
     sqe->opcode = IORING_OP_READ;
     sqe->fd = s->f.direct;
-    sqe->addr = (uint64_t)(uintptr_t)s->buf;
+    sqe->addr = (uint64_t)(uintptr_t)into;
     sqe->len = s->len;
     sqe->off = s->lo;
     sqe->user_data = RECORD_TAG | (uint64_t)(s - q->rec);
@@ -325,7 +334,7 @@ static void record_done(struct queue *q, const struct dlfs_serve *sv, struct rec
 {
     int i = s->waiter;
     uint64_t need = s->e.offset - s->lo + s->e.stored_len;
-    const char *data = s->res >= 0 && (uint64_t)s->res >= need ? s->buf + (s->e.offset - s->lo) : NULL;
+    const char *data = s->res >= 0 && (uint64_t)s->res >= need ? s->into + (s->e.offset - s->lo) : NULL;
     if (s->res == -EINVAL) /* a file system that opens O_DIRECT but will not read so */
         dlfs_chunk_no_direct(sv->files, &s->f);
     int r = dlfs_record_answer(&q->reply, s->unique, &s->e, data, &q->counters);
@@ -348,7 +357,13 @@ static int record_read(struct queue *q, const struct dlfs_serve *sv, int i, uint
     if (!s) { /* its LOOKUP was long ago, on another CPU, or let pass (the score rises: READs come again) */
         q->score = q->score < AHEAD_MAX ? q->score + 1 : AHEAD_MAX;
         struct dlfs_extent e;
-        if (dlfs_ix_extent(&sv->ix, ext, &e) < 0 || !(s = record_slot(q, sv, 0)) || !record_start(q, sv, s, ext, &e))
+        if (dlfs_ix_extent(&sv->ix, ext, &e) < 0 || !(s = record_slot(q, sv, 0)))
+            return 0;
+        /* A record too big for a slot (one with block sums, page-aligned in its chunk) lands in the reply's
+         * own buffer: no copy at all. */
+        int big = e.stored_len > RECORD_BUF - DIRECT_PAGE;
+        if (!(big ? record_start(q, sv, s, ext, &e, q->ent[i].payload, PAYLOAD)
+                  : record_start(q, sv, s, ext, &e, record_buf(s), RECORD_BUF)))
             return 0;
         s->ahead = 0;
     } else if (s->ahead) {
@@ -375,8 +390,10 @@ static void ahead(struct queue *q, const struct dlfs_serve *sv, uint64_t ino)
         return;
     if (q->score < AHEAD_MIN && q->probe++ % 16)
         return;
+    if (e.stored_len > RECORD_BUF - DIRECT_PAGE)
+        return; /* read into its READ's buffer, once it comes */
     struct record *s = record_slot(q, sv, 1);
-    if (s && record_start(q, sv, s, ext, &e)) {
+    if (s && record_start(q, sv, s, ext, &e, record_buf(s), RECORD_BUF)) {
         s->ahead = 1;
         s->waiter = -1;
         DLFS_COUNT(&q->counters, records_ahead, 1);
@@ -494,6 +511,7 @@ static void *queue_main(void *arg)
     }
     q->has_ring = 1;
     q->reply.async_records = 1;
+    q->reply.async_max = PAYLOAD - DIRECT_PAGE;
     q->score = AHEAD_MAX / 2;
     for (int k = 0; k < RECORDS; k++) {
         q->rec[k].state = FREE;
