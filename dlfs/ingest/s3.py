@@ -28,11 +28,17 @@ import re
 import stat
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
+
+# The venv sees the system's site-packages (for pyverbs: see the Makefile), and with them the system's
+# pyOpenSSL, which botocore imports through urllib3.contrib.pyopenssl; against a newer cryptography its
+# import warns (cryptography 51: "DSA is deprecated"), which would print under every S3 command's answer.
+warnings.filterwarnings("ignore", module=r"OpenSSL(\.|$)")
 
 import boto3
 import botocore.exceptions
