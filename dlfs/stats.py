@@ -137,6 +137,11 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
                   f"io_uring {eng['io_uring']}"
                   + (f", files of {human_mib(cur['direct_io_min'])} or more past the page cache (--direct-io)"
                      if cur.get("direct_io_min") else ""))
+        if eng.get("record_reads") or eng.get("scan"):  # read-ahead out of room: files read whole in C
+            files = eng.get("record_reads", 0) - was.get("record_reads", 0)
+            t.add_row("read whole from chunk files", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
+                      f"{eng.get('record_reads', 0):,} files, {eng.get('records_ahead_used', 0):,} started at their "
+                      f"LOOKUP; read-ahead {'full now' if eng.get('scan') else 'has room now'}")
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
@@ -213,6 +218,11 @@ class EngineFigures(Struct, frozen=True):
     threads: int
     io_uring: str  # off, registering or serving (or why it stopped)
     direct_io_min: int = 0  # --direct-io: files this big are read past the page cache (0: none)
+    # Whole files read from this machine's chunk files by the serving threads (scan mode: read-ahead had no
+    # room), and how many of them were started at their LOOKUP, ahead of the READ (FUSE over io_uring).
+    chunk_file_reads: int = 0
+    started_at_lookup: int = 0
+    scan: bool = False  # read-ahead has no room now: misses are read whole from chunk files, not by window
 
 
 class DirectFigures(Struct, frozen=True):
@@ -277,7 +287,8 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
             cache_capacity=cur["cache_capacity"], fetches=cur["fetches"], fetched_bytes=cur["fetched_bytes"],
             read_errors=cur["read_errors"], failovers=cur["failovers"], checksum_failures=cur["checksum_failures"]),
         engine=EngineFigures(eng["requests"], eng["answered"], eng["forwarded"], eng["threads"],
-                             str(eng["io_uring"]), int(cur.get("direct_io_min", 0))) if eng else None,
+                             str(eng["io_uring"]), int(cur.get("direct_io_min", 0)), int(eng.get("record_reads", 0)),
+                             int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False))) if eng else None,
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
         failing_nodes=list(cur["failing_nodes"]),
