@@ -349,11 +349,15 @@ def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: N
     os.chmod(chunk, 0o644)
     chunk.write_bytes(bytes(blob))
     mnt = node.mount("b", tmp_path / "mnt", "--cache-size", "1M", "--io-uring", "on")
-    for rel in names[:-1]:
+    for rel in names[:30]:
+        assert read_and_drop(mnt / rel) == files[rel], rel
+    half = mount_stats_from_now(node.home, mnt)["engine"]  # read-ahead full of windows not yet read whole
+    assert half["scan"] and half["record_reads"] >= 5, half
+    for rel in names[30:-1]:
         assert read_and_drop(mnt / rel) == files[rel], rel
     read = mount_stats_from_now(node.home, mnt)
-    assert read["engine"]["scan"] and read["engine"]["record_reads"] >= 20, read["engine"]
-    assert read["engine"]["forwarded"] <= 60 - read["engine"]["record_reads"], read["engine"]
+    assert read["engine"]["record_reads"] >= 10, read["engine"]
+    assert read["engine"]["forwarded"] <= 59 - read["engine"]["record_reads"], read["engine"]
     with pytest.raises(OSError) as bad:
         read_and_drop(mnt / victim)
     assert bad.value.errno == errno.EIO
