@@ -362,6 +362,7 @@ def wait_stats(node: Node, mnt: Path, nbytes: int) -> dict[str, int]:
 
 
 @needs_fuse
+@pytest.mark.page_cache  # one fetch per record: a drop_caches beside it has the kernel ask again, from the disk cache
 def test_second_epoch_reads_the_disk_cache(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
     node, files, base = dataset
     total = sum(len(b) for b in files.values())
