@@ -45,6 +45,7 @@ from dlfs.bench.baselines import (
     SquashfuseLL,
     System,
     build_squashfs,
+    cpu_seconds,
     drop_caches,
     unmount_all_under,
 )
@@ -363,7 +364,8 @@ class Section:
         """One epoch of `key`'s kind on `s`, on a fresh mount with the page cache dropped; its row."""
         row: dict[str, Any] = {"label": ROWS[key], "how": HOW[key], "completed": False, "status": "",
                                "files": 0, "bytes": 0, "seconds": None, "files_per_s": None, "mb_per_s": None,
-                               "vs_local": None, "oom_kills": 0, "bytes_ok": None, "bad_files": 0,
+                               "vs_local": None, "cpu_us_per_file": None, "oom_kills": 0, "bytes_ok": None,
+                               "bad_files": 0,
                                "bad_examples": [], "errors": 0, "error_examples": [], "hash_s": None, "mount": None,
                                "group_peak_unreclaimable": None}
         oom0 = self.group.oom_kills()
@@ -383,6 +385,7 @@ class Section:
         job.write_text(json.dumps({"mode": mode, "root": str(s.root), "list": str(self.work / "list.json"),
                                    "readers": READERS, "seed": self.seed}))
         timeout = epoch_timeout(self.total)
+        cpu0 = cpu_seconds(pid) if pid is not None else None  # the serving process's (FUSE systems)
         with open(self.work / "readers.log", "ab") as logf, PeakMemory(pid, self.group) as mem:
             proc = subprocess.Popen(self.group.command([sys.executable, "-c", _HELPER, str(job), str(result)]),
                                     stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
@@ -396,6 +399,7 @@ class Section:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
+        cpu = cpu_seconds(pid) - cpu0 if pid is not None and cpu0 is not None and running(pid) else None
         row["oom_kills"] = self.group.oom_kills() - oom0
         row["group_peak_unreclaimable"] = mem.peak_group
         if pid is not None:
@@ -415,6 +419,7 @@ class Section:
         if row["completed"] and row["seconds"]:
             row["files_per_s"] = row["files"] / row["seconds"]
             row["mb_per_s"] = row["bytes"] / 1e6 / row["seconds"]
+            row["cpu_us_per_file"] = cpu * 1e6 / row["files"] if cpu is not None and row["files"] else None
         return row
 
     def _node_up(self) -> None:

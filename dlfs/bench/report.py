@@ -125,6 +125,11 @@ def memory_targets(mem: dict[str, Any]) -> list[dict[str, Any]]:
             return None
         return rows[key]["vs_local"] if rows[key]["completed"] else 0.0
 
+    def cpu_vs(key: str, base: str) -> float | None:
+        if rows is None or not rows[key].get("cpu_us_per_file") or not rows[base].get("cpu_us_per_file"):
+            return None
+        return rows[key]["cpu_us_per_file"] / rows[base]["cpu_us_per_file"]
+
     peaks = [r["mount"]["vs_bound"] for k in DLFS_ROWS if rows is not None
              and (r := rows[k])["mount"] is not None and r["mount"]["vs_bound"] is not None]
     where = "bigger than memory"
@@ -135,6 +140,9 @@ def memory_targets(mem: dict[str, Any]) -> list[dict[str, Any]]:
         target(f"{where}: dlfs.direct + chunk-local sampler / local disk", vs_local("direct_chunk"), 2.0, "x"),
         target(f"{where}: mount's peak anon+shmem / (cache + 64 MiB + index)", max(peaks, default=None), 1.0,
                "x", op="<="),
+        target(f"{where}: FUSE epoch / local disk, issue 21's goal", vs_local("fuse"), 1.0, "x"),
+        target(f"{where}: mount CPU per file, FUSE epoch: dlfs / squashfuse_ll", cpu_vs("fuse", "squashfuse_ll"),
+               0.8, "x", op="<="),
     ]
 
 
@@ -359,7 +367,7 @@ def format_memory(mem: dict[str, Any]) -> list[str]:
     if "error" in mem:
         lines.append(f"  failed: {mem['error']}")
     rows = mem.get("rows") or {}
-    lines.append(f"  {'':<25}{'':<27}{'files/s':>9}{'MB/s':>9}{'vs local':>10}{'OOM kills':>11}"
+    lines.append(f"  {'':<25}{'':<27}{'files/s':>9}{'MB/s':>9}{'vs local':>10}{'CPU us/file':>12}{'OOM kills':>11}"
                  f"{'mount anon+shmem peak':>26}{'group anon+shmem':>18}{'bytes ok':>10}")
     notes = []
     for r in rows.values():
@@ -372,8 +380,9 @@ def format_memory(mem: dict[str, Any]) -> list[str]:
             peak = f"{m['peak_anon_shmem'] / 2**20:.0f} MiB"
         ok = "-" if r["bytes_ok"] is None else "yes" if r["bytes_ok"] else f"NO ({r['bad_files']})"
         group = r.get("group_peak_unreclaimable")
+        cpu = r.get("cpu_us_per_file")
         lines.append(f"  {r['label']:<25}{r['how']:<27}{_num(r['files_per_s']):>9}{_num(r['mb_per_s'], 1):>9}"
-                     f"{_x(r['vs_local']):>10}{r['oom_kills']:>11}{peak:>26}"
+                     f"{_x(r['vs_local']):>10}{'-' if cpu is None else f'{cpu:.0f}':>12}{r['oom_kills']:>11}{peak:>26}"
                      f"{'-' if group is None else f'{group / 2**20:.0f} MiB':>18}{ok:>10}")
         if r["status"] != "ok":
             notes.append(f"  {r['label']}: {r['status']}")
@@ -381,7 +390,7 @@ def format_memory(mem: dict[str, Any]) -> list[str]:
     lines.append("  every file once in a random order (chunk-local: the ChunkLocalSampler's); bytes checked against "
                  "xxh3 of the source, the hashing left out of the time;")
     lines.append("  memory sampled every 50 ms: the mount's RssAnon + RssShmem (/proc/PID/status), the group's "
-                 "anon + shmem (memory.stat)")
+                 "anon + shmem (memory.stat); CPU: the serving process's user + system time over the files read")
     return lines
 
 
