@@ -420,9 +420,11 @@ static void handle(struct queue *q, int i)
         uint32_t opcode = in->opcode; /* the reply overwrites the request's header */
         int r = dlfs_answer(sv, &rq, &q->reply, &q->counters);
         if (r == DLFS_ANSWERED) {
-            answered(q, sv, i, in->unique);
+            /* A file's read from the disk goes out before its LOOKUP's reply: the reader woken by that
+             * reply runs only once this thread sleeps, on this CPU, so the disk may as well start first. */
             if (opcode == FUSE_LOOKUP && !q->reply.out.error)
                 ahead(q, sv, ((const struct fuse_entry_out *)q->reply.iov[1].iov_base)->nodeid);
+            answered(q, sv, i, in->unique);
             return;
         }
         if (r == DLFS_NO_REPLY) { /* never through a ring; answer something so the entry comes back */
