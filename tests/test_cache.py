@@ -453,6 +453,23 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
         n.cancel_scope.cancel()
 
 
+@pytest.mark.timeout(60)
+async def test_a_random_direct_epoch_through_a_small_cache_reads_records_alone(tmp_path: Path) -> None:
+    # dlfs.direct reads in a random order over more than the cache holds: once the cache is full, a miss
+    # whose chunk no recent miss was in reads its record alone, not its window, whose other records would
+    # be dropped before they were asked for (4 MiB read per 110 KB file in the bench's memory section).
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        cache, payloads = await _local_cache(tmp_path, client, spec, 24, 70, 4 * SLAB)
+        order = list(range(len(payloads)))
+        random.Random(5).shuffle(order)
+        for ext in order:
+            assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
+        served = sum(map(len, payloads))
+        assert cache.fetcher.fetched_bytes <= 1.5 * served, (cache.fetcher.fetched_bytes, served)
+        n.cancel_scope.cancel()
+
+
 def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:
     """Read-ahead reaches the disk in the order it was queued (its ticket), not in the order its tasks
     happen to be scheduled; a read a reader waits for goes before all of it."""

@@ -36,6 +36,7 @@ import logging
 import math
 import mmap
 import os
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,7 @@ PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
+DIRECT_RECENT = 8  # chunks of the latest dlfs.direct misses (whether the reads are chunk-local)
 
 
 def _address(buf: memoryview) -> int:
@@ -114,6 +116,7 @@ class ChunkCache:
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.prefetched_bytes = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
+        self._direct_chunks: deque[int] = deque(maxlen=DIRECT_RECENT)  # chunks of the latest direct misses
 
     def close(self) -> None:
         """Let go of the memfds (the mappings go with the last reference to them)."""
@@ -145,6 +148,18 @@ class ChunkCache:
         while not self._room(self.slab_size, direct=True) and self.held.evict_oldest_resident():
             pass
         return self._room(self.slab_size, direct=True)
+
+    def _direct_window(self, ext: int) -> bool:
+        """Whether a dlfs.direct miss of extent `ext` brings its window, read-ahead having no room: where the
+        part kept for such clients has room, or where the reads are chunk-local (a recent miss was in its
+        chunk, or the recent misses were in a few chunks: the ChunkLocalSampler's order), dropping the
+        oldest windows for it. A random order over more than the cache holds reads each record alone: its
+        window's other records would be dropped before they were asked for (a 4 MiB read per 110 KB
+        file: 28x the bytes served, at 0.10x local disk)."""
+        chunk = self.index.extent(ext).chunk
+        near = chunk in self._direct_chunks or len(set(self._direct_chunks)) <= DIRECT_RECENT // 2
+        self._direct_chunks.append(chunk)
+        return self._room(self.slab_size, direct=True) or (near and self._make_room())
 
     def _readahead_room(self) -> bool:
         """Whether a miss may read ahead, and so whether the serving threads are in scan mode (read
@@ -240,8 +255,8 @@ class ChunkCache:
         self.planner.asked_again(ext)
         room = self._readahead_room()
         if not room and direct:
-            room = self._make_room()
-        window = (ahead and room) or direct
+            room = self._direct_window(ext)
+        window = (ahead or direct) and room
         if chunk and ahead and room:
             for start in self.planner.rest_of_chunk(ext, self._present):
                 self._queue_window(start)
