@@ -454,6 +454,35 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
 
 
 @pytest.mark.timeout(60)
+async def test_a_dataset_bigger_than_read_ahead_stays_in_scan_mode_once_read_ahead_fills(tmp_path: Path) -> None:
+    # Read in order, windows go as fast as they come: read-ahead never fills. Read at random, it fills; for
+    # a dataset bigger than read-ahead's bound scan mode then stays: each later miss fetches its record
+    # alone and read-ahead takes nothing new (a mount's serving threads read such files themselves).
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        cache, payloads = await _local_cache(tmp_path, client, spec, 12, 80, 6 * SLAB)
+        assert sum(map(len, payloads)) > cache.held.readahead_cap
+        for ext in range(len(payloads)):
+            got = await cache.record(ext)
+            assert bytes(got) == payloads[ext]
+            cache.consume(ext, len(got))
+        assert not cache.scan_latched and cache.fetcher.fetches < len(payloads) // 2  # by window
+        order = list(range(len(payloads)))
+        random.Random(9).shuffle(order)
+        since: tuple[int, int] | None = None
+        for ext in order:
+            got = await cache.record(ext)
+            assert bytes(got) == payloads[ext]
+            cache.consume(ext, len(got))
+            if cache.scan_latched and since is None:
+                since = (cache.fetcher.fetches, cache.fetcher.fetched_bytes)
+        assert since is not None, "read-ahead never filled"
+        fetches, fetched = cache.fetcher.fetches - since[0], cache.fetcher.fetched_bytes - since[1]
+        assert fetches > 0 and fetched <= fetches * max(map(len, payloads)), (fetches, fetched)  # records alone
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
 async def test_a_random_direct_epoch_through_a_small_cache_reads_records_alone(tmp_path: Path) -> None:
     # dlfs.direct reads in a random order over more than the cache holds: once the cache is full, a miss
     # whose chunk no recent miss was in reads its record alone, not its window, whose other records would

@@ -53,12 +53,14 @@ from dlfs.mount.localchunks import DIRECT_ALIGN, THREAD_BYTES, ticket
 from dlfs.mount.planner import Planner, window_size
 from dlfs.mount.slabs import NO_SLAB, Slabs
 from dlfs.native import native
+from dlfs.units import human_bytes
 
 log = logging.getLogger(__name__)
 PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or a node) busy
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
+LATCH_WINDOWS = 16  # read-ahead held past max(this many windows, a quarter of its bound): a random order
 DIRECT_RECENT = 8  # chunks of the latest dlfs.direct misses (whether the reads are chunk-local)
 
 
@@ -107,12 +109,25 @@ class ChunkCache:
             self.slabs.pins = self.shared
         self.held = Held(self.slabs, self.shared)
         self._scan = False  # whether the serving threads are in scan mode (see _readahead_room)
+        # A dataset bigger than read-ahead's bound stays in scan mode once read-ahead holds a quarter of
+        # it (an epoch in a random order: a sequential one consumes its windows as fast as they come): further
+        # windows would each bring one record read now and the rest over the whole epoch, holding
+        # read-ahead's bound of memory nobody can reclaim (282 MiB of a 1 GiB group) for less than the
+        # serving threads' own reads give, each file's started at its LOOKUP (in a 1 GiB group: 0.87-1.08x
+        # local disk at 78-86 us of mount CPU a file and 29 MiB, against 0.87-0.92x, 90-95 us, 282 MiB).
+        # Streams of big files still read ahead (see _stream_ahead).
+        self._bigger = index.totals.bytes > self.held.readahead_cap
+        self.scan_latched = False
+        # Read-ahead held this long is an epoch in a random order (a sequential one holds the windows in
+        # flight): for such a dataset, no need to fill the rest before scan mode stays.
+        self._latch_at = max(self.held.readahead_cap // 4, LATCH_WINDOWS * self.slab_size)
         self._inflight: dict[int, trio.Event] = {}  # extent -> its fetch's end (one fetch for concurrent misses)
         self._inflight_size = 0
         self._prefetch = prefetch
         # Windows (their first extent) waiting for a prefetch worker, with their tickets: read-ahead
         # reaches the disk in the order it was queued (the workers are scheduled in any order).
         self._queued: dict[int, int] = {}
+        self._of_chunk: set[int] = set()  # those of them queued as the rest of a small file's chunk
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.prefetched_bytes = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
@@ -165,11 +180,20 @@ class ChunkCache:
         """Whether a miss may read ahead, and so whether the serving threads are in scan mode (read
         whole small records of this machine's chunks themselves: every miss would be fetched alone).
         Scan mode ends once half the resident part is free again, not at the first slab's room: read
-        ahead in drips, each window would mostly bring records the threads had already read."""
-        if self._scan:
+        ahead in drips, each window would mostly bring records the threads had already read. For a
+        dataset bigger than read-ahead's bound it does not end (scan_latched)."""
+        if self.scan_latched:
+            room = False
+        elif self._scan:
             room = self.held.resident_size + self._inflight_size <= self.held.readahead_cap // 2
         else:
             room = self._room(self.slab_size)
+            held = self.held.resident_size + self._inflight_size
+            if self._bigger and (not room or held > self._latch_at):
+                room, self.scan_latched = False, True
+                log.info("read-ahead fills up in a random order and the dataset (%s) is bigger than its bound (%s): "
+                         "from now on small files are read one by one, each from its lookup on, not by window",
+                         human_bytes(self.index.totals.bytes), human_bytes(self.held.readahead_cap))
         if room == self._scan:
             self._scan = not room
             if native is not None and self.shared is not None:
@@ -259,7 +283,7 @@ class ChunkCache:
         window = (ahead or direct) and room
         if chunk and ahead and room:
             for start in self.planner.rest_of_chunk(ext, self._present):
-                self._queue_window(start)
+                self._queue_window(start, of_chunk=True)
         run = self.planner.run(ext, self._present, sent=not direct) if window else [ext]
         data = await self._fetch(run, ext, direct)
         assert data is not None
@@ -392,9 +416,13 @@ class ChunkCache:
         for start in self.planner.ahead(ext, first, file_end, self._present, self._room_for_window):
             self._queue_window(start)
 
-    def _queue_window(self, start: int) -> None:
+    def _queue_window(self, start: int, of_chunk: bool = False) -> None:
+        """Queue the window starting at extent `start` for the prefetch workers (`of_chunk`: the rest of a
+        small file's chunk, which scan mode's latch cancels; a stream's windows it does not)."""
         if self._prefetch and start not in self._queued:
             self._queued[start] = ticket()
+            if of_chunk:
+                self._of_chunk.add(start)
             self._queue_send.send_nowait(start)
 
     async def prefetch_worker(self) -> None:
@@ -402,9 +430,11 @@ class ChunkCache:
         are not here yet, a slab each, while read-ahead has room."""
         async for start in self._queue_recv:
             order = self._queued.pop(start, None)
+            of_chunk = start in self._of_chunk
+            self._of_chunk.discard(start)
             lo, hi = self.planner.window_of(start)
             run = [i for i in range(lo, hi) if self.planner.needed(i, self._present)]
-            if not run or not self._room(self.slab_size):
+            if not run or not self._room(self.slab_size) or (of_chunk and self.scan_latched):
                 continue
             try:
                 await self._fetch(run, None, order=order)
