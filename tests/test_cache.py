@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,15 +44,26 @@ async def _dataset(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_chun
     return Index(path), payloads, stored
 
 
-async def _local_cache(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_chunks: int, seed: int,
-                       capacity: int) -> tuple[ChunkCache, list[bytes]]:
-    """`n_chunks` chunks of 8 incompressible 20 KB records on the node, and a cache of `capacity` that
-    reads them from its chunk files, into its slabs (as a mount on a data node does)."""
-    chunks = [_big_chunk(seed + i, [20_000] * 8) for i in range(n_chunks)]
-    index, payloads = await _stored(tmp_path, client, [spec], chunks)
-    cache = ChunkCache(index, client, capacity=capacity, readahead=SLAB, prefetch=False)
-    cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
-    return cache, payloads
+@asynccontextmanager
+async def _local_cache(tmp_path: Path, n_chunks: int, seed: int, capacity: int) -> AsyncIterator[tuple[ChunkCache, list[bytes]]]:
+    """A one-node cluster holding `n_chunks` chunks of 8 incompressible 20 KB records, and a cache of
+    `capacity` that reads them from its chunk files, into its slabs (as a mount on a data node does)."""
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        chunks = [_big_chunk(seed + i, [20_000] * 8) for i in range(n_chunks)]
+        index, payloads = await _stored(tmp_path, client, [spec], chunks)
+        cache = ChunkCache(index, client, capacity=capacity, readahead=SLAB, prefetch=False)
+        cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        yield cache, payloads
+        n.cancel_scope.cancel()
+
+
+async def _read_as_the_kernel(cache: ChunkCache, payloads: list[bytes], order: Iterable[int]) -> None:
+    """Read each extent of `order` through the cache, check it, and hand it to the kernel (consumed)."""
+    for ext in order:
+        got = await cache.record(ext)
+        assert bytes(got) == payloads[ext], f"extent {ext}"
+        cache.consume(ext, len(got))
 
 
 @pytest.mark.timeout(60)
@@ -62,10 +75,7 @@ async def test_random_epoch_through_a_small_cache_fetches_each_byte_about_once(t
         cache = ChunkCache(index, client, capacity=6 * SLAB, readahead=SLAB, prefetch=False)
         order = list(range(len(payloads)))
         random.Random(7).shuffle(order)
-        for ext in order:
-            got = await cache.record(ext)
-            assert bytes(got) == payloads[ext], f"extent {ext}"
-            cache.consume(ext, len(got))
+        await _read_as_the_kernel(cache, payloads, order)
         s = cache.stats()
         assert s["consumed"] == len(payloads)
         assert s["cached_bytes"] == 0, "consumed records must free their slabs"
@@ -172,10 +182,7 @@ async def test_a_second_cold_epoch_reads_ahead_as_the_first(tmp_path: Path) -> N
         fetches = []
         for _epoch in range(2):
             before = cache.fetcher.fetches
-            for ext in range(len(payloads)):
-                got = await cache.record(ext)
-                assert bytes(got) == payloads[ext]
-                cache.consume(ext, len(got))
+            await _read_as_the_kernel(cache, payloads, range(len(payloads)))
             fetches.append(cache.fetcher.fetches - before)
         windows = len({cache.planner.window_of(ext) for ext in range(len(payloads))})
         assert windows < len(payloads) and fetches == [windows, windows], fetches  # a fetch per window, each epoch
@@ -388,9 +395,7 @@ async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(t
     import dlfs.mount.held as held_mod
 
     monkeypatch.setattr(held_mod, "OWN_MEMORY", 3 * 20_000)
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        cache, payloads = await _local_cache(tmp_path, client, spec, 8, 30, 4 * SLAB)
+    async with _local_cache(tmp_path, 8, 30, 4 * SLAB) as (cache, payloads):
         assert cache.shared is not None, "needs dlfs's C helper"
         for ext in range(0, 4 * 8, 8):  # one record of each of 4 chunks: a window, a slab each
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
@@ -403,17 +408,12 @@ async def test_records_outside_the_arena_are_bounded_when_every_slab_is_pinned(t
             most = max(most, cache.stats()["own_bytes"])
         assert 0 < most <= 3 * 20_000, most
         assert cache.fetcher.fetches == 4 + len(payloads) - 4 * 8, "pinned: each record alone, no window"
-        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)
 async def test_free_slabs_go_back_to_the_kernel_and_pressure_sheds_read_ahead(tmp_path: Path) -> None:
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        cache, payloads = await _local_cache(tmp_path, client, spec, 6, 40, 16 * SLAB)
-        for ext in range(len(payloads)):  # every window fetched, then the kernel has it all
-            got = await cache.record(ext)
-            cache.consume(ext, len(got))
+    async with _local_cache(tmp_path, 6, 40, 16 * SLAB) as (cache, payloads):
+        await _read_as_the_kernel(cache, payloads, range(len(payloads)))  # every window fetched, then the kernel has it all
         assert cache.stats()["cached_bytes"] == 0
 
         def allocated() -> int:  # the memfd's pages, whoever maps them
@@ -431,7 +431,6 @@ async def test_free_slabs_go_back_to_the_kernel_and_pressure_sheds_read_ahead(tm
         assert held > 0
         assert cache.shed(held) >= held and cache.stats()["cached_bytes"] == 0
         assert bytes(await cache.record(1)) == payloads[1]  # a slab given back is used again, faulted in afresh
-        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)
@@ -439,9 +438,7 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
     # dlfs.direct clients read records without consuming them: a miss makes room by dropping the oldest
     # windows, rather than sending its window to the small scratch area where it was dropped before its
     # records were asked for.
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        cache, payloads = await _local_cache(tmp_path, client, spec, 12, 50, 8 * SLAB)
+    async with _local_cache(tmp_path, 12, 50, 8 * SLAB) as (cache, payloads):
         windows = {cache.planner.window_of(e) for e in range(len(payloads))}
         rng = random.Random(3)
         for c in range(0, 12, 2):  # two chunks at a time, their records shuffled (ChunkLocalSampler's way)
@@ -450,7 +447,6 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
             for ext in part:
                 assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
         assert cache.fetcher.fetches == len(windows), (cache.fetcher.fetches, len(windows))
-        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)
@@ -458,28 +454,20 @@ async def test_a_dataset_bigger_than_read_ahead_stays_in_scan_mode_once_read_ahe
     # Read in order, windows go as fast as they come: read-ahead never fills. Read at random, it fills; for
     # a dataset bigger than read-ahead's bound scan mode then stays: each later miss fetches its record
     # alone and read-ahead takes nothing new (a mount's serving threads read such files themselves).
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        cache, payloads = await _local_cache(tmp_path, client, spec, 12, 80, 6 * SLAB)
+    async with _local_cache(tmp_path, 12, 80, 6 * SLAB) as (cache, payloads):
         assert sum(map(len, payloads)) > cache.held.readahead_cap
-        for ext in range(len(payloads)):
-            got = await cache.record(ext)
-            assert bytes(got) == payloads[ext]
-            cache.consume(ext, len(got))
+        await _read_as_the_kernel(cache, payloads, range(len(payloads)))
         assert not cache.scan_latched and cache.fetcher.fetches < len(payloads) // 2  # by window
         order = list(range(len(payloads)))
         random.Random(9).shuffle(order)
         since: tuple[int, int] | None = None
         for ext in order:
-            got = await cache.record(ext)
-            assert bytes(got) == payloads[ext]
-            cache.consume(ext, len(got))
+            await _read_as_the_kernel(cache, payloads, [ext])
             if cache.scan_latched and since is None:
                 since = (cache.fetcher.fetches, cache.fetcher.fetched_bytes)
         assert since is not None, "read-ahead never filled"
         fetches, fetched = cache.fetcher.fetches - since[0], cache.fetcher.fetched_bytes - since[1]
         assert fetches > 0 and fetched <= fetches * max(map(len, payloads)), (fetches, fetched)  # records alone
-        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)
@@ -487,16 +475,13 @@ async def test_a_random_direct_epoch_through_a_small_cache_reads_records_alone(t
     # dlfs.direct reads in a random order over more than the cache holds: once the cache is full, a miss
     # whose chunk no recent miss was in reads its record alone, not its window, whose other records would
     # be dropped before they were asked for (4 MiB read per 110 KB file in the bench's memory section).
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        cache, payloads = await _local_cache(tmp_path, client, spec, 24, 70, 4 * SLAB)
+    async with _local_cache(tmp_path, 24, 70, 4 * SLAB) as (cache, payloads):
         order = list(range(len(payloads)))
         random.Random(5).shuffle(order)
         for ext in order:
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
         served = sum(map(len, payloads))
         assert cache.fetcher.fetched_bytes <= 1.5 * served, (cache.fetcher.fetched_bytes, served)
-        n.cancel_scope.cancel()
 
 
 def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:

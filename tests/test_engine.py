@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ from conftest import (
 )
 
 from dlfs import direct
+from dlfs.data.store import chunk_path
 from dlfs.errors import MountError
+from dlfs.format.index import Extent, Index
 from dlfs.mount.lifecycle import DIRECT_IO_MIN, URING_BIG_FILES, want_direct_io, want_io_uring
 from dlfs.native import native
 
@@ -58,6 +61,33 @@ def read_and_drop(path: Path) -> bytes:
         data = f.read()
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return data
+
+
+@contextmanager
+def version_index(node: Node, dataset: str) -> Iterator[Index]:
+    """The index of `dataset`'s version on the node, open while the block runs."""
+    idx = Index(next((node.home / "meta" / "index" / dataset).glob("*.idx")))
+    try:
+        yield idx
+    finally:
+        idx.close()
+
+
+def first_record(idx: Index, rel: str) -> Extent:
+    """The extent of file `rel`'s first record."""
+    ino = 1
+    for part in rel.split("/"):
+        ino = idx.lookup(ino, part.encode())
+    return idx.extent(idx.inode(ino).ref)
+
+
+def spoil(node: Node, chunk_id: bytes, at: int, mask: int = 0xFF) -> None:
+    """Flip bits of byte `at` of this machine's chunk file `chunk_id`, as a failing disk would."""
+    chunk = chunk_path(node.home / "data" / "chunks", chunk_id)
+    blob = bytearray(chunk.read_bytes())
+    blob[at] ^= mask
+    os.chmod(chunk, 0o644)
+    chunk.write_bytes(bytes(blob))
 
 
 def test_io_uring_setting(tmp_path: Path) -> None:
@@ -263,24 +293,13 @@ def test_scan_mode_reads_small_files_from_their_chunks_from_the_lookup_on(node: 
     # 1.5 files per READ). Through FUSE over io_uring that read starts at the file's LOOKUP, before its
     # READ comes, while LOOKUPs foretell READs; a walk that only stats files stops it (one LOOKUP in 16
     # still tries). A flipped byte costs its file EIO (one replica), and nothing else.
-    from dlfs.data.store import chunk_path
-    from dlfs.format.index import Index
-
     names = sorted(n for n in tree if n != "big.bin")
     random.Random(11).shuffle(names)
     read_first, victim, walked, read_after = names[:150], names[150], names[151:250], names[250:]
-    idx = Index(next((node.home / "meta" / "index" / "t").glob("*.idx")))
-    try:
-        folder, name = (part.encode() for part in victim.split("/"))
-        ext = idx.extent(idx.inode(idx.lookup(idx.lookup(1, folder), name)).ref)
-        chunk = chunk_path(node.home / "data" / "chunks", idx.chunk(ext.chunk).id)
+    with version_index(node, "t") as idx:
+        ext = first_record(idx, victim)
+        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 5)
         n_chunks = idx.totals.chunks
-    finally:
-        idx.close()
-    blob = bytearray(chunk.read_bytes())
-    blob[ext.record.offset + 5] ^= 0xFF
-    os.chmod(chunk, 0o644)
-    chunk.write_bytes(bytes(blob))
 
     def engine() -> dict:
         return mount_stats_from_now(node.home, mnt)["engine"]
@@ -322,9 +341,6 @@ def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: N
     # a queue of FUSE over io_uring reads such a file whole with O_DIRECT into the READ's own reply
     # buffer and checks the record's checksum, with no copy and no word to Python (4% of an epoch of
     # ImageNet-like files, which Python once answered at ~1 ms of CPU each). A flipped byte: EIO.
-    from dlfs.data.store import chunk_path
-    from dlfs.format.index import Index
-
     rng = random.Random(4)
     src = tmp_path / "src"
     src.mkdir()
@@ -335,19 +351,11 @@ def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: N
     names = sorted(files)
     rng.shuffle(names)
     victim = names[-1]
-    idx = Index(next((node.home / "meta" / "index" / "b").glob("*.idx")))
-    try:
-        node_ = idx.inode(idx.lookup(1, victim.encode()))
-        assert node_.count == 1  # one record: what this is about
-        ext = idx.extent(node_.ref)
+    with version_index(node, "b") as idx:
+        assert idx.inode(idx.lookup(1, victim.encode())).count == 1  # one record: what this is about
+        ext = first_record(idx, victim)
         assert ext.record.has_block_sums and ext.record.offset % 4096 == 0, ext
-        chunk = chunk_path(node.home / "data" / "chunks", idx.chunk(ext.chunk).id)
-    finally:
-        idx.close()
-    blob = bytearray(chunk.read_bytes())
-    blob[ext.record.offset + 200_000] ^= 0x10
-    os.chmod(chunk, 0o644)
-    chunk.write_bytes(bytes(blob))
+        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 200_000, 0x10)
     mnt = node.mount("b", tmp_path / "mnt", "--cache-size", "1M", "--io-uring", "on")
     for rel in names[:30]:
         assert read_and_drop(mnt / rel) == files[rel], rel
@@ -389,19 +397,9 @@ def test_random_reads_in_a_big_file_read_their_blocks_from_local_chunks(node: No
     assert s["engine"]["block_reads"] == 400 and s["python_reads"] == 0, s["engine"]
     assert s["fetched_bytes"] <= 2 * 400 * 4096 + (64 << 10), s["fetched_bytes"]  # blocks, and the sum tables
     # Damage: one byte of block 1000 of the file, in the chunk file itself.
-    from dlfs.data.store import chunk_path
-    from dlfs.format.index import Index
-
-    idx = Index(next((node.home / "meta" / "index" / "big").glob("*.idx")))
-    try:
-        ext = idx.extent(idx.inode(idx.lookup(1, b"big.npy")).ref)  # the first record holds the first 4 MiB
-        chunk = chunk_path(node.home / "data" / "chunks", idx.chunk(ext.chunk).id)
-    finally:
-        idx.close()
-    blob = bytearray(chunk.read_bytes())
-    blob[ext.record.offset + 1000 * 4096 + 7] ^= 0xFF
-    os.chmod(chunk, 0o644)
-    chunk.write_bytes(bytes(blob))
+    with version_index(node, "big") as idx:
+        ext = first_record(idx, "big.npy")  # the first record holds the first 4 MiB
+        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 1000 * 4096 + 7)
     node.umount(mnt)
     mnt = node.mount("big", tmp_path / "mnt")
     fd = os.open(mnt / "big.npy", os.O_RDONLY | os.O_DIRECT)
