@@ -113,9 +113,9 @@ class ChunkCache:
         # it (an epoch in a random order: a sequential one consumes its windows as fast as they come): further
         # windows would each bring one record read now and the rest over the whole epoch, holding
         # read-ahead's bound of memory nobody can reclaim (282 MiB of a 1 GiB group) for less than the
-        # serving threads' own reads give, each file's started at its LOOKUP (in a 1 GiB group: 0.87-1.08x
-        # local disk at 78-86 us of mount CPU a file and 29 MiB, against 0.87-0.92x, 90-95 us, 282 MiB).
-        # Streams of big files still read ahead (see _stream_ahead).
+        # serving threads' own reads give, each file's started at its LOOKUP (in a 1 GiB group: 0.85-1.13x
+        # local disk at 82-94 us of mount CPU a file and a 156-162 MiB peak, against 0.87-0.92x, 90-95 us
+        # and 282 MiB). Streams of big files still read ahead (see _stream_ahead).
         self._bigger = index.totals.bytes > self.held.readahead_cap
         self.scan_latched = False
         # Read-ahead held this long is an epoch in a random order (a sequential one holds the windows in
