@@ -363,13 +363,14 @@ class DlfsNode:
 
 class DlfsMount(System):
     name, label = "dlfs", "dlfs"
+    DIRECT_IO = ("dlfs_direct_io", "dlfs --direct-io")  # the name and label of a mount with --direct-io
 
     def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False) -> None:
         super().__init__(mountpoint)
         self.node, self.dataset = node, dataset
         self.direct_io = direct_io  # mounted with --direct-io: then named dlfs_direct_io
         if direct_io:
-            self.name, self.label = "dlfs_direct_io", "dlfs --direct-io"
+            self.name, self.label = self.DIRECT_IO
         self._pid: int | None = None
         self.mount_seconds = 0.0
 

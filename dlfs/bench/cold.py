@@ -41,6 +41,7 @@ DATASETS = {"big": "bench-cold-big", "small": "bench-cold-small"}  # each of the
 BIG_SIZES = (16 << 20, 40_000_000)  # a 3D-U-Net-like sample (MLPerf Storage's unet3d) and a bigger shard
 SMALL_MEAN = 110_000
 SMALL_MAX = 8000  # small files at most: enough for a steady epoch, a dataset of ~0.9 GB
+DLFS_LABELS = {"dlfs": DlfsMount.label, DlfsMount.DIRECT_IO[0]: DlfsMount.DIRECT_IO[1]}  # dlfs mounts' results by name
 
 
 def section_size(files: int, big_files: int) -> tuple[int, int]:
@@ -155,8 +156,7 @@ def cold_targets(c: dict[str, Any]) -> list[dict[str, Any]]:
 
     rows = [target(f"big files (16 MiB, 40 MB) read whole, cold, {n} reader(s): {label} / local disk",
                    by[name]["mb_per_s"] / by["local"]["mb_per_s"], 1.0, "x")
-            for n, by in c["big"].items() for name, label in (("dlfs", "dlfs"), ("dlfs_direct_io", "dlfs --direct-io"))
-            if name in by]
+            for n, by in c["big"].items() for name, label in DLFS_LABELS.items() if name in by]
     sm = c["small"]
     rows.append(target("second cold epoch on one mount (page cache dropped) / the first, dlfs",
                        sm["dlfs"]["second_over_first"], 0.95, "x"))
@@ -180,7 +180,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         cpu = r.get("cpu_us_per_file")
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
-        shown = "dlfs --direct-io" if name == "dlfs_direct_io" else name
+        shown = DLFS_LABELS.get(name, name)
         return (f"  {what:<44}{shown:<17}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
                 f"{'-' if own is None else f'{own:.2f}':>12}")
@@ -206,8 +206,8 @@ def reader_cpu_ratios(c: dict[str, Any]) -> dict[str, float]:
     costs the process reading it, which no server can change (measured on Linux 6.18: the page cache of a
     FUSE file is all 4 KiB pages, a local ext4 file's mostly large folios)."""
     out: dict[str, float] = {}
-    pairs = [(f"big files, {n} reader(s){' --direct-io' if name != 'dlfs' else ''}", by[name], by["local"])
-             for n, by in c["big"].items() for name in ("dlfs", "dlfs_direct_io") if name in by]
+    pairs = [(f"big files, {n} reader(s){label.removeprefix('dlfs')}", by[name], by["local"])
+             for n, by in c["big"].items() for name, label in DLFS_LABELS.items() if name in by]
     pairs.append(("small files, first epoch", c["small"]["dlfs"]["first"], c["small"]["local"]["first"]))
     for what, mine, theirs in pairs:
         if mine.get("reader_cpu_s_per_gb") and theirs.get("reader_cpu_s_per_gb"):

@@ -156,10 +156,11 @@ class DlfsOperations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
             raise Refused(errno.EROFS)
-        if stat.S_ISDIR(self.attrs(inode).st_mode):
+        attrs = self.attrs(inode)
+        if stat.S_ISDIR(attrs.st_mode):
             raise Refused(errno.EISDIR)
         if self.direct_io_min:  # as native/answer.c's open_: a big file is read past the page cache
-            direct = self.attrs(inode).st_size >= self.direct_io_min
+            direct = attrs.st_size >= self.direct_io_min
             return pyfuse3.FileInfo(fh=inode, direct_io=direct, keep_cache=not direct)
         if fuse_hooked():
             # no_open: the kernel stops sending OPEN and RELEASE and keeps every file's pages, and
