@@ -84,6 +84,26 @@ static void add(struct dlfs_reply *rp, const void *p, size_t len)
     rp->n++;
 }
 
+/* A reply to request `unique`: its header first, no pins yet. */
+static void reply_begin(struct dlfs_reply *rp, uint64_t unique)
+{
+    memset(&rp->out, 0, sizeof rp->out);
+    rp->out.unique = unique;
+    rp->n = 0;
+    rp->npins = 0;
+    add(rp, &rp->out, sizeof rp->out);
+}
+
+/* The reply complete: its length is that of its pieces; counted as answered. */
+static int reply_end(struct dlfs_reply *rp, struct dlfs_counters *c)
+{
+    DLFS_COUNT(c, answered, 1);
+    rp->out.len = 0;
+    for (int i = 0; i < rp->n; i++)
+        rp->out.len += (uint32_t)rp->iov[i].iov_len;
+    return DLFS_ANSWERED;
+}
+
 /* Room for `len` bytes of the reply body in the thread's scratch buffer (always enough for a struct). */
 static void *body(struct dlfs_reply *rp, size_t len)
 {
@@ -371,6 +391,20 @@ static void unpin_all(const struct dlfs_serve *sv, struct dlfs_reply *rp)
     rp->npins = 0;
 }
 
+void dlfs_serve_local_free(int local_dir, struct dlfs_sums *sums, struct dlfs_chunk_files *files)
+{
+    if (local_dir >= 0)
+        close(local_dir);
+    if (sums) {
+        dlfs_sums_free(sums);
+        free(sums);
+    }
+    if (files) {
+        dlfs_chunk_files_free(files);
+        free(files);
+    }
+}
+
 void dlfs_sums_init(struct dlfs_sums *s)
 {
     memset(s, 0, sizeof *s);
@@ -578,6 +612,19 @@ static int open_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
     return DLFS_ANSWERED;
 }
 
+/* Record `e`'s stored bytes `data` (NULL: they could not be read) against its checksum, counted: 0 if
+ * good; -1 if not (Python reads it again, from the replicas, and says what is wrong). */
+static int check_record(const struct dlfs_extent *e, const char *data, struct dlfs_counters *c)
+{
+    if (!data || dlfs_xxh3(data, e->stored_len) != e->checksum) {
+        DLFS_COUNT(c, record_failures, 1);
+        return -1;
+    }
+    DLFS_COUNT(c, record_reads, 1);
+    DLFS_COUNT(c, record_bytes, e->stored_len);
+    return 0;
+}
+
 /* Record `e` of a held chunk file read from the disk straight into the scratch buffer: O_DIRECT, the
  * range widened to whole pages, so no page cache is allocated and dropped again (RWF_DONTCACHE's way:
  * 0.61-0.62x local disk in a 1 GiB cgroup against 0.72-0.80x so). Where its bytes start there, or NULL:
@@ -587,11 +634,11 @@ static char *direct_record(const struct dlfs_serve *sv, struct dlfs_chunk_ref *f
 {
     char *base = (char *)(((uintptr_t)rp->scratch + DIRECT_ALIGN - 1) & ~(uintptr_t)(DIRECT_ALIGN - 1));
     size_t room = rp->scratch_size - (size_t)(base - rp->scratch);
-    uint64_t lo = e->offset & ~(uint64_t)(DIRECT_ALIGN - 1);
-    uint64_t hi = (e->offset + e->stored_len + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
-    if (hi - lo > room || f->direct < 0)
+    uint64_t lo;
+    uint32_t len = dlfs_record_span(e, &lo);
+    if (len > room || f->direct < 0)
         return NULL;
-    ssize_t n = pread(f->direct, base, hi - lo, (off_t)lo);
+    ssize_t n = pread(f->direct, base, len, (off_t)lo);
     if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
         dlfs_chunk_no_direct(sv->files, f);
     if (n < (ssize_t)(e->offset + e->stored_len - lo))
@@ -613,14 +660,10 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
         if (pread_all(f.fd, got, e->stored_len, (off_t)e->offset) < 0)
             got = NULL;
     }
-    int bad = !got || dlfs_xxh3(got, e->stored_len) != e->checksum;
+    int bad = check_record(e, got, c) < 0;
     dlfs_chunk_put(sv->files, &f, bad);
-    if (bad) {
-        DLFS_COUNT(c, record_failures, 1); /* Python reads it again, from the replicas, and says what is wrong */
+    if (bad)
         return -1;
-    }
-    DLFS_COUNT(c, record_reads, 1);
-    DLFS_COUNT(c, record_bytes, e->stored_len);
     add(rp, got, e->raw_len);
     return 0;
 }
@@ -638,8 +681,9 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
     if (e->flags & DLFS_RECORD_BLOCK_SUMS) {
         /* A whole file of one such record (page-aligned in version 3 chunks) that the caller can read
          * straight into its reply (FUSE over io_uring: the entry's payload). */
-        if (scan && rp->async_records && whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->async_max &&
-            !(e->offset & (DIRECT_ALIGN - 1))) {
+        uint64_t at;
+        if (scan && rp->async_records && whole_file && lo == 0 && hi == e->raw_len && !(e->offset & (DIRECT_ALIGN - 1)) &&
+            dlfs_record_span(e, &at) <= rp->async_max) {
             rp->record_ext = ext;
             return 1;
         }
@@ -675,43 +719,36 @@ int dlfs_record_wanted(const struct dlfs_serve *sv, uint64_t ino, uint64_t *ext,
     return 1;
 }
 
+uint32_t dlfs_record_span(const struct dlfs_extent *e, uint64_t *lo)
+{
+    *lo = e->offset & ~(uint64_t)(DIRECT_ALIGN - 1);
+    return (uint32_t)(((e->offset + e->stored_len + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1)) - *lo);
+}
+
 int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, uint32_t room,
                      struct dlfs_chunk_ref *f, uint64_t *lo, uint32_t *len)
 {
-    uint64_t a = e->offset & ~(uint64_t)(DIRECT_ALIGN - 1);
-    uint64_t b = (e->offset + e->stored_len + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
-    if (b - a > room || sv->local_dir < 0 ||
+    *len = dlfs_record_span(e, lo);
+    if (*len > room || sv->local_dir < 0 ||
         dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 1, f) < 0)
         return -1;
     if (f->direct < 0) {
         dlfs_chunk_put(sv->files, f, 0);
         return -1;
     }
-    *lo = a;
-    *len = (uint32_t)(b - a);
     return 0;
 }
 
 int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
                        struct dlfs_counters *c)
 {
-    if (!data || dlfs_xxh3(data, e->stored_len) != e->checksum) {
-        DLFS_COUNT(c, record_failures, 1);
+    if (check_record(e, data, c) < 0)
         return DLFS_FORWARD;
-    }
-    memset(&rp->out, 0, sizeof rp->out);
-    rp->out.unique = unique;
-    rp->out.len = (uint32_t)(sizeof rp->out + e->raw_len);
-    rp->n = 0;
-    rp->npins = 0;
-    add(rp, &rp->out, sizeof rp->out);
+    reply_begin(rp, unique);
     add(rp, data, e->raw_len);
-    DLFS_COUNT(c, record_reads, 1);
-    DLFS_COUNT(c, record_bytes, e->stored_len);
     DLFS_COUNT(c, reads, 1);
     DLFS_COUNT(c, read_bytes, e->raw_len);
-    DLFS_COUNT(c, answered, 1);
-    return DLFS_ANSWERED;
+    return reply_end(rp, c);
 }
 
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
@@ -790,11 +827,7 @@ void dlfs_reply_done(const struct dlfs_serve *sv, struct dlfs_reply *rp, int sen
 int dlfs_answer(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                 struct dlfs_counters *c)
 {
-    memset(&rp->out, 0, sizeof rp->out);
-    rp->out.unique = rq->in->unique;
-    rp->n = 0;
-    rp->npins = 0;
-    add(rp, &rp->out, sizeof rp->out);
+    reply_begin(rp, rq->in->unique);
     int op_len = dlfs_op_len(rq->in->opcode);
     if (op_len < 0 || rq->op_len < (uint32_t)op_len)
         return DLFS_FORWARD;
@@ -859,11 +892,5 @@ int dlfs_answer(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct d
     default:
         r = DLFS_FORWARD;
     }
-    if (r == DLFS_ANSWERED) {
-        DLFS_COUNT(c, answered, 1);
-        rp->out.len = 0;
-        for (int i = 0; i < rp->n; i++)
-            rp->out.len += (uint32_t)rp->iov[i].iov_len;
-    }
-    return r;
+    return r == DLFS_ANSWERED ? reply_end(rp, c) : r;
 }

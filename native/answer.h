@@ -57,6 +57,8 @@ struct dlfs_sums {
 
 void dlfs_sums_init(struct dlfs_sums *s);
 void dlfs_sums_free(struct dlfs_sums *s);
+/* Close and free what a serve struct holds for reading this machine's chunk files (each may be -1/NULL). */
+void dlfs_serve_local_free(int local_dir, struct dlfs_sums *sums, struct dlfs_chunk_files *files);
 
 /* A reply being built: iov[0] is the header; the pins are released once it has been sent. */
 struct dlfs_reply {
@@ -69,7 +71,7 @@ struct dlfs_reply {
     char *scratch; /* the thread's buffer for encoded replies and blocks read from chunk files */
     uint32_t scratch_size;
     int async_records;   /* the caller reads scan mode's whole records itself (DLFS_RECORD), not answer.c */
-    uint32_t async_max;  /* and records with block sums up to this size, into the reply's own buffer */
+    uint32_t async_max;  /* and records with block sums whose span is up to this, into the reply's own buffer */
     uint64_t record_ext; /* with DLFS_RECORD: the record the READ wants */
 };
 
@@ -127,6 +129,9 @@ enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3, DL
  * this machine's chunks, not in the cache and not being fetched into it): 1 with its extent in *ext and
  * *e. A LOOKUP of such a file starts its read before the READ comes (uring.c). */
 int dlfs_record_wanted(const struct dlfs_serve *sv, uint64_t ino, uint64_t *ext, struct dlfs_extent *e);
+/* The page-aligned range an O_DIRECT read of record `e` covers: from *lo, the length returned (the record
+ * starts e->offset - *lo bytes into it). */
+uint32_t dlfs_record_span(const struct dlfs_extent *e, uint64_t *lo);
 /* Where to read record `e` from with O_DIRECT into a page-aligned buffer of `room` bytes: its chunk
  * file held in *f (dlfs_chunk_put it when done), the page-aligned offset *lo and length *len; the
  * record starts e->offset - *lo bytes into what is read. -1 if it cannot be read so. */

@@ -651,16 +651,7 @@ int dlfs_engine_release(void)
     E.nworkers = 0;
     close(E.devfd);
     close(E.wake_fd);
-    if (E.serve.local_dir >= 0)
-        close(E.serve.local_dir);
-    if (E.serve.sums) {
-        dlfs_sums_free(E.serve.sums);
-        free(E.serve.sums);
-    }
-    if (E.serve.files) {
-        dlfs_chunk_files_free(E.serve.files);
-        free(E.serve.files);
-    }
+    dlfs_serve_local_free(E.serve.local_dir, E.serve.sums, E.serve.files);
     E.devfd = E.wake_fd = -1;
     E.attached = 0;
     E.se = NULL;

@@ -46,24 +46,9 @@ static struct {
     struct dlfs_chunk_files *files;
 } kept = {.local_dir = -1};
 
-/* Let go of what serve_from opened for local reads. */
-static void serve_local_free(int local_dir, struct dlfs_sums *sums, struct dlfs_chunk_files *files)
-{
-    if (local_dir >= 0)
-        close(local_dir);
-    if (sums) {
-        dlfs_sums_free(sums);
-        free(sums);
-    }
-    if (files) {
-        dlfs_chunk_files_free(files);
-        free(files);
-    }
-}
-
 static void release_kept(void)
 {
-    serve_local_free(kept.local_dir, kept.sums, kept.files); /* not handed to the engine yet: ours to close */
+    dlfs_serve_local_free(kept.local_dir, kept.sums, kept.files); /* not handed to the engine yet: ours to close */
     kept.local_dir = -1;
     kept.sums = NULL;
     kept.files = NULL;
@@ -263,7 +248,7 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     } else {
         out = Py_BuildValue("(sy)", r == DLFS_FORWARD ? "forward" : r == DLFS_PARK ? "park" : "no_reply", "");
     }
-    serve_local_free(sv.local_dir, sv.sums, sv.files);
+    dlfs_serve_local_free(sv.local_dir, sv.sums, sv.files);
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
     if (out) { /* what the request cost, for tests of the counters */

@@ -58,7 +58,6 @@ enum { CMD_REGISTER = 1, CMD_COMMIT_AND_FETCH = 2 };
 #define RECORDS DLFS_URING_RECORDS       /* records a queue reads from chunk files at once (a power of two) */
 #define RECORD_BUF DLFS_REPLY_SCRATCH   /* a slot's buffer: every record without block sums fits */
 _Static_assert((RECORDS & (RECORDS - 1)) == 0, "a record's slot is the low bits of its read's user_data");
-#define DIRECT_PAGE 4096                /* O_DIRECT's alignment: a read widened to pages may start this much early */
 #define AHEAD_SLOTS 4                   /* slots that may wait for READs their LOOKUPs foretold */
 #define AHEAD_MIN 8                     /* the score below which a LOOKUP starts no read (see ahead()) */
 #define AHEAD_MAX 32
@@ -221,8 +220,10 @@ static int fill(struct entry *e, const struct iovec *iov, int count)
     for (int k = 1; k < count; k++) {
         if (iov[k].iov_len > PAYLOAD - used)
             return -1;
-        if (iov[k].iov_base != e->payload + used) /* read from the disk straight into it (record_read) */
-            memcpy(e->payload + used, iov[k].iov_base, iov[k].iov_len);
+        /* A record read from the disk into this payload (record_read) may already be in place, or start a
+         * little into it (an unaligned record, read from its page's start): memmove. */
+        if (iov[k].iov_base != e->payload + used)
+            memmove(e->payload + used, iov[k].iov_base, iov[k].iov_len);
         used += iov[k].iov_len;
     }
     e->hdr->ent.payload_sz = (uint32_t)used;
@@ -258,6 +259,12 @@ static void to_python(struct queue *q, int i, int park);
 
 /* --- records read from the disk on the ring -------------------------------------------------- */
 
+/* Move the score by `by`, within 0..AHEAD_MAX. */
+static void rescore(struct queue *q, int by)
+{
+    q->score = q->score + by < 0 ? 0 : q->score + by > AHEAD_MAX ? AHEAD_MAX : q->score + by;
+}
+
 static struct record *record_of(struct queue *q, uint64_t ext)
 {
     for (int k = 0; k < RECORDS; k++)
@@ -288,7 +295,7 @@ static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, 
     if (!best)
         return NULL;
     if (best->state == READ) {
-        q->score = q->score > 4 ? q->score - 4 : 0;
+        rescore(q, -4);
         dlfs_chunk_put(sv->files, &best->f, 0);
         best->state = FREE;
     }
@@ -355,13 +362,14 @@ static int record_read(struct queue *q, const struct dlfs_serve *sv, int i, uint
     if (s && s->waiter >= 0)
         return 0; /* another READ of it waits already (two readers of one file) */
     if (!s) { /* its LOOKUP was long ago, on another CPU, or let pass (the score rises: READs come again) */
-        q->score = q->score < AHEAD_MAX ? q->score + 1 : AHEAD_MAX;
+        rescore(q, 1);
         struct dlfs_extent e;
         if (dlfs_ix_extent(&sv->ix, ext, &e) < 0 || !(s = record_slot(q, sv, 0)))
             return 0;
-        /* A record too big for a slot (one with block sums, page-aligned in its chunk) lands in the reply's
-         * own buffer: no copy at all. */
-        int big = e.stored_len > RECORD_BUF - DIRECT_PAGE;
+        /* A record too big for a slot lands in the reply's own buffer: one with block sums, page-aligned in
+         * its chunk, with no copy at all. */
+        uint64_t at;
+        int big = dlfs_record_span(&e, &at) > RECORD_BUF;
         if (!(big ? record_start(q, sv, s, ext, &e, q->ent[i].payload, PAYLOAD)
                   : record_start(q, sv, s, ext, &e, record_buf(s), RECORD_BUF)))
             return 0;
@@ -369,7 +377,7 @@ static int record_read(struct queue *q, const struct dlfs_serve *sv, int i, uint
     } else if (s->ahead) {
         s->ahead = 0;
         DLFS_COUNT(&q->counters, records_ahead_used, 1);
-        q->score = q->score < AHEAD_MAX ? q->score + 1 : AHEAD_MAX;
+        rescore(q, 1);
     }
     s->waiter = i;
     s->unique = unique;
@@ -390,7 +398,8 @@ static void ahead(struct queue *q, const struct dlfs_serve *sv, uint64_t ino)
         return;
     if (q->score < AHEAD_MIN && q->probe++ % 16)
         return;
-    if (e.stored_len > RECORD_BUF - DIRECT_PAGE)
+    uint64_t at;
+    if (dlfs_record_span(&e, &at) > RECORD_BUF)
         return; /* read into its READ's buffer, once it comes */
     struct record *s = record_slot(q, sv, 1);
     if (s && record_start(q, sv, s, ext, &e, record_buf(s), RECORD_BUF)) {
@@ -513,7 +522,7 @@ static void *queue_main(void *arg)
     }
     q->has_ring = 1;
     q->reply.async_records = 1;
-    q->reply.async_max = PAYLOAD - DIRECT_PAGE;
+    q->reply.async_max = PAYLOAD;
     q->score = AHEAD_MAX / 2;
     for (int k = 0; k < RECORDS; k++) {
         q->rec[k].state = FREE;
