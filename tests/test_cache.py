@@ -451,9 +451,9 @@ async def test_a_chunk_local_direct_epoch_through_a_small_cache_fetches_each_win
 
 @pytest.mark.timeout(60)
 async def test_a_dataset_bigger_than_read_ahead_stays_in_scan_mode_once_read_ahead_fills(tmp_path: Path) -> None:
-    # Read in order, windows go as fast as they come: read-ahead never fills. Read at random, it fills; for
-    # a dataset bigger than read-ahead's bound scan mode then stays: each later miss fetches its record
-    # alone and read-ahead takes nothing new (a mount's serving threads read such files themselves).
+    # Read in order, windows go as fast as they come: read-ahead never fills. Read at random, windows are
+    # left partly read and it fills; scan mode then stays: each later miss fetches its record alone and
+    # read-ahead takes nothing new (a mount's serving threads read such files themselves).
     async with _local_cache(tmp_path, 12, 80, 6 * SLAB) as (cache, payloads):
         assert sum(map(len, payloads)) > cache.held.readahead_cap
         await _read_as_the_kernel(cache, payloads, range(len(payloads)))
@@ -468,6 +468,32 @@ async def test_a_dataset_bigger_than_read_ahead_stays_in_scan_mode_once_read_ahe
         assert since is not None, "read-ahead never filled"
         fetches, fetched = cache.fetcher.fetches - since[0], cache.fetcher.fetched_bytes - since[1]
         assert fetches > 0 and fetched <= fetches * max(map(len, payloads)), (fetches, fetched)  # records alone
+
+
+@pytest.mark.timeout(60)
+async def test_an_epoch_in_a_random_order_stays_in_scan_mode_though_the_dataset_fits(tmp_path: Path) -> None:
+    # A dataset well inside read-ahead's bound. Read in order, each window is read whole before the next:
+    # none is left partly read and scan mode never latches. Read at random, windows are left partly read;
+    # past a few, scan mode stays, long before read-ahead holds the dataset (beside the kernel's copy of
+    # what was read), and every later miss fetches its record alone.
+    async with _local_cache(tmp_path, 12, 81, 96 * SLAB) as (cache, payloads):
+        total = sum(map(len, payloads))
+        assert total < cache.held.readahead_cap // 2
+        await _read_as_the_kernel(cache, payloads, range(len(payloads)))
+        assert not cache.scan_latched and cache.held.partial == 0
+        assert cache.fetcher.fetches < len(payloads) // 2  # by window
+        order = list(range(len(payloads)))
+        random.Random(4).shuffle(order)
+        since: tuple[int, int, int] | None = None
+        for ext in order:
+            await _read_as_the_kernel(cache, payloads, [ext])
+            if cache.scan_latched and since is None:
+                since = (cache.fetcher.fetches, cache.fetcher.fetched_bytes, cache.held.cached_bytes)
+        assert since is not None, "a random order never latched scan mode"
+        assert since[2] <= total * 3 // 4, (since[2], total)
+        fetches, fetched = cache.fetcher.fetches - since[0], cache.fetcher.fetched_bytes - since[1]
+        assert fetches > 0 and fetched <= fetches * max(map(len, payloads)), (fetches, fetched)  # records alone
+        assert cache.held.cached_bytes == 0 and cache.held.partial == 0  # all consumed
 
 
 @pytest.mark.timeout(60)

@@ -60,7 +60,7 @@ PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
-LATCH_WINDOWS = 16  # read-ahead held past max(this many windows, a quarter of its bound): a random order
+LATCH_WINDOWS = 16  # windows partly read at once past this (or a quarter of read-ahead's): a random order
 DIRECT_RECENT = 8  # chunks of the latest dlfs.direct misses (whether the reads are chunk-local)
 
 
@@ -109,18 +109,18 @@ class ChunkCache:
             self.slabs.pins = self.shared
         self.held = Held(self.slabs, self.shared)
         self._scan = False  # whether the serving threads are in scan mode (see _readahead_room)
-        # A dataset bigger than read-ahead's bound stays in scan mode once read-ahead holds a quarter of
-        # it (an epoch in a random order: a sequential one consumes its windows as fast as they come): further
-        # windows would each bring one record read now and the rest over the whole epoch, holding
-        # read-ahead's bound of memory nobody can reclaim (282 MiB of a 1 GiB group) for less than the
-        # serving threads' own reads give, each file's started at its LOOKUP (in a 1 GiB group: 0.85-1.13x
-        # local disk at 82-94 us of mount CPU a file and a 156-162 MiB peak, against 0.87-0.92x, 90-95 us
-        # and 282 MiB). Streams of big files still read ahead (see _stream_ahead).
-        self._bigger = index.totals.bytes > self.held.readahead_cap
+        # Scan mode stays once read-ahead's windows are read in a random order (held.partial: many windows
+        # partly read), whatever the dataset's size: each window then brings one record read now and the
+        # rest over the whole epoch, so read-ahead holds the dataset in memory nobody can reclaim beside
+        # the kernel's own copy, touching fresh memory for all of it (the cold bench's first epoch of 0.9
+        # GB: 0.43-0.53x local disk at 259-351 us of mount CPU a file; scan mode from the start: 0.73-0.82x
+        # at 84-88 us). The serving threads' own reads give more, each file's started at its LOOKUP (in a
+        # 1 GiB group: 0.85-1.13x local disk at 82-94 us a file and a 156-162 MiB peak, against
+        # 0.87-0.92x, 90-95 us and 282 MiB by window). Streams of big files still read ahead (_stream_ahead).
         self.scan_latched = False
-        # Read-ahead held this long is an epoch in a random order (a sequential one holds the windows in
-        # flight): for such a dataset, no need to fill the rest before scan mode stays.
-        self._latch_at = max(self.held.readahead_cap // 4, LATCH_WINDOWS * self.slab_size)
+        self._latch_partial = max(2, min(LATCH_WINDOWS, self.held.readahead_cap // self.slab_size // 4))
+        # A dataset bigger than read-ahead's bound also latches when read-ahead fills.
+        self._bigger = index.totals.bytes > self.held.readahead_cap
         self._inflight: dict[int, trio.Event] = {}  # extent -> its fetch's end (one fetch for concurrent misses)
         self._inflight_size = 0
         self._prefetch = prefetch
@@ -180,20 +180,22 @@ class ChunkCache:
         """Whether a miss may read ahead, and so whether the serving threads are in scan mode (read
         whole small records of this machine's chunks themselves: every miss would be fetched alone).
         Scan mode ends once half the resident part is free again, not at the first slab's room: read
-        ahead in drips, each window would mostly bring records the threads had already read. For a
-        dataset bigger than read-ahead's bound it does not end (scan_latched)."""
+        ahead in drips, each window would mostly bring records the threads had already read. Once the
+        windows are read in a random order it does not end (scan_latched)."""
         if self.scan_latched:
             room = False
         elif self._scan:
             room = self.held.resident_size + self._inflight_size <= self.held.readahead_cap // 2
         else:
             room = self._room(self.slab_size)
-            held = self.held.resident_size + self._inflight_size
-            if self._bigger and (not room or held > self._latch_at):
+            shuffled = self.held.partial > self._latch_partial
+            if shuffled or (self._bigger and not room):
                 room, self.scan_latched = False, True
-                log.info("read-ahead fills up in a random order and the dataset (%s) is bigger than its bound (%s): "
-                         "from now on small files are read one by one, each from its lookup on, not by window",
-                         human_bytes(self.index.totals.bytes), human_bytes(self.held.readahead_cap))
+                why = (f"{self.held.partial} windows are partly read (a random order)" if shuffled else
+                       f"read-ahead is full and the dataset ({human_bytes(self.index.totals.bytes)}) is bigger "
+                       f"than its bound ({human_bytes(self.held.readahead_cap)})")
+                log.info("%s: from now on small files are read one by one, each from its lookup on, not by window",
+                         why)
         if room == self._scan:
             self._scan = not room
             if native is not None and self.shared is not None:

@@ -40,6 +40,12 @@ class Block:
     resident: bool
     own: int  # bytes of its memory outside the arena (decompressed records, or all of it without a slab)
     live: set[int] = field(default_factory=set)
+    n: int = 0  # records it was fetched with
+
+    @property
+    def partial(self) -> bool:
+        """Some of its records consumed, some not: the mark of a window read out of order."""
+        return 0 < len(self.live) < self.n
 
 
 class Held:
@@ -59,6 +65,9 @@ class Held:
         self.resident_size = self.scratch_size = self.own_size = 0
         self._next_block = 0
         self.evictions = self.consumed = 0
+        # Blocks partly consumed now: a reader in order has one or two (the window it is in), an epoch in
+        # a random order one for nearly every window it has touched.
+        self.partial = 0
 
     def __contains__(self, ext: int) -> bool:
         return ext in self.records
@@ -88,7 +97,7 @@ class Held:
         self._next_block += 1
         nbytes = own + (self.slabs.slab_size if slab != NO_SLAB else 0)
         resident = self.resident_size + nbytes <= (self.resident_cap if direct else self.readahead_cap)
-        self._blocks[bid] = Block(slab, nbytes, resident, own, set(records))
+        self._blocks[bid] = Block(slab, nbytes, resident, own, set(records), len(records))
         self.own_size += own
         for ext, raw in records.items():
             self.records[ext] = (raw, bid)
@@ -115,6 +124,7 @@ class Held:
 
     def _drop(self, bid: int, evicted: bool = False) -> None:
         b = self._blocks.pop(bid)
+        self.partial -= b.partial
         for ext in b.live:
             self.records.pop(ext, None)
             self._served.pop(ext, None)
@@ -181,7 +191,9 @@ class Held:
             self.shared.unpublish(ext)
         self.consumed += 1
         b = self._blocks[hit[1]]
+        was = b.partial
         b.live.discard(ext)
+        self.partial += b.partial - was
         if not b.live:
             self._drop(hit[1])
         return True
