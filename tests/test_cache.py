@@ -45,15 +45,18 @@ async def _dataset(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_chun
 
 
 @asynccontextmanager
-async def _local_cache(tmp_path: Path, n_chunks: int, seed: int, capacity: int) -> AsyncIterator[tuple[ChunkCache, list[bytes]]]:
+async def _local_cache(tmp_path: Path, n_chunks: int, seed: int, capacity: int,
+                       in_place: bool = True) -> AsyncIterator[tuple[ChunkCache, list[bytes]]]:
     """A one-node cluster holding `n_chunks` chunks of 8 incompressible 20 KB records, and a cache of
-    `capacity` that reads them from its chunk files, into its slabs (as a mount on a data node does)."""
+    `capacity` that reads them from its chunk files, into its slabs (as a mount on a data node does),
+    or with `in_place` false from the node over TCP (a mount elsewhere, or --no-short-circuit)."""
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
         chunks = [_big_chunk(seed + i, [20_000] * 8) for i in range(n_chunks)]
         index, payloads = await _stored(tmp_path, client, [spec], chunks)
         cache = ChunkCache(index, client, capacity=capacity, readahead=SLAB, prefetch=False)
-        cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        if in_place:
+            cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
         yield cache, payloads
         n.cancel_scope.cancel()
 
@@ -494,6 +497,18 @@ async def test_an_epoch_in_a_random_order_stays_in_scan_mode_though_the_dataset_
         fetches, fetched = cache.fetcher.fetches - since[0], cache.fetcher.fetched_bytes - since[1]
         assert fetches > 0 and fetched <= fetches * max(map(len, payloads)), (fetches, fetched)  # records alone
         assert cache.held.cached_bytes == 0 and cache.held.partial == 0  # all consumed
+
+
+@pytest.mark.timeout(60)
+async def test_an_epoch_in_a_random_order_keeps_its_windows_where_they_come_from_replicas(tmp_path: Path) -> None:
+    # Scan mode is the serving threads reading this machine's chunk files. Where the bytes come from a
+    # data daemon instead, each of its misses would be a fetch of its own: the windows stay.
+    async with _local_cache(tmp_path, 12, 81, 96 * SLAB, in_place=False) as (cache, payloads):
+        order = list(range(len(payloads)))
+        random.Random(4).shuffle(order)
+        await _read_as_the_kernel(cache, payloads, order)
+        assert not cache.scan_latched
+        assert cache.fetcher.fetches < len(payloads) // 2  # by window
 
 
 @pytest.mark.timeout(60)
