@@ -23,6 +23,7 @@ from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import Index
 from dlfs.mount.cache import ChunkCache
 from dlfs.mount.localchunks import LocalChunks, _all_cached
+from dlfs.mount.slabs import NO_SLAB
 from dlfs.wire.protocol import Msg
 
 SLAB = 64 << 10
@@ -45,8 +46,8 @@ async def _dataset(tmp_path: Path, client: ClusterClient, spec: NodeSpec, n_chun
 
 
 @asynccontextmanager
-async def _local_cache(tmp_path: Path, n_chunks: int, seed: int, capacity: int,
-                       in_place: bool = True) -> AsyncIterator[tuple[ChunkCache, list[bytes]]]:
+async def _local_cache(tmp_path: Path, n_chunks: int, seed: int, capacity: int, in_place: bool = True,
+                       readahead: int = SLAB) -> AsyncIterator[tuple[ChunkCache, list[bytes]]]:
     """A one-node cluster holding `n_chunks` chunks of 8 incompressible 20 KB records, and a cache of
     `capacity` that reads them from its chunk files, into its slabs (as a mount on a data node does),
     or with `in_place` false from the node over TCP (a mount elsewhere, or --no-short-circuit)."""
@@ -54,7 +55,7 @@ async def _local_cache(tmp_path: Path, n_chunks: int, seed: int, capacity: int,
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)
         chunks = [_big_chunk(seed + i, [20_000] * 8) for i in range(n_chunks)]
         index, payloads = await _stored(tmp_path, client, [spec], chunks)
-        cache = ChunkCache(index, client, capacity=capacity, readahead=SLAB, prefetch=False)
+        cache = ChunkCache(index, client, capacity=capacity, readahead=readahead, prefetch=False)
         if in_place:
             cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
         yield cache, payloads
@@ -523,6 +524,28 @@ async def test_a_random_direct_epoch_through_a_small_cache_reads_records_alone(t
             assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
         served = sum(map(len, payloads))
         assert cache.fetcher.fetched_bytes <= 1.5 * served, (cache.fetcher.fetched_bytes, served)
+
+
+@pytest.mark.timeout(60)
+async def test_a_random_direct_epoch_packs_records_read_alone_into_shared_slabs(tmp_path: Path) -> None:
+    # A cache of 8 slabs of 256 KiB and a dataset 7x its size, read by dlfs.direct in a random order:
+    # each miss reads its record alone, never its window (the dataset is bigger than the cache and the
+    # order is not chunk-local), into a part of a shared slab: the cache then holds many more records
+    # than it has slabs, each published where a client reads it in place (a slab each held 8 of them,
+    # the rest copied out of memory of their own, and their windows came too while read-ahead had room).
+    async with _local_cache(tmp_path, 96, 70, 8 * (264 << 10), readahead=256 << 10) as (cache, payloads):
+        assert cache.slabs.nslabs == 8 and sum(map(len, payloads)) > cache.capacity
+        order = list(range(len(payloads)))
+        random.Random(5).shuffle(order)
+        most = 0
+        for ext in order:
+            assert bytes(await cache.record(ext, direct=True)) == payloads[ext]
+            assert cache.where(ext) is not None  # published: read in place
+            alone = [b for b in cache.held._blocks.values() if b.n == 1 and b.slab != NO_SLAB]
+            most = max(most, len(alone))  # records read alone held in the arena at once
+        served = sum(map(len, payloads))
+        assert cache.fetcher.fetched_bytes <= 1.2 * served, (cache.fetcher.fetched_bytes, served)
+        assert most > 4 * cache.slabs.nslabs, most
 
 
 def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:

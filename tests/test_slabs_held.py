@@ -88,6 +88,44 @@ def test_a_pinned_slab_is_retired_until_its_pin_goes() -> None:
 
 
 @needs_native
+def test_records_fetched_alone_share_a_slab_which_is_free_again_with_its_last_part() -> None:
+    from dlfs.mount.slabs import PART_ALIGN
+
+    slabs, owner, held = _held(4)
+    assert slabs.take_part(5000) is None  # nothing packed yet
+    slab = slabs.take()
+    slabs.start_packing(slab)
+    parts = [slabs.take_part(5000) for _ in range(SLAB // 8192)]
+    assert all(p is not None and p[0] == slab for p in parts)
+    offsets = [p[1] for p in parts if p]
+    assert offsets == [i * 8192 for i in range(len(offsets))]  # page-aligned, in order, none shared
+    assert all(p and p[2] == 2 * PART_ALIGN for p in parts)
+    assert slabs.take_part(5000) is None  # full
+    for i, p in enumerate(parts):
+        assert p is not None
+        view = slabs.view(slab, p[1], p[2])
+        view[:5000] = bytes([i]) * 5000
+        held.add(slab, 0, {i: view[:5000]}, {i: p[1]}, part=p[2])
+    assert held.cached_bytes == len(parts) * 8192 and owner.where(3) == (slab, 3 * 8192)
+    nxt = slabs.take()
+    slabs.start_packing(nxt)  # the full slab is no longer packed: free once its parts are
+    owner.pin_for(0, slab)  # a client reads record 1
+    for i in range(len(parts)):
+        assert held.served(i, 5000) and held.take_consumed(i)
+    assert slabs.retired == 1  # every part dropped, but pinned: retired, not free
+    owner.unpin_for(0, slab)
+    assert slabs.retired == 0 and slab in slabs._free
+    # A packed slab whose parts are all dropped while it is still packed stays until packing moves on.
+    p = slabs.take_part(5000)
+    assert p is not None and p[0] == nxt
+    slabs.release_part(nxt)  # a part never filled
+    assert nxt not in slabs._free
+    assert slabs.stop_packing() and nxt in slabs._free
+    assert not slabs.stop_packing()
+    slabs.close()
+
+
+@needs_native
 def test_a_record_is_dropped_once_every_byte_went_to_the_kernel_and_its_block_with_the_last() -> None:
     slabs, owner, held = _held(8)
     slab = slabs.take()

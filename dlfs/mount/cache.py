@@ -62,6 +62,7 @@ ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin throu
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
 LATCH_WINDOWS = 16  # windows partly read at once past this (or a quarter of read-ahead's): a random order
 DIRECT_RECENT = 8  # chunks of the latest dlfs.direct misses (whether the reads are chunk-local)
+PACKED_MIN = 4  # fetches of at most a slab / this (with their page-aligned slack) share slabs (slabs.py)
 
 
 def _address(buf: memoryview) -> int:
@@ -165,17 +166,23 @@ class ChunkCache:
             pass
         return self._room(self.slab_size, direct=True)
 
-    def _direct_window(self, ext: int) -> bool:
-        """Whether a dlfs.direct miss of extent `ext` brings its window, read-ahead having no room: where the
-        part kept for such clients has room, or where the reads are chunk-local (a recent miss was in its
-        chunk, or the recent misses were in a few chunks: the ChunkLocalSampler's order), dropping the
-        oldest windows for it. A random order over more than the cache holds reads each record alone: its
-        window's other records would be dropped before they were asked for (a 4 MiB read per 110 KB
-        file: 28x the bytes served, at 0.10x local disk)."""
+    def _direct_window(self, ext: int, room: bool) -> bool:
+        """Whether a dlfs.direct miss of extent `ext` brings its window (`room`: whether read-ahead has
+        room). For a dataset the part kept for such clients holds, while either has room, or where the
+        reads are chunk-local (a recent miss was in its chunk, or the recent misses were in a few chunks:
+        the ChunkLocalSampler's order), dropping the oldest windows for it. For a bigger one only where
+        they are chunk-local: in a random order its window's other records would be dropped before they
+        were asked for (a 4 MiB read per 110 KB file: 28x the bytes served, at 0.10x local disk), and a
+        record alone takes a part of a slab, not a slab."""
         chunk = self.index.extent(ext).chunk
-        near = chunk in self._direct_chunks or len(set(self._direct_chunks)) <= DIRECT_RECENT // 2
+        # A random order over many chunks repeats one in 8 misses now and then (1 in 14 over 110 chunks,
+        # a 4 MiB window each time), but seldom twice.
+        seen = set(self._direct_chunks)
+        near = len(seen) <= DIRECT_RECENT // 2 or (chunk in seen and len(seen) <= DIRECT_RECENT - 2)
         self._direct_chunks.append(chunk)
-        return self._room(self.slab_size, direct=True) or (near and self._make_room())
+        if self.index.totals.bytes > self.held.resident_cap:
+            return near and (self._room(self.slab_size, direct=True) or self._make_room())
+        return room or self._room(self.slab_size, direct=True) or (near and self._make_room())
 
     def _readahead_room(self) -> bool:
         """Whether a miss may read ahead, and so whether the serving threads are in scan mode (read
@@ -216,9 +223,26 @@ class ChunkCache:
         """A free slab, evicting scratch blocks (then the oldest resident ones) if none is free;
         NO_SLAB if every slab is being fetched into."""
         while not self.slabs.has_free():
-            if not self.held.evict_for_slab():
+            if not self.held.evict_for_slab() and not self.slabs.stop_packing():
                 return NO_SLAB
         return self.slabs.take()
+
+    def _take_room(self, length: int) -> tuple[int, int, int]:
+        """Where a fetch of `length` bytes lands, with the slack of reading it page-aligned: (slab, offset
+        in it, size of its part of the slab, or 0 for all of it). A small fetch (a record alone) takes a
+        part of the slab being packed, a window a slab of its own; NO_SLAB if none can be had."""
+        need = length + 2 * DIRECT_ALIGN
+        if need * PACKED_MIN > self.slab_size:
+            return self._take_slab(), 0, 0
+        part = self.slabs.take_part(need)
+        if part is None:
+            slab = self._take_slab()
+            if slab == NO_SLAB:
+                return NO_SLAB, 0, 0
+            self.slabs.start_packing(slab)
+            part = self.slabs.take_part(need)
+            assert part is not None
+        return part
 
     def trim(self) -> int:
         """Return the pages of every free slab to the kernel; bytes given back."""
@@ -290,8 +314,8 @@ class ChunkCache:
         self.misses += 1
         self.planner.asked_again(ext)
         room = self._readahead_room()
-        if not room and direct:
-            room = self._direct_window(ext)
+        if direct:
+            room = self._direct_window(ext, room)
         window = (ahead or direct) and room
         if chunk and ahead and room:
             for start in self.planner.rest_of_chunk(ext, self._present):
@@ -368,13 +392,13 @@ class ChunkCache:
         extents = [self.index.extent(i) for i in run]
         chunk = self.index.chunk(extents[0].chunk)
         base, length = self.planner.span(run)
-        slab = self._take_slab() if length <= self.window else NO_SLAB
+        slab, at_part, part = self._take_room(length) if length <= self.window else (NO_SLAB, 0, 0)
         if slab == NO_SLAB and length <= self.window:  # every slab pinned or being filled: no read-ahead
             if need is None:
                 return None
             run, extents = [need], [self.index.extent(need)]
             base, length = extents[0].record.offset, extents[0].record.stored_len
-        into = self.slabs.view(slab) if slab != NO_SLAB else None
+        into = self.slabs.view(slab, at_part, part) if slab != NO_SLAB else None
         done = self._claim(run, length)
         slab_kept = False
 
@@ -384,9 +408,9 @@ class ChunkCache:
             # RDMA may land elsewhere (its own registered memory): then the slab holds nothing; a direct
             # read of the local disk may start the bytes a little into the slab.
             in_slab = slab != NO_SLAB and isinstance(data, memoryview) and data.obj is self.slabs.arena
-            at = _address(data) - _address(into) if isinstance(data, memoryview) and in_slab and into else 0
+            at = _address(data) - _address(into) + at_part if isinstance(data, memoryview) and in_slab and into else 0
             raw = await self._keep(run, extents, chunk.id, base, data, node, need, slab if in_slab else NO_SLAB,
-                                   at, direct)
+                                   at, direct, part)
             slab_kept = in_slab
             if need is None:
                 self.prefetched_bytes += len(data)
@@ -397,13 +421,14 @@ class ChunkCache:
                                              urgent=need is not None, order=order)
         finally:
             if not slab_kept and slab != NO_SLAB:
-                self.slabs.give(slab)
+                (self.slabs.release_part if part else self.slabs.give)(slab)
             self._unclaim(run, length, done)
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,
-                    slab: int, at: int = 0, direct: bool = False) -> bytes | memoryview | None:
-        """Verify the fetched records and keep them as one block (its bytes `at` bytes into `slab`);
+                    slab: int, at: int = 0, direct: bool = False, part: int = 0) -> bytes | memoryview | None:
+        """Verify the fetched records and keep them as one block (its bytes `at` bytes into `slab`, of
+        which it has `part` bytes or, with 0, all);
         returns `need`'s, or raises CorruptData if it is bad (keeping nothing: the next replica's copy
         replaces them all)."""
         # xxh3 runs at ~30 GB/s here: a window's checksums cost less on the event loop than a hop to a
@@ -413,7 +438,7 @@ class ChunkCache:
             kept, offsets, own = await trio.to_thread.run_sync(verify_window, *args)
         else:
             kept, offsets, own = verify_window(*args)
-        self.held.add(slab, own, kept, offsets, direct)
+        self.held.add(slab, own, kept, offsets, direct, part if slab != NO_SLAB else 0)
         return kept[need] if need is not None else None
 
     # --- read-ahead ---

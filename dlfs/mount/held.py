@@ -38,6 +38,7 @@ class Block:
     slab: int
     nbytes: int
     resident: bool
+    part: bool  # a part of a packed slab (records fetched alone), not the whole slab
     own: int  # bytes of its memory outside the arena (decompressed records, or all of it without a slab)
     live: set[int] = field(default_factory=set)
     n: int = 0  # records it was fetched with
@@ -90,14 +91,15 @@ class Held:
         return self.resident_size + self.scratch_size
 
     def add(self, slab: int, own: int, records: dict[int, bytes | memoryview], offsets: dict[int, int],
-            direct: bool = False) -> None:
-        """Keep fetched records as one block (in `slab`, or NO_SLAB; `own`: its bytes outside the arena);
-        `offsets` are those lying whole in the slab, published."""
+            direct: bool = False, part: int = 0) -> None:
+        """Keep fetched records as one block (in `slab`, or NO_SLAB; `own`: its bytes outside the arena;
+        `part`: the bytes of a packed slab it has, 0 for the whole slab); `offsets` are those lying whole
+        in the slab, published."""
         bid = self._next_block
         self._next_block += 1
-        nbytes = own + (self.slabs.slab_size if slab != NO_SLAB else 0)
+        nbytes = own + ((part or self.slabs.slab_size) if slab != NO_SLAB else 0)
         resident = self.resident_size + nbytes <= (self.resident_cap if direct else self.readahead_cap)
-        self._blocks[bid] = Block(slab, nbytes, resident, own, set(records), len(records))
+        self._blocks[bid] = Block(slab, nbytes, resident, bool(part), own, set(records), len(records))
         self.own_size += own
         for ext, raw in records.items():
             self.records[ext] = (raw, bid)
@@ -140,7 +142,7 @@ class Held:
             self.scratch_size -= b.nbytes
         self.own_size -= b.own
         if b.slab != NO_SLAB:
-            self.slabs.release(b.slab)
+            (self.slabs.release_part if b.part else self.slabs.release)(b.slab)
 
     def evict_for_slab(self) -> bool:
         """Drop the least useful block that holds a slab (scratch first, then the oldest resident);

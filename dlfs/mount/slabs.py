@@ -9,7 +9,9 @@ A slab holds one read-ahead window and the slack of reading it page-aligned (O_D
 are reused most-recent first, so a stream keeps reusing the few slabs it has in flight (this VM's
 first touch of fresh memory costs 1-2 s per GB); fresh ones are faulted in ahead of use by a thread.
 A slab that a client still pins when its records are dropped waits, retired, until its pins are
-released. Free slabs' pages go back to the kernel on demand (trim): shared memory is reclaimable no
+released. Records fetched alone (a random order's misses: ~110 KB each) share slabs: each takes a
+part of the slab being packed (page-aligned, for O_DIRECT), and a slab packed so is free again once
+its last part is dropped; a slab each would hold a 4 MiB cache of 60 slabs to 60 such records. Free slabs' pages go back to the kernel on demand (trim): shared memory is reclaimable no
 other way when there is no swap. Which slab holds what is the cache's business, not this module's.
 """
 
@@ -28,6 +30,7 @@ from dlfs.native import native
 log = logging.getLogger(__name__)
 NO_SLAB = -1
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
+PART_ALIGN = 4096  # where parts of a packed slab start: a page (O_DIRECT lands page-aligned)
 
 
 def arena_file(size: int, huge: bool = True) -> tuple[int, bool]:
@@ -70,9 +73,13 @@ class Slabs:
         # been faulted in, by prefault_worker or by use.
         self.fresh, self._taken_high = 0, -1
         self._want_fresh = trio.Event()
+        self._packing, self._pack_at = NO_SLAB, 0  # the slab parts are taken from now, and its next free byte
+        self._parts: dict[int, int] = {}  # packed slab -> parts of it not yet dropped
 
-    def view(self, slab: int) -> memoryview:
-        return self.mem[slab * self.slab_size : (slab + 1) * self.slab_size]
+    def view(self, slab: int, at: int = 0, nbytes: int = 0) -> memoryview:
+        """Slab `slab`, or `nbytes` of it from `at` (a part)."""
+        start = slab * self.slab_size + at
+        return self.mem[start : start + (nbytes or self.slab_size - at)]
 
     def has_free(self) -> bool:
         if not self._free and self._retired:
@@ -100,6 +107,41 @@ class Slabs:
         else:
             self._retired.append(slab)
             self.retired_pinned += 1
+
+    def take_part(self, nbytes: int) -> tuple[int, int, int] | None:
+        """(slab, offset, size) of a part of at least `nbytes` in the slab being packed, or None where it
+        has no room left (then start_packing a free slab)."""
+        need = -(-nbytes // PART_ALIGN) * PART_ALIGN
+        if self._packing == NO_SLAB or self._pack_at + need > self.slab_size:
+            return None
+        at, self._pack_at = self._pack_at, self._pack_at + need
+        self._parts[self._packing] += 1
+        return self._packing, at, need
+
+    def start_packing(self, slab: int) -> None:
+        """Pack parts into `slab` (taken, free) from now on; the slab packed before is released once its
+        parts are (now, if none is left). Its offsets only grow: a part dropped is never written again
+        while the slab is packed, so a client's pin on it holds."""
+        self.stop_packing()
+        self._packing, self._pack_at = slab, 0
+        self._parts[slab] = 0
+
+    def stop_packing(self) -> bool:
+        """Pack no more into the slab being packed; True if that freed it (no part of it was left)."""
+        old, self._packing = self._packing, NO_SLAB
+        if old == NO_SLAB or self._parts[old]:
+            return False
+        del self._parts[old]
+        self.release(old)
+        return True
+
+    def release_part(self, slab: int) -> None:
+        """A part of packed `slab` dropped (or never filled): the slab is released with its last part,
+        unless parts are still taken from it."""
+        self._parts[slab] -= 1
+        if not self._parts[slab] and slab != self._packing:
+            del self._parts[slab]
+            self.release(slab)
 
     def reclaim_retired(self) -> None:
         still: list[int] = []
