@@ -11,8 +11,9 @@ first touch of fresh memory costs 1-2 s per GB); fresh ones are faulted in ahead
 A slab that a client still pins when its records are dropped waits, retired, until its pins are
 released. Records fetched alone (a random order's misses: ~110 KB each) share slabs: each takes a
 part of the slab being packed (page-aligned, for O_DIRECT), and a slab packed so is free again once
-its last part is dropped; a slab each would hold a 4 MiB cache of 60 slabs to 60 such records. Free slabs' pages go back to the kernel on demand (trim): shared memory is reclaimable no
-other way when there is no swap. Which slab holds what is the cache's business, not this module's.
+its last part is dropped; a slab each would hold a 256 MiB cache of 4 MiB slabs to 60 such records.
+Free slabs' pages go back to the kernel on demand (trim): shared memory is reclaimable no other way
+when there is no swap. Which slab holds what is the cache's business, not this module's.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Slabs:
         self._parts[slab] = 0
 
     def stop_packing(self) -> bool:
-        """Pack no more into the slab being packed; True if that freed it (no part of it was left)."""
+        """Pack no more into the slab being packed; True if that released it (no part of it was left:
+        free, or retired while a client pins it)."""
         old, self._packing = self._packing, NO_SLAB
         if old == NO_SLAB or self._parts[old]:
             return False
