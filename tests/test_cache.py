@@ -546,6 +546,9 @@ async def test_a_random_direct_epoch_packs_records_read_alone_into_shared_slabs(
         served = sum(map(len, payloads))
         assert cache.fetcher.fetched_bytes <= 1.2 * served, (cache.fetcher.fetched_bytes, served)
         assert most > 4 * cache.slabs.nslabs, most
+        # Memory pressure: everything held is dropped, the packed slabs too, and their pages go back.
+        assert cache.shed(cache.held.cached_bytes) > 0 and cache.held.cached_bytes == 0
+        assert cache.slabs.fd is not None and os.fstat(cache.slabs.fd).st_blocks == 0
 
 
 def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:

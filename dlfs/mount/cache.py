@@ -252,6 +252,7 @@ class ChunkCache:
         """Drop read-ahead not yet read, least useful first (scratch, then the oldest resident blocks),
         until `nbytes` of it are gone, then trim(): for memory pressure. Bytes given back."""
         self.held.shed(nbytes)
+        self.slabs.stop_packing()  # its free end would otherwise stay, all but empty, until the next part
         return self.trim()
 
     # --- reads ---
