@@ -501,6 +501,29 @@ async def test_an_epoch_in_a_random_order_stays_in_scan_mode_though_the_dataset_
 
 
 @pytest.mark.timeout(60)
+async def test_many_readers_each_in_order_keep_their_windows(tmp_path: Path) -> None:
+    # 16 readers at once (DataLoader workers), each through its own run of 45 files in order, one file
+    # each in turn, the runs not on the windows' bounds (8 records each): more windows are left partly
+    # read at once than a random order leaves when scan mode latches, but several records of each, read
+    # in order; scan mode stays off, by window.
+    async with _local_cache(tmp_path, 96, 82, 160 * (264 << 10), readahead=256 << 10) as (cache, payloads):
+        assert sum(map(len, payloads)) < cache.held.readahead_cap // 2
+        runs = [range(3 + r * 45, 3 + r * 45 + 45) for r in range(16)]
+        most = 0
+        for turn in range(45):
+            for run in runs:
+                await _read_as_the_kernel(cache, payloads, [run[turn]])
+                most = max(most, cache.held.partial)
+        assert most > cache._latch_partial, most  # as many windows partly read as a random order's
+        assert not cache.scan_latched
+        assert cache.fetcher.fetches <= 2 * len(payloads) // 8  # by window (8 records each)
+        order = list(range(len(payloads)))
+        random.Random(6).shuffle(order)  # an epoch at random on the same cache: it latches
+        await _read_as_the_kernel(cache, payloads, order)
+        assert cache.scan_latched
+
+
+@pytest.mark.timeout(60)
 async def test_an_epoch_in_a_random_order_keeps_its_windows_where_they_come_from_replicas(tmp_path: Path) -> None:
     # Scan mode is the serving threads reading this machine's chunk files. Where the bytes come from a
     # data daemon instead, each of its misses would be a fetch of its own: the windows stay.

@@ -60,7 +60,11 @@ PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
-LATCH_WINDOWS = 16  # windows partly read at once past this (or a quarter of read-ahead's): a random order
+# Windows partly read at once past this (or a quarter of read-ahead's), most with one record read: a
+# random order. DataLoader workers reading in order have one or two each, read through from their starts
+# (at 32, a random epoch's latch came later: 99-150 us of mount CPU a file in the cold bench's first
+# epoch against 80-98).
+LATCH_WINDOWS = 16
 DIRECT_RECENT = 8  # chunks of the latest dlfs.direct misses (whether the reads are chunk-local)
 PACKED_MIN = 4  # fetches of at most a slab / this (with their page-aligned slack) share slabs (slabs.py)
 
@@ -196,10 +200,13 @@ class ChunkCache:
             room = self.held.resident_size + self._inflight_size <= self.held.readahead_cap // 2
         else:
             room = self._room(self.slab_size)
-            shuffled = self.held.partial > self._latch_partial
+            # Under 1.5 records read a partly read window: a random order (about 1.05 when it latches);
+            # readers in order have read 2 or more of theirs from their second file on.
+            shuffled = self.held.partial > self._latch_partial and 2 * self.held.partial_read < 3 * self.held.partial
             if (shuffled or (self._bigger and not room)) and self._reads_in_place():
                 room, self.scan_latched = False, True
-                why = (f"{self.held.partial} windows are partly read (a random order)" if shuffled else
+                why = (f"{self.held.partial} windows are partly read, {self.held.partial_read} records of them "
+                       "(a random order)" if shuffled else
                        f"read-ahead is full and the dataset ({human_bytes(self.index.totals.bytes)}) is bigger "
                        f"than its bound ({human_bytes(self.held.readahead_cap)})")
                 log.info("%s: from now on small files are read one by one, each from its lookup on, not by window",

@@ -48,6 +48,11 @@ class Block:
         """Some of its records consumed, some not: the mark of a window read out of order."""
         return 0 < len(self.live) < self.n
 
+    @property
+    def partly_read(self) -> int:
+        """Its records consumed, where it is partial (else 0)."""
+        return self.n - len(self.live) if self.partial else 0
+
 
 class Held:
     def __init__(self, slabs: Slabs, shared: Any = None) -> None:
@@ -66,9 +71,10 @@ class Held:
         self.resident_size = self.scratch_size = self.own_size = 0
         self._next_block = 0
         self.evictions = self.consumed = 0
-        # Blocks partly consumed now: a reader in order has one or two (the window it is in), an epoch in
-        # a random order one for nearly every window it has touched.
-        self.partial = 0
+        # Blocks partly consumed now, and their records consumed: a reader in order has one or two (the
+        # window it is in, read through from its start), an epoch in a random order one for nearly every
+        # window it has touched, most with one record read.
+        self.partial = self.partial_read = 0
 
     def __contains__(self, ext: int) -> bool:
         return ext in self.records
@@ -127,6 +133,7 @@ class Held:
     def _drop(self, bid: int, evicted: bool = False) -> None:
         b = self._blocks.pop(bid)
         self.partial -= b.partial
+        self.partial_read -= b.partly_read
         for ext in b.live:
             self.records.pop(ext, None)
             self._served.pop(ext, None)
@@ -193,9 +200,10 @@ class Held:
             self.shared.unpublish(ext)
         self.consumed += 1
         b = self._blocks[hit[1]]
-        was = b.partial
+        was, was_read = b.partial, b.partly_read
         b.live.discard(ext)
         self.partial += b.partial - was
+        self.partial_read += b.partly_read - was_read
         if not b.live:
             self._drop(hit[1])
         return True
