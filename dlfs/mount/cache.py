@@ -24,9 +24,9 @@ queues the file's next windows (and a small file's chunk) for background prefetc
 read fetches what it asks: a small record alone, or the 4 KiB blocks of a big one.
 
 Scan resistant (CoorDL's no-thrash idea): blocks stay resident until used; once read-ahead's part is
-full, misses fetch just their own record (no read-ahead, no prefetch) into a small LRU scratch area,
-so an epoch over a dataset larger than the cache costs one fetch per missed file while the resident
-part keeps hitting. Concurrent misses of one window share one fetch.
+full, misses fetch just their own record (no read-ahead, no prefetch; a part of a shared slab each)
+into a small LRU scratch area, so an epoch over a dataset larger than the cache costs one fetch per
+missed file while the resident part keeps hitting. Concurrent misses of one window share one fetch.
 """
 
 from __future__ import annotations
