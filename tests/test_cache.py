@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -572,6 +573,52 @@ async def test_a_random_direct_epoch_packs_records_read_alone_into_shared_slabs(
         # Memory pressure: everything held is dropped, the packed slabs too, and their pages go back.
         assert cache.shed(cache.held.cached_bytes) > 0 and cache.held.cached_bytes == 0
         assert cache.slabs.fd is not None and os.fstat(cache.slabs.fd).st_blocks == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_batch_of_direct_misses_reads_its_records_alone_in_one_trip_to_the_disk(tmp_path: Path) -> None:
+    # dlfs.direct's batches in a random order over a dataset bigger than the cache: fetch_alone reads the
+    # misses that go alone in one trip to the disk thread per batch (not one each), checks each, and
+    # keeps it in a part of a shared slab; record() then finds it. A record whose local copy is corrupt
+    # is not kept, counts one fallback, and record() reports it (one node: no good copy anywhere).
+    async with _local_cache(tmp_path, 96, 71, 8 * (264 << 10), readahead=256 << 10) as (cache, payloads):
+        from dlfs.errors import CorruptData
+
+        local = cache.fetcher.local
+        assert local is not None
+        bad = 333
+        rec = cache.index.extent(bad).record
+        path = chunk_path(tmp_path / "home" / "data" / "chunks", cache.index.chunk(cache.index.extent(bad).chunk).id)
+        blob = bytearray(path.read_bytes())
+        blob[rec.offset + 7] ^= 0xFF
+        os.chmod(path, 0o644)
+        path.write_bytes(bytes(blob))
+        trips: list[str] = []
+        run = local.disk.run
+
+        async def counted(fn: Any, *args: Any, **kw: Any) -> Any:
+            trips.append(fn.__name__)
+            return await run(fn, *args, **kw)
+
+        local.disk.run = counted  # type: ignore[method-assign]
+        order = list(range(len(payloads)))
+        random.Random(8).shuffle(order)
+        alone = 0
+        for i in range(0, len(order), 32):
+            batch = order[i : i + 32]
+            before = len(trips)
+            await cache.fetch_alone(batch)
+            assert trips[before:].count("_read_records") <= 1
+            alone += sum(e in cache for e in batch)
+            for e in batch:
+                if e == bad:
+                    with pytest.raises(CorruptData):
+                        await cache.record(e, direct=True)
+                else:
+                    assert bytes(await cache.record(e, direct=True)) == payloads[e]
+        assert alone > len(payloads) // 2, alone  # most came in the batches' own trips
+        assert trips.count("_read_records") == len(order) // 32
+        assert local.fallbacks == 1 and bad not in cache
 
 
 def test_disk_queue_serves_urgent_first_then_read_ahead_by_ticket() -> None:

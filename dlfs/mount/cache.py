@@ -44,7 +44,7 @@ import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.client.cluster import ClusterClient
-from dlfs.errors import DlfsError
+from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.chunk import FLAG_BLOCK_SUMS, FLAG_LZ4
 from dlfs.format.index import Extent, Index
 from dlfs.mount.fetcher import Buffer, Fetcher, verify_window
@@ -332,6 +332,58 @@ class ChunkCache:
         data = await self._fetch(run, ext, direct)
         assert data is not None
         return data
+
+    async def fetch_alone(self, exts: Sequence[int]) -> None:
+        """A batch of dlfs.direct reads: those of `exts` that miss and would be read alone (no window:
+        see _direct_window) are read from this machine's chunk files together, in one trip to its disk
+        thread, each into a part of a shared slab, checked and kept; record() then finds them here. A
+        miss whose window comes, or that cannot be read here (not here, short, corrupt), is left to
+        record(), which fetches it as usual (its replicas, its errors)."""
+        local = self.fetcher.local
+        if local is None:
+            return
+        room = self._readahead_room()
+        todo: list[tuple[int, Extent, int, int, int]] = []  # extent, its index entry, slab, offset, part
+        for ext in dict.fromkeys(exts):
+            if self._present(ext):
+                continue
+            e = self.index.extent(ext)
+            if (e.record.stored_len + 2 * DIRECT_ALIGN) * PACKED_MIN > self.slab_size or self._direct_window(ext, room):
+                continue
+            slab, at, part = self._take_room(e.record.stored_len)
+            if slab == NO_SLAB:
+                break
+            todo.append((ext, e, slab, at, part))
+        if not todo:
+            return
+        run = [t[0] for t in todo]
+        length = sum(t[1].record.stored_len for t in todo)
+        done = self._claim(run, length)
+        kept: set[int] = set()
+        try:
+            got = await local.read_records([(self.index.chunk(e.chunk).id, e.record.offset, e.record.stored_len,
+                                             self.slabs.view(slab, at, part)) for _, e, slab, at, part in todo])
+            for (ext, e, slab, _, part), data in zip(todo, got):
+                if data is None:
+                    continue
+                cid = self.index.chunk(e.chunk).id
+                try:
+                    await self._keep([ext], [e], cid, e.record.offset, data, local.node, ext, slab,
+                                     _address(data) - _address(self.slabs.view(slab)), True, part)
+                except CorruptData as exc:
+                    local.fallbacks += 1
+                    local.failed(cid)  # its replicas from now on, until repair replaces the file
+                    log.warning("%s; reading it from the replicas", exc)
+                    continue
+                kept.add(ext)
+                self.misses += 1
+                self.planner.asked_again(ext)
+                self.fetcher.count_local(len(data))
+        finally:
+            for ext, _, slab, _, _ in todo:
+                if ext not in kept:
+                    self.slabs.release_part(slab)
+            self._unclaim(run, length, done)
 
     def consume(self, ext: int, nbytes: int) -> None:
         """`nbytes` of extent `ext` went to the kernel, which keeps them: once all have, drop it."""

@@ -222,6 +222,7 @@ class ControlServer:
             by_window.setdefault(self.cache.planner.window_of(e), []).append(i)
         limit = trio.CapacityLimiter(FETCH_TASKS)
         copying: list[bool] = []  # whether this answer holds its turn to copy
+        await self.cache.fetch_alone(exts)  # the misses read alone, together; the rest by window below
 
         async def fetch(positions: list[int]) -> None:
             async with limit:

@@ -84,6 +84,11 @@ class Fetcher:
         """Replicas' bytes that failed their check."""
         return self.replicas.corrupt
 
+    def count_local(self, nbytes: int) -> None:
+        """A record read from this machine's chunk files outside ranges() (a batch of them), and good."""
+        assert self.local is not None
+        self._count(self.local.node, nbytes)
+
     def _count(self, node: str, nbytes: int) -> None:
         self.fetches += 1
         self.fetched_bytes += nbytes
