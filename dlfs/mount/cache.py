@@ -361,8 +361,12 @@ class ChunkCache:
         done = self._claim(run, length)
         kept: set[int] = set()
         try:
-            got = await local.read_records([(self.index.chunk(e.chunk).id, e.record.offset, e.record.stored_len,
-                                             self.slabs.view(slab, at, part)) for _, e, slab, at, part in todo])
+            try:
+                got = await local.read_records([(self.index.chunk(e.chunk).id, e.record.offset, e.record.stored_len,
+                                                 self.slabs.view(slab, at, part)) for _, e, slab, at, part in todo])
+            except (OSError, DlfsError) as exc:  # record() reads each as usual, and says what fails
+                log.debug("a batch of %d records read alone stopped: %s", len(todo), exc)
+                return
             for (ext, e, slab, _, part), data in zip(todo, got):
                 if data is None:
                     continue
