@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,19 +27,31 @@ def etcd_available() -> str | None:
     return None if shutil.which("etcd") else "etcd is not installed (make install installs etcd-server)"
 
 
+_handed: deque[int] = deque(maxlen=1024)  # ports this process handed out lately: picked, maybe not bound yet
+
+
 def free_ports(n: int) -> list[int]:
     """n ports free on 127.0.0.1 now, for servers the tests start. Picked below the kernel's range of
     ephemeral ports (ip_local_port_range), not by binding port 0: a port from that range can be given to
-    any outgoing connection on the machine between the pick and the server's bind."""
+    any outgoing connection on the machine between the pick and the server's bind. Each pytest-xdist
+    worker picks from its own share of that span, and not a port it handed out lately: two tests at
+    once could otherwise pick one port before either bound it (a node then failed to start, "Address
+    already in use", about one CI run in ten)."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    lo, hi = max(1024, low - 16384), low
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker[2:].isdigit() and count > 1:
+        share = (hi - lo) // count
+        lo += int(worker[2:]) % count * share
+        hi = lo + share
     rng = random.SystemRandom()
     ports: list[int] = []
     while len(ports) < n:
-        port = rng.randrange(max(1024, low - 16384), low)
-        if port in ports:
+        port = rng.randrange(lo, hi)
+        if port in ports or port in _handed:
             continue
         with socket.socket() as sock:
             try:
@@ -46,6 +59,7 @@ def free_ports(n: int) -> list[int]:
             except OSError:
                 continue  # in use now
         ports.append(port)
+    _handed.extend(ports)
     return ports
 
 
