@@ -139,9 +139,11 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
                      if cur.get("direct_io_min") else ""))
         if eng.get("record_reads") or eng.get("scan"):  # read-ahead out of room: files read whole in C
             files = eng.get("record_reads", 0) - was.get("record_reads", 0)
+            mode = ("scan mode kept (a random order, or read-ahead full with a dataset bigger than it)"
+                    if cur.get("scan_kept") else f"read-ahead {'full now' if eng.get('scan') else 'has room now'}")
             t.add_row("read whole from chunk files", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
                       f"{eng.get('record_reads', 0):,} files, {eng.get('records_ahead_used', 0):,} started at their "
-                      f"LOOKUP; read-ahead {'full now' if eng.get('scan') else 'has room now'}")
+                      f"LOOKUP; {mode}")
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
@@ -223,6 +225,7 @@ class EngineFigures(Struct, frozen=True):
     chunk_file_reads: int = 0
     started_at_lookup: int = 0
     scan: bool = False  # read-ahead has no room now: misses are read whole from chunk files, not by window
+    scan_kept: bool = False  # and stays so: an epoch in a random order, or a dataset bigger than read-ahead
 
 
 class DirectFigures(Struct, frozen=True):
@@ -288,7 +291,8 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
             read_errors=cur["read_errors"], failovers=cur["failovers"], checksum_failures=cur["checksum_failures"]),
         engine=EngineFigures(eng["requests"], eng["answered"], eng["forwarded"], eng["threads"],
                              str(eng["io_uring"]), int(cur.get("direct_io_min", 0)), int(eng.get("record_reads", 0)),
-                             int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False))) if eng else None,
+                             int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False)),
+                             bool(cur.get("scan_kept", False))) if eng else None,
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
         failing_nodes=list(cur["failing_nodes"]),

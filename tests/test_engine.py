@@ -327,6 +327,8 @@ def test_scan_mode_reads_small_files_from_their_chunks_from_the_lookup_on(node: 
     assert last["chunk_files_opened"] <= 2 * n_chunks, (last["chunk_files_opened"], n_chunks)
     shown = node.run("stats", mnt).stdout  # what a user sees of it
     assert re.search(r"read whole from chunk files .* [\d,]+ files, [\d,]+ started at their LOOKUP", shown), shown
+    # A dataset bigger than this cache's read-ahead, read until it filled: scan mode stays, and says so.
+    assert "scan mode kept" in shown and mount_stats_from_now(node.home, mnt)["scan_kept"], shown
     assert last["io_uring"] == ("serving" if io_uring == "on" else "off"), last
     if io_uring == "on":
         assert first["records_ahead_used"] >= max(50, 0.8 * first["records_ahead"]), first

@@ -73,6 +73,7 @@ class MountStats:
             "reads": ops.reads + native_reads, "read_bytes": ops.bytes_read + eng.get("read_bytes", 0),
             "read_errors": ops.errors, "read_seconds": ops.read_seconds.to_dict(),
             "python_reads": ops.reads, "engine": eng, "direct_io_min": ops.direct_io_min,
+            "scan_kept": c.scan_latched,
             "cache_hits": c.hits + native_reads - blocks, "cache_misses": c.misses + blocks, "cache_evictions": c.held.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
             "cache_given_back": c.slabs.given_back, "cache_huge_pages": c.slabs.huge,
