@@ -193,7 +193,10 @@ class Etcd:
                         raise EtcdRefused(f"etcd at {endpoint}: reply of {len(r.content)} bytes to {path} is too big")
                     doc = r.json() if r.content else {}
                 except (httpx.HTTPError, OSError, ValueError, trio.TooSlowError) as exc:
-                    errors[endpoint] = why_failed(exc)
+                    why = why_failed(exc)
+                    # An attempt the deadline cut short says less than the endpoint's last answer (a refusal).
+                    if not (why == "timed out" and left < attempt and endpoint in errors):
+                        errors[endpoint] = why
                     continue
                 if r.status_code != 200 or "error" in doc:
                     message = str(doc.get("error") or doc.get("message") or f"HTTP {r.status_code}")
