@@ -234,13 +234,18 @@ class ChunkCache:
                 return NO_SLAB
         return self.slabs.take()
 
+    def _packed(self, length: int) -> bool:
+        """Whether a fetch of `length` bytes takes a part of a packed slab (with the slack of reading it
+        page-aligned), not a slab of its own."""
+        return (length + 2 * DIRECT_ALIGN) * PACKED_MIN <= self.slab_size
+
     def _take_room(self, length: int) -> tuple[int, int, int]:
         """Where a fetch of `length` bytes lands, with the slack of reading it page-aligned: (slab, offset
         in it, size of its part of the slab, or 0 for all of it). A small fetch (a record alone) takes a
         part of the slab being packed, a window a slab of its own; NO_SLAB if none can be had."""
-        need = length + 2 * DIRECT_ALIGN
-        if need * PACKED_MIN > self.slab_size:
+        if not self._packed(length):
             return self._take_slab(), 0, 0
+        need = length + 2 * DIRECT_ALIGN
         part = self.slabs.take_part(need)
         if part is None:
             slab = self._take_slab()
@@ -343,17 +348,17 @@ class ChunkCache:
         if local is None:
             return
         room = self._readahead_room()
-        todo: list[tuple[int, Extent, int, int, int]] = []  # extent, its index entry, slab, offset, part
+        todo: list[tuple[int, Extent, bytes, int, int, int]] = []  # extent, its entry, chunk, slab, offset, part
         for ext in dict.fromkeys(exts):
             if self._present(ext):
                 continue
             e = self.index.extent(ext)
-            if (e.record.stored_len + 2 * DIRECT_ALIGN) * PACKED_MIN > self.slab_size or self._direct_window(ext, room):
+            if not self._packed(e.record.stored_len) or self._direct_window(ext, room):
                 continue
             slab, at, part = self._take_room(e.record.stored_len)
             if slab == NO_SLAB:
                 break
-            todo.append((ext, e, slab, at, part))
+            todo.append((ext, e, self.index.chunk(e.chunk).id, slab, at, part))
         if not todo:
             return
         run = [t[0] for t in todo]
@@ -362,29 +367,26 @@ class ChunkCache:
         kept: set[int] = set()
         try:
             try:
-                got = await local.read_records([(self.index.chunk(e.chunk).id, e.record.offset, e.record.stored_len,
-                                                 self.slabs.view(slab, at, part)) for _, e, slab, at, part in todo])
+                got = await local.read_records([(cid, e.record.offset, e.record.stored_len, self.slabs.view(slab, at, part))
+                                                for _, e, cid, slab, at, part in todo])
             except (OSError, DlfsError) as exc:  # record() reads each as usual, and says what fails
                 log.debug("a batch of %d records read alone stopped: %s", len(todo), exc)
                 return
-            for (ext, e, slab, _, part), data in zip(todo, got):
+            for (ext, e, cid, slab, _, part), data in zip(todo, got):
                 if data is None:
                     continue
-                cid = self.index.chunk(e.chunk).id
                 try:
                     await self._keep([ext], [e], cid, e.record.offset, data, local.node, ext, slab,
                                      _address(data) - _address(self.slabs.view(slab)), True, part)
                 except CorruptData as exc:
-                    local.fallbacks += 1
-                    local.failed(cid)  # its replicas from now on, until repair replaces the file
-                    log.warning("%s; reading it from the replicas", exc)
+                    local.failed_check(cid, exc)
                     continue
                 kept.add(ext)
                 self.misses += 1
                 self.planner.asked_again(ext)
                 self.fetcher.count_local(len(data))
         finally:
-            for ext, _, slab, _, _ in todo:
+            for ext, _, _, slab, _, _ in todo:
                 if ext not in kept:
                     self.slabs.release_part(slab)
             self._unclaim(run, length, done)

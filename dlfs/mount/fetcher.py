@@ -117,9 +117,7 @@ class Fetcher:
                 try:
                     out = await check(local, self.local.node)
                 except CorruptData as exc:
-                    self.local.fallbacks += 1  # counted there: a node's fetches are what it served well
-                    self.local.failed(cid)  # its replicas from now on, until repair replaces the file
-                    log.warning("%s; reading it from the replicas", exc)
+                    self.local.failed_check(cid, exc)
                 else:
                     self._count(self.local.node, sum(len(p) for p in local))
                     return out

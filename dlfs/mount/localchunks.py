@@ -175,6 +175,11 @@ def _all_cached(fd: int, off: int, n: int) -> bool:
     return got is not None and got >= (off + n - 1) // PAGE - off // PAGE + 1
 
 
+def direct_span(off: int, n: int) -> tuple[int, int]:
+    """[lo, hi): bytes [off, off+n) widened to whole pages, as an O_DIRECT read must cover them."""
+    return off - off % DIRECT_ALIGN, -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
 def _read_window(fd: int, dfd: int, off: int, n: int, lo: int, hi: int, cached: bool,
                  into: memoryview) -> tuple[int, int]:
     """Bytes [off, off+n) into `into`: (where they start in it, how many of them were read). Copied
@@ -453,8 +458,7 @@ class LocalChunks:
         (`cached`), else read from the disk straight into `into` (O_DIRECT, the range widened to whole
         4 KiB pages, so the bytes start a little into it: no copy, and no page cache kept of them); None
         if that cannot be done here."""
-        lo = off - off % DIRECT_ALIGN
-        hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        lo, hi = direct_span(off, n)
         fd, dfd = self._fd(cid), (self._direct_fd(cid) if hi - lo <= len(into) else None)
         if fd is None or dfd is None:
             return None
@@ -499,14 +503,10 @@ class LocalChunks:
             try:
                 first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into, urgent, order)
             except OSError as exc:
-                self.fallbacks += 1
-                log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
-                            cid.hex(), self.node, ranges[0][0], exc)
+                self._fall_back(cid, f"at offset {ranges[0][0]}: {exc}")
                 return None
             if first is not None and len(first) < ranges[0][1]:
-                self.fallbacks += 1
-                log.warning("chunk %s (local copy of %s) is short at offset %d; reading it from the replicas",
-                            cid.hex(), self.node, ranges[0][0])
+                self._fall_back(cid, f"is short at offset {ranges[0][0]}")
                 return None
             if first is not None:
                 others = await self.read_ranges(cid, ranges[1:]) if len(ranges) > 1 else []
@@ -531,15 +531,11 @@ class LocalChunks:
                 late = iter(more)
                 got = [g if g == n else g + next(late) for (_, n), g in zip(ranges, got)]
         except OSError as exc:
-            self.fallbacks += 1
-            log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
-                        cid.hex(), self.node, ranges[0][0], exc)
+            self._fall_back(cid, f"at offset {ranges[0][0]}: {exc}")
             return None
         for (off, n), g in zip(ranges, got):
             if g < n:
-                self.fallbacks += 1
-                log.warning("chunk %s (local copy of %s) is short (%d of %d bytes at offset %d); reading it "
-                            "from the replicas", cid.hex(), self.node, g, n, off)
+                self._fall_back(cid, f"is short ({g} of {n} bytes at offset {off})")
                 return None
         self.reads += len(ranges)
         self.bytes += sum(n for _, n in ranges)
@@ -560,8 +556,7 @@ class LocalChunks:
             fd = self._fd(cid)
             if fd is None:
                 continue
-            lo = off - off % DIRECT_ALIGN
-            hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+            lo, hi = direct_span(off, n)
             dfd = self._direct_fd(cid) if self.direct and hi - lo <= len(into) else None
             cached = dfd is None or _all_cached(fd, off, n)
             if cached and n > len(into):
@@ -572,9 +567,9 @@ class LocalChunks:
         if not jobs:
             return out
         try:
-            # A lane by its biggest read: a batch of records is small reads, never queued behind a window.
             if self._batch is None:
                 self._batch = ThreadPoolExecutor(BATCH_DEPTH, thread_name_prefix="dlfs-disk-batch")
+            # A lane by its biggest read: a batch of records is small reads, never queued behind a window.
             results = await self.disk.run(_read_records, jobs, self._batch, nbytes=max(j[3] for j in jobs),
                                           urgent=True)
         finally:
@@ -587,21 +582,31 @@ class LocalChunks:
                 if got.errno == errno.EINVAL and not job[6]:
                     self.direct = False  # this file system takes O_DIRECT opens but not their reads
                     continue
-                self.fallbacks += 1
-                log.warning("chunk %s (local copy of %s) at offset %d: %s; reading it from the replicas",
-                            cid.hex(), self.node, off, got)
+                self._fall_back(cid, f"at offset {off}: {got}")
                 continue
             start, n_got = got
             if n_got < n:
-                self.fallbacks += 1
-                log.warning("chunk %s (local copy of %s) is short at offset %d; reading it from the replicas",
-                            cid.hex(), self.node, off)
+                self._fall_back(cid, f"is short at offset {off}")
                 continue
             out[k] = into[start : start + n]
             self.reads += 1
             self.bytes += n
             self.direct_reads += not job[6]
         return out
+
+    def _fall_back(self, cid: bytes, what: str) -> None:
+        """A read of chunk `cid`'s local copy failed (`what`, after "chunk ... (local copy of ...)"):
+        counted, said; the caller reads it from the replicas."""
+        self.fallbacks += 1
+        log.warning("chunk %s (local copy of %s) %s; reading it from the replicas", cid.hex(), self.node, what)
+
+    def failed_check(self, cid: bytes, exc: Exception) -> None:
+        """Bytes of chunk `cid`'s local copy failed their check (`exc` says which): counted, said, and the
+        file passed over for its replicas until repair replaces it (failed). A node's fetches count what
+        it served well, so the caller counts none."""
+        self.fallbacks += 1
+        self.failed(cid)
+        log.warning("%s; reading it from the replicas", exc)
 
     def close(self) -> None:
         self.disk.close()
