@@ -26,6 +26,7 @@ from dlfs.wire.protocol import (
     Frame,
     FrameStream,
     Msg,
+    encode_frame,
     pack_meta,
 )
 
@@ -112,6 +113,60 @@ async def test_socket_stream_uses_recv_into() -> None:
     assert f.meta == {"k": 1} and f.data == payload and isinstance(f.data, bytearray)
     await left.aclose()
     await right.aclose()
+
+
+async def _tcp_pair() -> tuple[trio.SocketStream, FrameStream]:
+    """A raw TCP stream to a FrameStream over loopback (SO_RCVLOWAT works on TCP alone)."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = trio.socket.socket()
+    await client.connect(listener.getsockname())
+    server, _ = await listener.accept()
+    listener.close()
+    return trio.SocketStream(client), FrameStream(trio.SocketStream(server), "tcp peer")
+
+
+@pytest.mark.timeout(20)
+async def test_a_big_frame_over_tcp_wakes_its_receiver_per_piece_not_per_segment() -> None:
+    """A fetched window arrives as many segments: its receiver waits for a piece of RECV_PIECE bytes
+    (or what the frame still owes) before it wakes, and for any byte again once the frame is in."""
+    raw, fs = await _tcp_pair()
+    fs.authenticated()
+    calls = 0
+    recv_into = fs._recv_into
+    assert recv_into is not None
+
+    async def counted(view: memoryview) -> int:
+        nonlocal calls
+        calls += 1
+        return await recv_into(view)
+
+    fs._recv_into = counted
+    sizes = [(4 << 20) + 3, (1 << 20) + 1, 100]
+    frames = [Frame(RESPONSE, Msg.READ_RANGE, i + 1, data=os.urandom(n)) for i, n in enumerate(sizes)]
+
+    async def trickle() -> None:
+        # 32 KiB at a time with a pause, as a disk-bound sender's segments land: unwaited, each
+        # would wake the receiver (160 wakeups for these frames).
+        for f in frames:
+            wire = encode_frame(f) + bytes(f.data)
+            for at in range(0, len(wire), 32 << 10):
+                await raw.send_all(wire[at:at + (32 << 10)])
+                await trio.sleep(0.001)
+
+    got: list[Frame] = []
+    async with trio.open_nursery() as n:
+        n.start_soon(trickle)
+        with trio.fail_after(10):  # a wait for bytes the frame does not owe would hang here
+            for _ in frames:
+                got.append(await fs.receive())
+    assert [bytes(g.data) for g in got] == [bytes(f.data) for f in frames]
+    assert calls <= 40, f"{calls} receives for {sum(sizes)} bytes in 32 KiB segments"
+    sock = fs.stream.socket  # type: ignore[attr-defined]
+    assert sock.getsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVLOWAT) == 1
+    await raw.aclose()
+    await fs.aclose()
 
 
 @pytest.mark.timeout(10)
