@@ -148,7 +148,8 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
     t.add_row("cache held", "", f"{human_bytes(cur['cache_bytes'])} of {human_bytes(cur['cache_capacity'])}")
-    t.add_row("fetched", _mbs(r.fetched_bytes), f"{human_bytes(cur['fetched_bytes'])} in {cur['fetches']:,} fetches")
+    t.add_row("fetched", _mbs(r.fetched_bytes), f"{human_bytes(cur['fetched_bytes'])} in {cur['fetches']:,} fetches, "
+              f"{human_bytes(cur.get('in_place_bytes', 0))} of them read in place")
     t.add_row("read errors", f"{r.errors:,}", f"{cur['read_errors']:,}")
     t.add_row("failovers", f"{r.failovers:,}", f"{cur['failovers']:,}")
     t.add_row("checksum failures", f"{r.checksum_failures:,}", f"{cur['checksum_failures']:,}")
@@ -209,6 +210,7 @@ class TotalFigures(Struct, frozen=True):
     read_errors: int
     failovers: int
     checksum_failures: int
+    in_place_bytes: int = 0  # of fetched_bytes, read from this machine's chunk files, not through a daemon
 
 
 class EngineFigures(Struct, frozen=True):
@@ -288,7 +290,8 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
             cache_hit_rate=cur["cache_hits"] / looked if looked else None, cache_hits=cur["cache_hits"],
             cache_misses=cur["cache_misses"], cache_evictions=cur["cache_evictions"], cache_bytes=cur["cache_bytes"],
             cache_capacity=cur["cache_capacity"], fetches=cur["fetches"], fetched_bytes=cur["fetched_bytes"],
-            read_errors=cur["read_errors"], failovers=cur["failovers"], checksum_failures=cur["checksum_failures"]),
+            read_errors=cur["read_errors"], failovers=cur["failovers"], checksum_failures=cur["checksum_failures"],
+            in_place_bytes=int(cur.get("in_place_bytes", 0))),
         engine=EngineFigures(eng["requests"], eng["answered"], eng["forwarded"], eng["threads"],
                              str(eng["io_uring"]), int(cur.get("direct_io_min", 0)), int(eng.get("record_reads", 0)),
                              int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False)),

@@ -217,19 +217,23 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         cold = out["cold"]  # 2 big files of each size, the 300 small ones
         assert cold["dataset"]["big_files"] == 4 and cold["dataset"]["small_files"] == 300
         for readers in ("1", "2"):
-            assert set(cold["big"][readers]) == {"local", "squashfuse_ll", "dlfs", "dlfs_direct_io"}
-            for name in ("local", "squashfuse_ll", "dlfs", "dlfs_direct_io"):
+            assert set(cold["big"][readers]) == {"local", "squashfuse_ll", "dlfs", "dlfs_direct_io", "dlfs_via_daemon"}
+            # In place the mount reads this machine's chunk files; via the daemon, none of them.
+            assert cold["big"][readers]["dlfs"]["python"]["in_place_bytes"] > 0
+            via = cold["big"][readers]["dlfs_via_daemon"]["python"]
+            assert via["in_place_bytes"] == 0 and via["fetches"] > 0, via
+            for name in ("local", "squashfuse_ll", "dlfs", "dlfs_direct_io", "dlfs_via_daemon"):
                 r = cold["big"][readers][name]
                 assert r["files"] == 4 and r["mb_per_s"] > 0, (readers, name)
                 # Reading 4 big files costs each system's readers CPU of their own (copies, page cache).
                 assert r["reader_cpu_s"] > 0 and r["reader_cpu_s_per_gb"] == r["reader_cpu_s"] / (r["bytes"] / 1e9)
-        for name in ("local", "squashfuse_ll", "dlfs"):
+        for name in ("local", "squashfuse_ll", "dlfs", "dlfs_via_daemon"):
             two = cold["small"][name]
             assert two["first"]["files"] == two["second"]["files"] == 300, name
             assert two["second_over_first"] == two["second"]["files_per_s"] / two["first"]["files_per_s"]
         for k in ("first", "second"):  # what each epoch sent to Python, from the mount's own counters
             assert set(cold["small"]["dlfs"][k]["python"]) == {"python_reads", "misses", "fetches", "read_misses",
-                                                               "parked"}
+                                                               "parked", "in_place_bytes"}
             assert min(cold["small"]["dlfs"][k]["python"].values()) >= 0
         jobs = out["two_jobs"]
         assert [j["files"] for j in jobs["jobs"]] == [300, 300] and jobs["dataset_bytes"] == total

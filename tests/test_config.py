@@ -270,6 +270,7 @@ def test_datasets_and_stats_as_json(node: Node, tmp_path: Path) -> None:
     assert t["cache_hits"] + t["cache_misses"] >= 10 and t["cache_misses"] >= 1
     assert t["cache_hit_rate"] == pytest.approx(t["cache_hits"] / (t["cache_hits"] + t["cache_misses"]))
     assert t["fetched_bytes"] > 0 and t["fetches"] >= 1 and t["read_errors"] == 0 and t["failovers"] == 0
+    assert t["in_place_bytes"] == t["fetched_bytes"], t  # one node: every chunk is this machine's, read in place
     assert t["cache_capacity"] > 0 and isinstance(t["cache_bytes"], int)
     i = view["interval"]  # the reads may fall in it (the sample before the command may predate them)
     assert i["seconds"] > 0 and 0 <= round(i["reads_per_second"] * i["seconds"]) <= t["reads"]

@@ -364,13 +364,20 @@ class DlfsNode:
 class DlfsMount(System):
     name, label = "dlfs", "dlfs"
     DIRECT_IO = ("dlfs_direct_io", "dlfs --direct-io")  # the name and label of a mount with --direct-io
+    # ... and of one that reads its chunks through the data daemon (--no-short-circuit), as a compute node
+    # without the data does
+    VIA_DAEMON = ("dlfs_via_daemon", "dlfs via daemon")
 
-    def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False) -> None:
+    def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False,
+                 short_circuit: bool = True) -> None:
         super().__init__(mountpoint)
         self.node, self.dataset = node, dataset
         self.direct_io = direct_io  # mounted with --direct-io: then named dlfs_direct_io
+        self.short_circuit = short_circuit
         if direct_io:
             self.name, self.label = self.DIRECT_IO
+        elif not short_circuit:
+            self.name, self.label = self.VIA_DAEMON
         self._pid: int | None = None
         self.mount_seconds = 0.0
 
@@ -435,8 +442,8 @@ class DlfsMount(System):
     def mount(self) -> None:
         """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""
         t0 = time.perf_counter()
-        self.node.cli("mount", *self.node.mount_args(), *(["--direct-io", "on"] if self.direct_io else []), self.dataset,
-                      str(self.root), timeout=300)
+        self.node.cli("mount", *self.node.mount_args(), *(["--direct-io", "on"] if self.direct_io else []),
+                      *([] if self.short_circuit else ["--no-short-circuit"]), self.dataset, str(self.root), timeout=300)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True
         self._pid = self.node.mount_pid(self.root)

@@ -10,7 +10,9 @@ them (a mount chooses how it serves by its dataset: see want_io_uring):
   - two cold epochs of the small files on ONE mount, the page cache dropped between them (what a job
     whose dataset does not fit in memory gets from its second epoch on): files/s of each, the second
     over the first, and the READs each epoch sent to Python (the mount's published misses);
-  - the mount's CPU per cold file beside squashfuse_ll's.
+  - the mount's CPU per cold file beside squashfuse_ll's;
+  - beside them, not a target: the same reads by a mount that fetches its chunks from the data daemon
+    (--no-short-circuit), what a compute node that holds none of the data gets (here over loopback TCP).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ BIG_SIZES = (16 << 20, 40_000_000)  # a 3D-U-Net-like sample (MLPerf Storage's u
 SMALL_MEAN = 110_000
 SMALL_MAX = 8000  # small files at most: enough for a steady epoch, a dataset of ~0.9 GB
 DLFS_LABELS = {"dlfs": DlfsMount.label, DlfsMount.DIRECT_IO[0]: DlfsMount.DIRECT_IO[1]}  # dlfs mounts' results by name
+# Shown beside them, not targets: the chunks fetched from the data daemon over TCP, not read in place (one
+# machine here, so loopback, the daemon sharing the CPUs with the readers)
+SHOWN = {**DLFS_LABELS, DlfsMount.VIA_DAEMON[0]: DlfsMount.VIA_DAEMON[1]}
 
 
 def section_size(files: int, big_files: int) -> tuple[int, int]:
@@ -82,7 +87,8 @@ def mount_sample(s: System) -> dict[str, Any]:
     doc = read_sample(s.node.home, s.root.absolute())
     engine = doc.get("engine") or {}
     return {"python_reads": doc["python_reads"], "misses": doc["cache_misses"], "fetches": doc["fetches"],
-            "read_misses": engine.get("read_misses", 0), "parked": engine.get("parked", 0)}
+            "read_misses": engine.get("read_misses", 0), "parked": engine.get("parked", 0),
+            "in_place_bytes": doc["in_place_bytes"]}
 
 
 def _spent(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -126,23 +132,25 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
         base: list[System] = [LocalDisk(src), SquashfuseLL(image, mnt / "squashfuse_ll", work / "cold-squash.log")]
         dlfs = {folder: DlfsMount(node, name, mnt / f"dlfs-{folder}") for folder, name in DATASETS.items()}
         direct = DlfsMount(node, DATASETS["big"], mnt / "dlfs-big-direct-io", direct_io=True)
-        for s in [*base[1:], *dlfs.values(), direct]:
+        remote = {folder: DlfsMount(node, name, mnt / f"dlfs-{folder}-via-daemon", short_circuit=False)
+                  for folder, name in DATASETS.items()}
+        for s in [*base[1:], *dlfs.values(), direct, *remote.values()]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
             for readers in (1, 2):
                 out["big"][str(readers)] = {}
-                for s in [*base, dlfs["big"], direct]:
+                for s in [*base, dlfs["big"], direct, remote["big"]]:
                     say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}")
                     fresh_start(s)
                     before = mount_sample(s)
                     r = timed_epoch(s, bigs, readers, seed=readers, read="open")
                     r["python"] = _spent(before, mount_sample(s))
                     out["big"][str(readers)][s.name] = r
-            for s in [*base, dlfs["small"]]:
+            for s in [*base, dlfs["small"], remote["small"]]:
                 say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
                 out["small"][s.name] = two_cold_epochs(s, smalls, 2)
         finally:
-            for s in [*base, *dlfs.values(), direct]:
+            for s in [*base, *dlfs.values(), direct, *remote.values()]:
                 s.unmount()
     finally:
         node.stop()
@@ -180,7 +188,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         cpu = r.get("cpu_us_per_file")
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
-        shown = DLFS_LABELS.get(name, name)
+        shown = SHOWN.get(name, name)
         return (f"  {what:<44}{shown:<17}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
                 f"{'-' if own is None else f'{own:.2f}':>12}")
@@ -192,8 +200,9 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         for name, by in c["small"].items():
             lines.append(row(f"small files, 2 readers, {k} cold epoch", name, by[k], c["small"]["local"][k],
                              "files_per_s"))
-    lines.append(f"  second cold epoch / first on one mount: dlfs {c['small']['dlfs']['second_over_first']:.2f}x, "
-                 f"local disk {c['small']['local']['second_over_first']:.2f}x")
+    lines.append("  second cold epoch / first on one mount: " + ", ".join(
+        f"{SHOWN.get(name, 'local disk')} {by['second_over_first']:.2f}x"
+        for name, by in c["small"].items() if name != "squashfuse_ll"))
     own = reader_cpu_ratios(c)
     if own:
         lines.append("  the readers' own CPU per GB (the kernel's page cache work and copies), dlfs / local disk: "
