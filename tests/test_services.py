@@ -504,6 +504,75 @@ async def test_concurrent_puts_of_one_chunk_store_it_once(tmp_path: Path) -> Non
         assert os.listdir(tmp_path / "data" / "tmp") == []
 
 
+def test_a_range_of_a_chunk_whose_file_is_kept_open_needs_no_thread(tmp_path: Path) -> None:
+    """open_kept_range serves a chunk whose file the store keeps open (nothing there may wait for the
+    disk, so the daemon's event loop calls it); any other, not yet opened, evicted or replaced, is
+    None, left to open_range in a thread."""
+    store = ChunkStore(tmp_path, open_files=2)
+    chunks = []
+    for i in range(3):
+        w = ChunkWriter(1 << 16)
+        w.add(bytes([i + 1]) * 50_000, compress=False)
+        cid, view = w.finish()
+        assert store.put(cid, bytes(view))
+        chunks.append((cid, bytes(view)))
+
+    def read(r: object) -> bytes:
+        assert r is not None
+        try:
+            return os.pread(r.fd, r.length, r.offset)  # type: ignore[attr-defined]
+        finally:
+            r.close()  # type: ignore[attr-defined]
+
+    (a, da), (b, db), (c, dc) = chunks
+    assert store.open_kept_range(a, 10, 100) is None  # never opened
+    assert read(store.open_range(a, 10, 100)) == da[10:110]
+    assert read(store.open_kept_range(a, 20, 1 << 20)) == da[20:]  # kept now; shorter at the end, as open_range
+    store.open_range(b, 0, 1).close()
+    store.open_range(c, 0, 1).close()  # two kept at most: a is closed
+    assert store.open_kept_range(a, 0, 10) is None
+    assert read(store.open_kept_range(c, 5, 10)) == dc[5:15]
+    # A file replaced under its kept descriptor is not read from the old inode, here or in open_range.
+    path = store.path(c)
+    os.unlink(path)
+    path.write_bytes(dc)
+    assert store.open_kept_range(c, 5, 10) is None
+    assert read(store.open_range(c, 5, 10)) == dc[5:15]
+    os.unlink(store.path(b))
+    with pytest.raises(NotFound):
+        store.open_kept_range(b, 0, 10)
+    with pytest.raises(ValueError):
+        store.open_kept_range(c, -1, 10)
+    store.close()
+
+
+async def test_read_range_opens_only_a_chunk_file_not_kept_in_a_thread(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlfs.wire.messages import ReadRange
+
+    store = ChunkStore(tmp_path)
+    w = ChunkWriter(1 << 16)
+    w.add(b"x" * 30_000, compress=False)
+    cid, view = w.finish()
+    assert store.put(cid, bytes(view))
+    service = DataService(store, bytes(32), "n1")
+    opened_in_threads = 0
+    run_sync = trio.to_thread.run_sync
+
+    async def counting(fn, *args, **kw):  # type: ignore[no-untyped-def]
+        nonlocal opened_in_threads
+        opened_in_threads += fn == store.open_range
+        return await run_sync(fn, *args, **kw)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting)
+    for i in range(3):
+        _, out = await service.read_range(ReadRange(cid, 100 * i, 100), bytearray())
+        assert os.pread(out.fd, out.length, out.offset) == bytes(view)[100 * i:100 * i + 100]
+        out.close()
+    assert opened_in_threads == 1  # the first: the file was not open yet
+    store.close()
+
+
 @pytest.mark.timeout(20)
 def test_chunk_store_reads_stay_right_under_descriptor_eviction(tmp_path: Path) -> None:
     """Many threads reading more chunks than the store keeps open: every read returns its own chunk's bytes."""

@@ -151,7 +151,9 @@ class DataService(Service):
         # Sent with sendfile: the bytes go from the page cache to the socket, never through here,
         # so unlike an index piece the reply holds none of the node's memory budget. (Its length is
         # at most a frame's: ReadRange says so.)
-        out = await trio.to_thread.run_sync(self.store.open_range, req.id, req.offset, req.length, limiter=self.io)
+        out = self.store.open_kept_range(req.id, req.offset, req.length)
+        if out is None:  # its file is not open yet: that may wait for the disk
+            out = await trio.to_thread.run_sync(self.store.open_range, req.id, req.offset, req.length, limiter=self.io)
         self.reads += 1
         self.bytes_served += len(out)
         return Empty(), out

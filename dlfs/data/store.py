@@ -155,14 +155,19 @@ class ChunkStore:
             return StorageFull(f"data daemon disk is full at {self.root}")  # the caller names the chunk
         return DlfsError(f"data daemon cannot store chunk {cid.hex()}: {exc.strerror}")
 
-    def _fd(self, cid: bytes) -> int:
-        """A descriptor of the chunk file that the caller owns and closes.
+    def _fd(self, cid: bytes, kept_only: bool = False) -> int | None:
+        """A descriptor of the chunk file that the caller owns and closes (with `kept_only`, None unless
+        a descriptor of it is kept open already).
 
         A duplicate of the cached one: eviction or deletion may close the cached one while the
         caller reads, and its number may be reused at once by another chunk's file. The cached one
         is trusted only while the path still names its inode (a stat, cheap beside the read): a chunk
         file deleted or replaced by hand is never read from its old inode.
         """
+        if kept_only:
+            with self._lock:
+                if cid not in self._fds:  # no stat of a path nothing pins: it might read the disk
+                    return None
         path = self.path(cid)
         try:
             st = os.stat(path)
@@ -174,6 +179,8 @@ class ChunkStore:
             if kept is not None and kept[1:] == (st.st_dev, st.st_ino):
                 self._fds.move_to_end(cid)
                 return os.dup(kept[0])
+        if kept_only:
+            return None
         self._forget(cid)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -196,6 +203,19 @@ class ChunkStore:
         if offset < 0 or length < 0:
             raise ValueError("negative offset or length")
         fd = self._fd(cid)
+        assert fd is not None
+        return self._range(cid, fd, offset, length)
+
+    def open_kept_range(self, cid: bytes, offset: int, length: int) -> FileRange | None:
+        """open_range for a chunk whose file is kept open, else None. Nothing here waits for the disk
+        (the open descriptor pins the path's entries and the inode), so the event loop may call it,
+        saving a trip to a thread per range."""
+        if offset < 0 or length < 0:
+            raise ValueError("negative offset or length")
+        fd = self._fd(cid, kept_only=True)
+        return None if fd is None else self._range(cid, fd, offset, length)
+
+    def _range(self, cid: bytes, fd: int, offset: int, length: int) -> FileRange:
         try:
             size = os.fstat(fd).st_size
         except OSError as exc:
@@ -239,6 +259,7 @@ class ChunkStore:
         """None if the chunk is whole and matches its id, else why not: read as readers are served (`_fd`)."""
         try:
             fd = self._fd(cid)
+            assert fd is not None
         except NotFound:
             return "missing"
         except OSError as exc:
