@@ -484,6 +484,36 @@ async def test_cluster_client_fails_over_to_a_live_replica(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(20)
+async def test_chunk_reads_take_the_data_daemons_connections_in_turn(tmp_path: Path) -> None:
+    """A client's chunk reads alternate over READ_LANES connections to a data daemon (one reply's
+    turnaround no longer idles the link); other calls keep to the first. Every read gets its own bytes."""
+    from dlfs.client.cluster import READ_LANES
+
+    assert READ_LANES == 2
+    cid, data, recs, payloads = make_chunk(31, records=8, size=50_000)
+    async with running_node(tmp_path) as (spec, key):
+        async with trio.open_nursery() as n:
+            client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
+            await client.call(spec, "data", Msg.PUT_CHUNK, {"id": cid}, data)
+            got: dict[int, bytes] = {}
+
+            async def read(i: int) -> None:
+                rec = recs[i % len(recs)]
+                got[i] = bytes(decode_record(await client.read_from(spec, cid, rec.offset, rec.stored_len), rec, "t"))
+
+            async with trio.open_nursery() as readers:
+                for i in range(16):
+                    readers.start_soon(read, i)
+            assert got == {i: payloads[i % len(recs)] for i in range(16)}
+            lanes = {k[2]: c for k, c in client._conns.items() if k[:2] == (spec.name, "data")}
+            assert sorted(lanes) == [0, 1]
+            assert lanes[0] is not lanes[1] and lanes[0].fs.peer == lanes[1].fs.peer  # two sockets, one daemon
+            assert (await client.call(spec, "data", Msg.PING))[0]["node"] == spec.name
+            assert len([k for k in client._conns if k[:2] == (spec.name, "data")]) == 2
+            n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(20)
 async def test_concurrent_puts_of_one_chunk_store_it_once(tmp_path: Path) -> None:
     cid, data, _, _ = make_chunk(40, records=8, size=100_000)
     stored: list[bool] = []

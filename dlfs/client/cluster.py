@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,11 @@ CONNECT_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0  # a PING is answered in well under a millisecond by a daemon that runs
 PROBE_EVERY = 0.25
 FULL_RETRY = 30.0  # seconds writes pass over a data node that said its disk is full, before asking it again
+# Connections to each data daemon that chunk reads take in turn: while one reply's turnaround at the
+# daemon (the next request found, its header sent, a thread to sendfile it) leaves its connection
+# idle, the other's reply streams (big files through a daemon: +23% at the median of 8 rounds; 3
+# or 4 gave no more).
+READ_LANES = 2
 
 
 def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
@@ -69,8 +75,9 @@ class ClusterClient:
     def __init__(self, cluster: Cluster, nursery: trio.Nursery) -> None:
         self.cluster = cluster
         self.nursery = nursery
-        self._conns: dict[tuple[str, str], Connection] = {}
-        self._locks: dict[tuple[str, str], trio.Lock] = {}
+        self._conns: dict[tuple[str, str, int], Connection] = {}  # (node, service, lane) -> connection
+        self._locks: dict[tuple[str, str, int], trio.Lock] = {}
+        self._lanes = itertools.count()  # which of READ_LANES the next chunk read takes
         self.health: dict[str, Health] = {}
         self._answer = trio.Event()  # set (and replaced) whenever a failing node answers again
         self.rdma: RangeReader | None = None  # set by client.transport.chunk_transport when RDMA is used
@@ -84,10 +91,10 @@ class ClusterClient:
             task_status.started(conn)
             await conn.done.wait()
 
-    async def connection(self, spec: NodeSpec, service: str) -> Connection:
-        """The open connection to that daemon, reopened after a failure, and before the daemon's
-        idle timeout could close it under a call (rpc.IDLE_TIMEOUT)."""
-        k = (spec.name, service)
+    async def connection(self, spec: NodeSpec, service: str, lane: int = 0) -> Connection:
+        """The open connection to that daemon (the lane'th of them), reopened after a failure, and
+        before the daemon's idle timeout could close it under a call (rpc.IDLE_TIMEOUT)."""
+        k = (spec.name, service, lane)
         conn = self._conns.get(k)
         if conn is not None and conn.closed is None and not conn.idle_expiring():
             return conn
@@ -106,10 +113,11 @@ class ClusterClient:
 
     async def call(self, spec: NodeSpec, service: str, msg: Msg, meta: dict[str, Any] | None = None,
                    data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT,
-                   into: memoryview | None = None) -> Response:
-        """One request to one daemon; a node that cannot be reached becomes suspect for a while."""
+                   into: memoryview | None = None, lane: int = 0) -> Response:
+        """One request to one daemon (on its lane'th connection); a node that cannot be reached becomes
+        suspect for a while."""
         try:
-            conn = await self.connection(spec, service)
+            conn = await self.connection(spec, service, lane)
             reply = await conn.call(msg, meta, data, timeout, into)
         except ControlUnavailable:
             raise  # the daemon answered: it is etcd behind it that did not
@@ -161,7 +169,7 @@ class ClusterClient:
                 self._answered(spec.name)
                 return data
         _, data = await self.call(spec, "data", Msg.READ_RANGE, {"id": cid, "offset": offset, "length": length},
-                                  timeout=timeout, into=into)
+                                  timeout=timeout, into=into, lane=next(self._lanes) % READ_LANES)
         return data
 
     def suspect(self, name: str) -> bool:
