@@ -169,6 +169,35 @@ async def test_a_big_frame_over_tcp_wakes_its_receiver_per_piece_not_per_segment
     await fs.aclose()
 
 
+@pytest.mark.timeout(20)
+async def test_a_slow_sender_of_a_big_frame_over_tcp_is_not_taken_for_a_stalled_one() -> None:
+    """Bytes that come slower than a piece per stall bound are still taken as they come (after
+    PIECE_WAIT, or a quarter of the bound), so the bound counts from the last byte, as without pieces;
+    a sender that stops is still cut off by it."""
+    raw, fs = await _tcp_pair()
+    fs.authenticated()
+    fs.stall = 0.4  # a piece (1 MiB) takes 1.3 s at this rate: waiting for whole pieces would stall
+    frame = Frame(RESPONSE, Msg.READ_RANGE, 7, data=os.urandom((1 << 20) + (1 << 19)))
+    wire = encode_frame(frame) + bytes(frame.data)
+
+    async def trickle(upto: int) -> None:
+        for at in range(0, upto, 64 << 10):
+            await raw.send_all(wire[at:min(at + (64 << 10), upto)])
+            await trio.sleep(0.08)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(trickle, len(wire))
+        with trio.fail_after(10):
+            got = await fs.receive()
+    assert bytes(got.data) == bytes(frame.data)
+    async with trio.open_nursery() as n:  # the same frame again, but its sender stops halfway
+        n.start_soon(trickle, len(wire) // 2)
+        with pytest.raises(ProtocolError, match="stalled: no byte of it for 0.4 s"), trio.fail_after(10):
+            await fs.receive()
+    await raw.aclose()
+    await fs.aclose()
+
+
 @pytest.mark.timeout(10)
 async def test_bad_magic() -> None:
     with pytest.raises(ProtocolError, match="bad magic 0xbeef"):

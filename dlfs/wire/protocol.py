@@ -75,6 +75,7 @@ SKIP_PIECE = 64 << 10  # a frame read past (not served) goes through a scratch b
 GROW_PIECE = 1 << 20
 # A big body is waited for in pieces this big (SO_RCVLOWAT), not woken for every segment that lands.
 RECV_PIECE = 1 << 20
+PIECE_WAIT = 0.25  # seconds at most a receive waits for a whole piece before it takes what is there
 FRAME_STALL = 30.0  # seconds a begun frame may go without a byte before its connection is closed
 
 
@@ -314,8 +315,7 @@ class FrameStream:
         got = 0
         try:
             while got < len(view):
-                self._wake_after(len(view) - got)
-                got += await self._receive_into(view[got:])
+                got += await self._receive_piece(view[got:], len(view) - got)
                 bound.deadline = trio.current_time() + self.stall
         finally:
             self._wake_after(1)
@@ -330,12 +330,22 @@ class FrameStream:
                 if got == len(buf):
                     # bytes(k) is calloc'ed (its pages untouched): only buf's new part is written.
                     buf += bytes(min(n, 2 * got) - got)
-                self._wake_after(n - got)
-                got += await self._receive_into(memoryview(buf)[got:])
+                got += await self._receive_piece(memoryview(buf)[got:], n - got)
                 bound.deadline = trio.current_time() + self.stall
         finally:
             self._wake_after(1)
         return buf
+
+    async def _receive_piece(self, view: memoryview, owed: int) -> int:
+        """Some bytes (at least one) of a frame that still owes `owed` into `view`: woken once a whole
+        piece is there where the sender keeps up (_wake_after), else, after PIECE_WAIT, with what
+        has come, so that the stall bound still counts from a slow sender's last byte."""
+        self._wake_after(owed)
+        if self._lowat_set > 1:
+            with trio.move_on_after(min(PIECE_WAIT, self.stall / 4)):
+                return await self._receive_into(view)  # cancelled while waiting: no byte taken
+            self._wake_after(1)
+        return await self._receive_into(view)
 
     def _wake_after(self, owed: int) -> None:
         """Wake a receive of a TCP stream only once min(`owed`, RECV_PIECE) bytes are there (never
