@@ -171,6 +171,11 @@ async def test_a_stream_keeps_its_next_windows_in_flight(tmp_path: Path) -> None
             got = await cache.record(ext, stream=(0, len(payloads)))
             assert bytes(got) == payloads[ext], f"extent {ext}"
             cache.consume(ext, len(got))
+            # A hit returns without a checkpoint; the kernel's next READ is a new request, so the
+            # prefetch workers run between two reads. (Without this, two windows landing at once on
+            # the daemon's two connections let this loop reach the next window before a worker took
+            # it from the queue: a second miss under load, 2-3 runs in 15-20.)
+            await trio.sleep(0)
         assert cache.misses == 1, cache.stats()
         assert cache.prefetched_bytes > 0 and cache.fetcher.fetched_bytes <= stored, "nothing was fetched twice"
         n.cancel_scope.cancel()
