@@ -4,7 +4,7 @@ What it fetches is what a mount would: the windows of each chunk that hold the c
 the mount cuts them (dlfs/mount/cache.py's chunk_windows, at the mount's --readahead), so a later
 mount's misses find them whole. Where they go:
 - chunks this machine's data daemon holds: read once through the page cache. The mount reads a local
-  window from the page cache when it holds all of it (cachestat, dlfs/mount/localchunks.py) and from the
+  window from the page cache when it holds all of it (cachestat, dlfs/pagecache.py) and from the
   disk with O_DIRECT otherwise, so a warm page cache saves the first epoch its disk reads; it is worth
   it when the dataset fits in memory beside the FUSE page cache (the kernel drops it first otherwise);
 - every other chunk: fetched from its replicas, checked record by record (xxh3) and written to the

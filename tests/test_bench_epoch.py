@@ -237,7 +237,7 @@ def test_io_read_bytes_counts_storage_reads_of_a_process_and_its_children(tmp_pa
         f.write(os.urandom(8 << 20))
         f.flush()
         os.fsync(f.fileno())
-    from dlfs.mount.localchunks import cached_pages
+    from dlfs.pagecache import cached_pages
 
     fd = os.open(data, os.O_RDONLY)
     try:

@@ -23,8 +23,9 @@ from dlfs.data.store import chunk_path
 from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import Index
 from dlfs.mount.cache import ChunkCache
-from dlfs.mount.localchunks import LocalChunks, _all_cached
+from dlfs.mount.localchunks import LocalChunks
 from dlfs.mount.slabs import NO_SLAB
+from dlfs.pagecache import all_cached
 from dlfs.wire.protocol import Msg
 
 SLAB = 64 << 10
@@ -341,7 +342,7 @@ def _uncache(path: Path) -> None:
         os.fsync(f.fileno())
         for _ in range(50):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            if not _all_cached(f.fileno(), 0, 4096):
+            if not all_cached(f.fileno(), 0, 4096):
                 return
             time.sleep(0.02)
     pytest.skip(f"the page cache keeps {path} whatever it is told")

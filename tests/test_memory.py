@@ -22,7 +22,7 @@ from conftest import CLI_TIMEOUT, DLFS, REPO, dlfs_env, force_unmount, mount_pid
 from dlfs.bench.memory import PeakMemory
 from dlfs.cgroup import MemoryGroup, memory_limit
 from dlfs.mount.cache import MIN_AUTO_CACHE, auto_cache_size
-from dlfs.mount.localchunks import cached_pages
+from dlfs.pagecache import cached_pages
 from dlfs.units import human_bytes
 
 pytestmark = pytest.mark.drops_caches  # drop_caches; memory measured in cgroups of its own (dlfs-test-*), which no other test makes

@@ -198,6 +198,63 @@ async def test_a_slow_sender_of_a_big_frame_over_tcp_is_not_taken_for_a_stalled_
     await fs.aclose()
 
 
+@pytest.mark.timeout(30)
+async def test_a_cached_file_range_is_sent_by_the_event_loop_and_others_by_a_thread(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A range of at most INLINE_SEND_MAX whose pages are all in the page cache is sent without a
+    worker thread (sendfile cannot wait for the disk); a range not cached, or bigger, goes to one. The
+    receiver gets every byte either way; a peer that reads nothing ends the inline send after the
+    stall bound, as it ends the thread's."""
+    from dlfs.wire import protocol
+    from dlfs.wire.protocol import INLINE_SEND_MAX, FileRange
+
+    raw, receiver = await _tcp_pair()  # raw: the client end; its FrameStream sends here
+    sender = FrameStream(raw, "sender")
+    receiver.authenticated()
+    path = tmp_path / "chunk"
+    body = os.urandom(3 << 20)
+    path.write_bytes(body)
+    threads: list[object] = []
+    run_sync = trio.to_thread.run_sync
+
+    async def counting(fn, *args, **kw):  # type: ignore[no-untyped-def]
+        threads.append(fn)
+        return await run_sync(fn, *args, **kw)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting)
+
+    def ranged(off: int, n: int, cached: bool) -> FileRange:
+        fd = os.open(path, os.O_RDONLY)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+        if cached:
+            os.pread(fd, n, off)
+        return FileRange(fd, off, n)
+
+    cases = [(4096 + 7, 200_000, True, 0), (4096 + 7, 200_000, False, 1), (0, INLINE_SEND_MAX + 1, True, 1)]
+    for i, (off, n, cached, in_threads) in enumerate(cases):
+        del threads[:]
+        r = ranged(off, n, cached)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.send, Frame(RESPONSE, Msg.READ_RANGE, i + 1, data=r))
+            got = await receiver.receive()
+        assert bytes(got.data) == body[off:off + n], i
+        assert len(threads) == in_threads, (i, threads)
+    # A receiver that reads nothing: the inline send gives up after SENDFILE_STALL.
+    monkeypatch.setattr(protocol, "SENDFILE_STALL", 0.3)
+    del threads[:]
+    r = ranged(0, INLINE_SEND_MAX, True)
+    try:
+        with pytest.raises(TimeoutError, match="peer read nothing for 0.3 s"):
+            for _ in range(64):  # until the socket's buffers are full
+                await protocol._sendfile_inline(raw.socket.fileno(), FileRange(r.fd, 0, INLINE_SEND_MAX))
+    finally:
+        r.close()
+    assert not threads
+    await raw.aclose()
+    await receiver.aclose()
+
+
 @pytest.mark.timeout(10)
 async def test_bad_magic() -> None:
     with pytest.raises(ProtocolError, match="bad magic 0xbeef"):

@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dlfs.errors import NO_ROOM, UsageError
-from dlfs.mount.localchunks import DIRECT_ALIGN, DiskQueue, _all_cached, _pread_uncached, _read_window, direct_span
+from dlfs.mount.localchunks import DIRECT_ALIGN, DiskQueue, _pread_uncached, _read_window, direct_span
+from dlfs.pagecache import all_cached
 from dlfs.private import DIR_MODE, FILE_MODE, OTHERS, private_dirs
 from dlfs.units import human_bytes
 
@@ -120,7 +121,7 @@ def _read_ranges(path: Path, ranges: Sequence[tuple[int, int]], into: memoryview
         for i, (off, n) in enumerate(ranges):
             lo, hi = direct_span(off, n)
             if i == 0 and into is not None and hi - lo <= len(into):
-                cached = _all_cached(fd, off, n)
+                cached = all_cached(fd, off, n)
                 dfd = -1
                 if not cached:
                     try:

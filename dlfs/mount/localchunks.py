@@ -32,6 +32,7 @@ import trio
 from dlfs.client.cluster import ClusterClient
 from dlfs.data.store import boot_id, chunk_path
 from dlfs.errors import DlfsError
+from dlfs.pagecache import all_cached
 from dlfs.wire.messages import DataStatus, reply
 from dlfs.wire.protocol import Msg
 
@@ -52,7 +53,6 @@ WINDOW_LANE_MIN = 1 << 20
 # Records of a batch (dlfs.direct misses read alone) in flight at once: one at a time, a batch of 256
 # took a disk's latency each (~4.5k files/s of ~110 KB here).
 BATCH_DEPTH = 8
-PAGE = os.sysconf("SC_PAGE_SIZE")
 # Linux 6.14+: a buffered read that leaves no page cache behind (the kernel keeps what it is sent for
 # the FUSE file: one copy of each byte in memory is enough). Cleared where the kernel has no such flag.
 RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
@@ -89,6 +89,9 @@ def open_files_budget() -> int:
     if soft == resource.RLIM_INFINITY:
         return OPEN_FILES
     return max(16, min(OPEN_FILES, soft // 8))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _OpenHow(ctypes.Structure):
@@ -143,36 +146,6 @@ def _open_all(paths: list[Path], direct: bool) -> list[tuple[int | None, int | N
 def _pread_all(fd: int, pieces: list[tuple[memoryview, int]]) -> list[int]:
     """preadv each (buffer, offset) in turn; bytes read into each."""
     return [_pread_uncached(fd, buf, off) for buf, off in pieces]
-
-
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(os.uname().machine)  # Linux 6.5+
-
-
-def cached_pages(fd: int, off: int = 0, n: int = 0) -> int | None:
-    """Pages of [off, off+n) of `fd` (n=0: to its end) in the page cache, asked without reading (a read
-    with RWF_NOWAIT would start the read-ahead it declines to wait for); None where the kernel cannot say."""
-    if _CACHESTAT is None:
-        return None
-    rng, st = _CachestatRange(off, n), _Cachestat()
-    if _libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-        return None
-    return int(st.nr_cache)
-
-
-def _all_cached(fd: int, off: int, n: int) -> bool:
-    """Whether the page cache holds every page of [off, off+n) of `fd`; False where the kernel cannot say."""
-    got = cached_pages(fd, off, n)
-    return got is not None and got >= (off + n - 1) // PAGE - off // PAGE + 1
 
 
 def direct_span(off: int, n: int) -> tuple[int, int]:
@@ -498,7 +471,7 @@ class LocalChunks:
         # Not in the page cache: from the disk straight to the slab, exactly the range (a buffered read
         # would read ahead through the chunk, at random mostly for nothing, and fill a memory cgroup's
         # page cache with it).
-        cached = into is not None and self.direct and _all_cached(fd, *ranges[0])
+        cached = into is not None and self.direct and all_cached(fd, *ranges[0])
         if into is not None and self.direct and (ranges[0][1] >= DIRECT_MIN or not cached):
             try:
                 first = await self._read_direct(cid, ranges[0][0], ranges[0][1], cached, into, urgent, order)
@@ -558,7 +531,7 @@ class LocalChunks:
                 continue
             lo, hi = direct_span(off, n)
             dfd = self._direct_fd(cid) if self.direct and hi - lo <= len(into) else None
-            cached = dfd is None or _all_cached(fd, off, n)
+            cached = dfd is None or all_cached(fd, off, n)
             if cached and n > len(into):
                 continue
             # Their own descriptors: no eviction here can close them under the thread.

@@ -57,6 +57,7 @@ import msgpack
 import trio
 
 from dlfs.errors import ProtocolError
+from dlfs.pagecache import all_cached
 
 MAGIC = 0xD1F5
 VERSION = 1
@@ -153,6 +154,9 @@ class Frame:
 
 
 SENDFILE_STALL = 60.0  # seconds a peer may leave a file send unread before the connection ends
+# A range this small whose every page is in the page cache is sent by the event loop itself: sendfile
+# cannot wait for the disk then, and a worker thread would cost more than the copy.
+INLINE_SEND_MAX = 1 << 20
 
 
 def _sendfile(sock_fd: int, r: FileRange) -> None:
@@ -165,6 +169,25 @@ def _sendfile(sock_fd: int, r: FileRange) -> None:
             n = os.sendfile(sock_fd, r.fd, offset, left)
         except BlockingIOError:
             if not poller.poll(SENDFILE_STALL * 1000):
+                raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
+            continue
+        if n == 0:
+            raise OSError(errno.EIO, "file ended before the range sent")
+        offset += n
+        left -= n
+
+
+async def _sendfile_inline(sock_fd: int, r: FileRange) -> None:
+    """_sendfile on the event loop, for a range the page cache holds: it waits only for room in the
+    socket, as long as _sendfile would."""
+    offset, left = r.offset, r.length
+    while left:
+        try:
+            n = os.sendfile(sock_fd, r.fd, offset, left)
+        except BlockingIOError:
+            with trio.move_on_after(SENDFILE_STALL) as waited:
+                await trio.lowlevel.wait_writable(sock_fd)
+            if waited.cancelled_caught:
                 raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
             continue
         if n == 0:
@@ -273,6 +296,9 @@ class FrameStream:
         sock = getattr(self.stream, "socket", None)
         if sock is None:  # not a socket (tests' memory streams): read it, then send it
             await self.stream.send_all(await trio.to_thread.run_sync(os.pread, r.fd, r.length, r.offset))
+            return
+        if r.length <= INLINE_SEND_MAX and all_cached(r.fd, r.offset, r.length):
+            await _sendfile_inline(sock.fileno(), r)
             return
         # The thread gets its own descriptor: closing the connection meanwhile cannot hand the
         # number to another file under it.
