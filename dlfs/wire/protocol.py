@@ -159,41 +159,39 @@ SENDFILE_STALL = 60.0  # seconds a peer may leave a file send unread before the 
 INLINE_SEND_MAX = 1 << 20
 
 
-def _sendfile(sock_fd: int, r: FileRange) -> None:
-    """In a worker thread: the whole range into the (non-blocking) socket, waiting while it is full."""
-    poller = select.poll()
-    poller.register(sock_fd, select.POLLOUT)
+def _sendfile_steps(sock_fd: int, r: FileRange) -> Iterator[None]:
+    """The whole range into the (non-blocking) socket, pausing (a yield) whenever it is full: the
+    caller waits for room, bounded by SENDFILE_STALL, and resumes it."""
     offset, left = r.offset, r.length
     while left:
         try:
             n = os.sendfile(sock_fd, r.fd, offset, left)
         except BlockingIOError:
-            if not poller.poll(SENDFILE_STALL * 1000):
-                raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
+            yield
             continue
         if n == 0:
             raise OSError(errno.EIO, "file ended before the range sent")
         offset += n
         left -= n
+
+
+def _sendfile(sock_fd: int, r: FileRange) -> None:
+    """In a worker thread: the whole range sent, waiting in poll while the socket is full."""
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLOUT)
+    for _ in _sendfile_steps(sock_fd, r):
+        if not poller.poll(SENDFILE_STALL * 1000):
+            raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
 
 
 async def _sendfile_inline(sock_fd: int, r: FileRange) -> None:
     """_sendfile on the event loop, for a range the page cache holds: it waits only for room in the
     socket, as long as _sendfile would."""
-    offset, left = r.offset, r.length
-    while left:
-        try:
-            n = os.sendfile(sock_fd, r.fd, offset, left)
-        except BlockingIOError:
-            with trio.move_on_after(SENDFILE_STALL) as waited:
-                await trio.lowlevel.wait_writable(sock_fd)
-            if waited.cancelled_caught:
-                raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
-            continue
-        if n == 0:
-            raise OSError(errno.EIO, "file ended before the range sent")
-        offset += n
-        left -= n
+    for _ in _sendfile_steps(sock_fd, r):
+        with trio.move_on_after(SENDFILE_STALL) as waited:
+            await trio.lowlevel.wait_writable(sock_fd)
+        if waited.cancelled_caught:
+            raise TimeoutError(f"peer read nothing for {SENDFILE_STALL:g} s") from None
 
 
 def encode_header(f: Frame, meta: bytes) -> bytes:
