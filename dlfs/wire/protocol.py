@@ -381,7 +381,7 @@ class FrameStream:
             try:
                 self._lowat.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
             except OSError:  # closed under it: nothing waits on it any more
-                self._lowat = None
+                self._lowat, want = None, 1
             self._lowat_set = want
 
     async def receive(self, sink: Sink | None = None) -> Frame:
