@@ -194,6 +194,8 @@ class MountCollector:
             fetched.add_metric([s["dataset"], node], n["bytes"])
         yield fetches
         yield fetched
+        yield counter("dlfs_in_place_bytes", "Bytes read from this machine's chunk files in place, not through a "
+                      "data daemon (a copy that failed its check too)", s.get("in_place_bytes", 0))
         h = _histogram("dlfs_fetch_duration", "Time to fetch a chunk range from one replica", ["dataset"])
         _add_histogram(h, ds, _histogram_from_dict(s["fetch_seconds"]))
         yield h

@@ -149,7 +149,7 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
     t.add_row("cache held", "", f"{human_bytes(cur['cache_bytes'])} of {human_bytes(cur['cache_capacity'])}")
     t.add_row("fetched", _mbs(r.fetched_bytes), f"{human_bytes(cur['fetched_bytes'])} in {cur['fetches']:,} fetches, "
-              f"{human_bytes(cur.get('in_place_bytes', 0))} of them read in place")
+              f"{human_bytes(cur.get('in_place_bytes', 0))} read in place")
     t.add_row("read errors", f"{r.errors:,}", f"{cur['read_errors']:,}")
     t.add_row("failovers", f"{r.failovers:,}", f"{cur['failovers']:,}")
     t.add_row("checksum failures", f"{r.checksum_failures:,}", f"{cur['checksum_failures']:,}")
@@ -210,7 +210,7 @@ class TotalFigures(Struct, frozen=True):
     read_errors: int
     failovers: int
     checksum_failures: int
-    in_place_bytes: int = 0  # of fetched_bytes, read from this machine's chunk files, not through a daemon
+    in_place_bytes: int = 0  # read from this machine's chunk files, not through a daemon (see the stats file)
 
 
 class EngineFigures(Struct, frozen=True):

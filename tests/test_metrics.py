@@ -126,6 +126,8 @@ def test_node_and_mount_metrics_after_reads(tmp_path: Path) -> None:
         assert value(m, "dlfs_checksum_failures_total", dataset=ds) == n_files
         assert value(m, "dlfs_failovers_total", dataset=ds) == n_files
         assert value(m, "dlfs_fetch_duration_seconds_count", dataset=ds) == 2 * n_files
+        # Each record was read in place from n1's chunk file first (and failed its check there).
+        assert value(m, "dlfs_in_place_bytes_total", dataset=ds) == n_files * size
         for node, before, after in (("n1", before1, after1), ("n2", before2, after2)):
             # What the mount says it fetched from each node is what that node says it sent.
             assert value(m, "dlfs_fetches_total", dataset=ds, node=node) == n_files

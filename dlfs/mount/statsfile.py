@@ -78,7 +78,9 @@ class MountStats:
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
             "cache_given_back": c.slabs.given_back, "cache_huge_pages": c.slabs.huge,
             "fetches": c.fetcher.fetches + blocks, "fetched_bytes": c.fetcher.fetched_bytes + block_bytes,
-            # of those, read in place from this machine's chunk files (short-circuit), not through a daemon
+            # read in place from this machine's chunk files (short-circuit), not through a daemon: all of
+            # fetched_bytes on one node; a local copy that fails its check counts here, its good bytes
+            # in fetched_bytes under the replica that had them
             "in_place_bytes": (c.fetcher.local.bytes if c.fetcher.local is not None else 0) + block_bytes,
             "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
