@@ -144,6 +144,11 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
             t.add_row("read whole from chunk files", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
                       f"{eng.get('record_reads', 0):,} files, {eng.get('records_ahead_used', 0):,} started at their "
                       f"LOOKUP; {mode}")
+        if eng.get("remote_reads") or eng.get("remote_failures"):  # scan mode's misses of other nodes' chunks
+            files = eng.get("remote_reads", 0) - was.get("remote_reads", 0)
+            t.add_row("fetched whole by the threads", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
+                      f"{eng.get('remote_reads', 0):,} files from data daemons; {eng.get('remote_failures', 0):,} "
+                      "failed (an error, a lost connection, a bad check) and were fetched by Python")
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")

@@ -20,6 +20,7 @@
 #include "hash.h"
 
 #include "answer.h"
+#include "remote.h"
 #include "chunkfiles.h"
 
 int dlfs_op_len(uint32_t opcode)
@@ -646,14 +647,32 @@ static char *direct_record(const struct dlfs_serve *sv, struct dlfs_chunk_ref *f
     return base + (e->offset - lo);
 }
 
+/* A whole uncompressed record (no block sums: small) of a chunk this machine does not hold, fetched from
+ * the data daemon its route names into the scratch buffer and checked (remote.h): 0, or -1 (Python's). */
+static int fetch_record(struct dlfs_reply *rp, const struct dlfs_extent *e, const uint8_t *id,
+                        struct dlfs_counters *c)
+{
+    if (dlfs_remote_read(e, id, rp->scratch, rp->scratch_size, c) < 0)
+        return -1;
+    if (dlfs_xxh3(rp->scratch, e->stored_len) != e->checksum) {
+        DLFS_COUNT(c, remote_failures, 1);
+        return -1;
+    }
+    DLFS_COUNT(c, remote_reads, 1);
+    DLFS_COUNT(c, remote_bytes, e->stored_len);
+    add(rp, rp->scratch, e->raw_len);
+    return 0;
+}
+
 /* A whole uncompressed record (no block sums: small) of a local chunk, read into the scratch buffer
  * and checked against its checksum (as dlfs/format/chunk.py's decode_record). */
 static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
                        struct dlfs_counters *c)
 {
     struct dlfs_chunk_ref f;
-    if (dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 1, &f) < 0)
-        return -1;
+    const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
+    if (sv->local_dir < 0 || dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 1, &f) < 0)
+        return fetch_record(rp, e, id, c);
     char *got = direct_record(sv, &f, rp, e);
     if (!got) {
         got = rp->scratch;
@@ -675,7 +694,7 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
 static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t ext, const struct dlfs_extent *e,
                       uint64_t lo, uint64_t hi, uint32_t size, int whole_file, struct dlfs_counters *c)
 {
-    if (sv->local_dir < 0 || e->flags & DLFS_RECORD_LZ4 || e->stored_len != e->raw_len)
+    if ((sv->local_dir < 0 && !dlfs_remote_on()) || e->flags & DLFS_RECORD_LZ4 || e->stored_len != e->raw_len)
         return -1;
     int scan = __atomic_load_n(&scan_mode, __ATOMIC_RELAXED);
     if (e->flags & DLFS_RECORD_BLOCK_SUMS) {

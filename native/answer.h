@@ -33,6 +33,7 @@ struct dlfs_counters {
     uint64_t reads, read_bytes, read_misses, corrupt;
     uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
     uint64_t record_reads, record_bytes, record_failures; /* whole small records read there, in scan mode */
+    uint64_t remote_reads, remote_bytes, remote_failures; /* and fetched from a data daemon, in scan mode (remote.h) */
     uint64_t parked, parked_answered, parked_forwarded; /* READs that waited in C for a window being fetched */
     uint64_t records_ahead, records_ahead_used; /* records read from the disk on their file's LOOKUP, and READ */
 };

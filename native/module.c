@@ -8,6 +8,7 @@
 #include "engine.h"
 #include "fusehook.h"
 #include "module.h"
+#include "remote.h"
 
 static PyObject *fuse_hooked(PyObject *self, PyObject *unused)
 {
@@ -231,7 +232,9 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     if (n >= sizeof *in && in->len == n && (op_len = dlfs_op_len(in->opcode)) >= 0 && n - sizeof *in >= (size_t)op_len) {
         const char *body = (const char *)req.buf + sizeof *in;
         struct dlfs_req rq = {in, body, (uint32_t)op_len, body + op_len, (uint32_t)(n - sizeof *in - op_len)};
+        Py_BEGIN_ALLOW_THREADS /* a fetch from a data daemon (remote.h) may wait: that daemon may be this process's */
         r = dlfs_answer(&sv, &rq, &rp, &c);
+        Py_END_ALLOW_THREADS
     }
     PyObject *out;
     if (r == DLFS_ANSWERED) {
@@ -252,10 +255,11 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
     if (out) { /* what the request cost, for tests of the counters */
-        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "block_reads", c.block_reads, "block_bytes",
+        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "block_reads", c.block_reads, "block_bytes",
                                          c.block_bytes, "block_failures", c.block_failures, "record_reads",
                                          c.record_reads, "record_bytes", c.record_bytes, "record_failures",
-                                         c.record_failures);
+                                         c.record_failures, "remote_reads", c.remote_reads, "remote_failures",
+                                         c.remote_failures);
         PyObject *both = counts ? PyTuple_Pack(3, PyTuple_GET_ITEM(out, 0), PyTuple_GET_ITEM(out, 1), counts) : NULL;
         Py_XDECREF(counts);
         Py_DECREF(out);
@@ -280,12 +284,13 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O}",
         "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
         "records_ahead", s.c.records_ahead, "records_ahead_used", s.c.records_ahead_used,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
         s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
-        s.c.record_failures,
+        s.c.record_failures, "remote_reads", s.c.remote_reads, "remote_bytes", s.c.remote_bytes, "remote_failures",
+        s.c.remote_failures,
         "answered", s.c.answered, "forwarded", s.c.forwarded, "lookups", s.c.lookups, "getattrs", s.c.getattrs,
         "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
@@ -293,6 +298,46 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
         s.python_replies, "chunk_files_opened", s.chunk_files_opened, "io_uring", state, "ended", s.ended ? Py_True : Py_False, "abandoned", s.abandoned,
         "answering", dlfs_engine_answering() ? Py_True : Py_False, "direct_mmap", s.direct_mmap ? Py_True : Py_False,
         "scan", dlfs_scan_mode() ? Py_True : Py_False);
+}
+
+static PyObject *remote_route(PyObject *self, PyObject *arg)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int rc = b.len % sizeof(uint16_t) ? (errno = EINVAL, -1) : dlfs_remote_route(b.buf, (uint64_t)b.len / sizeof(uint16_t));
+    PyBuffer_Release(&b);
+    return rc < 0 ? PyErr_SetFromErrno(PyExc_OSError) : (Py_INCREF(Py_None), Py_None);
+}
+
+static PyObject *remote_add(PyObject *self, PyObject *args)
+{
+    unsigned slot;
+    int fd;
+    if (!PyArg_ParseTuple(args, "Ii", &slot, &fd))
+        return NULL;
+    if (dlfs_remote_add(slot, fd) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *remote_node_stats(PyObject *self, PyObject *arg)
+{
+    unsigned long slot = PyLong_AsUnsignedLong(arg);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    struct dlfs_remote_node_stats s;
+    dlfs_remote_node_stats((unsigned)slot, &s);
+    return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K}", "open", s.open, "wanted", s.wanted, "lost", s.lost, "reads",
+                         s.reads, "bytes", s.bytes, "failures", s.failures);
+}
+
+static PyObject *remote_close(PyObject *self, PyObject *unused)
+{
+    if (dlfs_engine_running())
+        return PyErr_Format(PyExc_RuntimeError, "the serving threads still fetch: stop the engine first");
+    dlfs_remote_close();
+    Py_RETURN_NONE;
 }
 
 static PyObject *set_direct_io(PyObject *self, PyObject *arg)
@@ -328,6 +373,12 @@ static PyMethodDef methods[] = {
      "(kind, reply): one FUSE request as the serving threads answer it (kind: answered, forward, no_reply)."},
     {"engine_stats", engine_stats, METH_NOARGS, "Counters of the serving engine (all threads)."},
     {"set_scan", set_scan, METH_O, "Scan mode on or off: serving threads read whole small local records themselves."},
+    {"remote_route", remote_route, METH_O,
+     "remote_route(uint16 per chunk): which node slot each chunk's records are fetched from in scan mode (0: Python's)."},
+    {"remote_add", remote_add, METH_VARARGS,
+     "remote_add(slot, fd): an authenticated data connection to that node, handed to the serving threads for good."},
+    {"remote_node_stats", remote_node_stats, METH_O, "remote_node_stats(slot) -> the node's connections and fetches."},
+    {"remote_close", remote_close, METH_NOARGS, "Close the handed-over connections and forget the route (engine stopped)."},
     {"set_direct_io", set_direct_io, METH_O,
      "set_direct_io(min): files of min bytes or more open FOPEN_DIRECT_IO, the rest keep their pages (0: no_open)."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
@@ -354,11 +405,22 @@ static int add_layout(PyObject *m)
     return layout ? PyModule_AddObject(m, "INDEX_LAYOUT", layout) : -1;
 }
 
+/* The frames the serving threads speak (remote.h), for a test to hold against dlfs/wire/protocol.py. */
+static int add_wire(PyObject *m)
+{
+    PyObject *wire = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "magic", DLFS_WIRE_MAGIC, "version",
+                                   DLFS_WIRE_VERSION, "header", DLFS_WIRE_HEADER, "request", DLFS_WIRE_REQUEST,
+                                   "response", DLFS_WIRE_RESPONSE, "read_range", DLFS_WIRE_READ_RANGE, "nodes",
+                                   DLFS_REMOTE_NODES, "conns", DLFS_REMOTE_CONNS, "wait_ms", DLFS_REMOTE_WAIT_MS,
+                                   "idle_s", DLFS_REMOTE_IDLE_S);
+    return wire ? PyModule_AddObject(m, "WIRE", wire) : -1;
+}
+
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m && (dlfs_owner_add_types(m) < 0 || dlfs_arena_add_functions(m) < 0 || dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 ||
-              add_layout(m) < 0 ||
+              add_layout(m) < 0 || add_wire(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_BYTES_PER_CPU) < 0 ||
               PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0))
         Py_CLEAR(m);

@@ -338,6 +338,47 @@ def test_scan_mode_reads_small_files_from_their_chunks_from_the_lookup_on(node: 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("io_uring", ["on", "off"], ids=["io-uring", "dev-fuse"])
+def test_scan_mode_fetches_other_machines_small_files_in_the_serving_threads(node: Node, tmp_path: Path,
+                                                                           tree: dict[str, bytes], io_uring: str) -> None:
+    # A compute node without the data (--no-short-circuit: every record through the data daemon) in scan mode:
+    # the serving threads fetch each small file's record on connections the mount opened for them, check it
+    # and answer it; Python fetches only while the first connections open. A damaged replica costs its file
+    # EIO (the one replica, tried by Python too) and nothing else; the stats count the fetches by node.
+    names = sorted(n for n in tree if n != "big.bin")
+    random.Random(12).shuffle(names)
+    victim = names[100]
+    with version_index(node, "t") as idx:
+        ext = first_record(idx, victim)
+        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 7)
+    mnt = node.mount("t", tmp_path / "mnt", "--cache-size", "1M", "--readahead", "64K", "--io-uring", io_uring,
+                     "--no-short-circuit")
+    for rel in names[:20]:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    opened = mount_stats(node.home, mnt, lambda s: bool(s["thread_connections"]))
+    assert opened["engine"]["scan"] and opened["thread_connections"], opened
+    for rel in names[20:100]:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    first = mount_stats_from_now(node.home, mnt)["engine"]
+    # One reader: a connection is always idle. (Misses while read-ahead has room again go to Python.)
+    assert first["remote_reads"] - opened["engine"]["remote_reads"] >= 60, first
+    with pytest.raises(OSError) as bad:
+        read_and_drop(mnt / victim)
+    assert bad.value.errno == errno.EIO
+    for rel in names[101:]:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    s = mount_stats_from_now(node.home, mnt)
+    last = s["engine"]
+    assert last["remote_failures"] == 1 and last["record_reads"] == 0, last
+    assert last["remote_reads"] - first["remote_reads"] >= 0.75 * (len(names) - 101), last
+    (fetched,) = s["by_node"].values()  # the one node's daemon
+    assert s["in_place_bytes"] == 0 and fetched["fetches"] >= last["remote_reads"], s["by_node"]
+    shown = node.run("stats", mnt).stdout
+    assert re.search(r"fetched whole by the threads .* [\d,]+ files from data daemons; 1 failed", shown), shown
+    assert "checksum mismatch" in node.mount_log("t").read_text()
+
+
+@pytest.mark.timeout(120)
 def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: Node, tmp_path: Path) -> None:
     # Files of 256 KiB-1 MiB are one record each with block sums, page-aligned in their chunk: in scan mode
     # a queue of FUSE over io_uring reads such a file whole with O_DIRECT into the READ's own reply

@@ -367,17 +367,21 @@ class DlfsMount(System):
     # ... and of one that reads its chunks through the data daemon (--no-short-circuit), as a compute node
     # without the data does
     VIA_DAEMON = ("dlfs_via_daemon", "dlfs via daemon")
+    # ... with a cache of a quarter of the dataset: every epoch of a dataset bigger than the memory the mount
+    # may use, read at random (scan mode: each miss a record of its own)
+    VIA_DAEMON_SMALL_CACHE = ("dlfs_via_daemon_quarter_cache", "dlfs via daemon, cache 1/4")
 
     def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False,
-                 short_circuit: bool = True) -> None:
+                 short_circuit: bool = True, cache_size: int | None = None) -> None:
         super().__init__(mountpoint)
         self.node, self.dataset = node, dataset
         self.direct_io = direct_io  # mounted with --direct-io: then named dlfs_direct_io
         self.short_circuit = short_circuit
+        self.cache_size = cache_size  # --cache-size, in bytes (None: the default)
         if direct_io:
             self.name, self.label = self.DIRECT_IO
         elif not short_circuit:
-            self.name, self.label = self.VIA_DAEMON
+            self.name, self.label = self.VIA_DAEMON if cache_size is None else self.VIA_DAEMON_SMALL_CACHE
         self._pid: int | None = None
         self.mount_seconds = 0.0
 
@@ -443,7 +447,9 @@ class DlfsMount(System):
         """`dlfs mount`; mount_seconds is the command's wall time until it returned with the mount ready."""
         t0 = time.perf_counter()
         self.node.cli("mount", *self.node.mount_args(), *(["--direct-io", "on"] if self.direct_io else []),
-                      *([] if self.short_circuit else ["--no-short-circuit"]), self.dataset, str(self.root), timeout=300)
+                      *([] if self.short_circuit else ["--no-short-circuit"]),
+                      *([] if self.cache_size is None else ["--cache-size", str(self.cache_size)]),
+                      self.dataset, str(self.root), timeout=300)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True
         self._pid = self.node.mount_pid(self.root)

@@ -12,7 +12,9 @@ them (a mount chooses how it serves by its dataset: see want_io_uring):
     over the first, and the READs each epoch sent to Python (the mount's published misses);
   - the mount's CPU per cold file beside squashfuse_ll's;
   - beside them, not a target: the same reads by a mount that fetches its chunks from the data daemon
-    (--no-short-circuit), what a compute node that holds none of the data gets (here over loopback TCP).
+    (--no-short-circuit), what a compute node that holds none of the data gets (here over loopback TCP),
+    and the small files' two epochs again through a mount whose cache holds a quarter of them (a dataset
+    bigger than the memory a job may use: each miss one record, fetched by the serving threads).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ SMALL_MAX = 8000  # small files at most: enough for a steady epoch, a dataset of
 DLFS_LABELS = {"dlfs": DlfsMount.label, DlfsMount.DIRECT_IO[0]: DlfsMount.DIRECT_IO[1]}  # dlfs mounts' results by name
 # Shown beside them, not targets: the chunks fetched from the data daemon over TCP, not read in place (one
 # machine here, so loopback, the daemon sharing the CPUs with the readers)
-SHOWN = {**DLFS_LABELS, DlfsMount.VIA_DAEMON[0]: DlfsMount.VIA_DAEMON[1]}
+SHOWN = {**DLFS_LABELS, DlfsMount.VIA_DAEMON[0]: DlfsMount.VIA_DAEMON[1],
+         DlfsMount.VIA_DAEMON_SMALL_CACHE[0]: DlfsMount.VIA_DAEMON_SMALL_CACHE[1]}
+MIN_CACHE = 16 << 20  # the smallest cache the quarter-cache mount gets (tiny runs)
 
 
 def section_size(files: int, big_files: int) -> tuple[int, int]:
@@ -134,7 +138,10 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
         direct = DlfsMount(node, DATASETS["big"], mnt / "dlfs-big-direct-io", direct_io=True)
         remote = {folder: DlfsMount(node, name, mnt / f"dlfs-{folder}-via-daemon", short_circuit=False)
                   for folder, name in DATASETS.items()}
-        for s in [*base[1:], *dlfs.values(), direct, *remote.values()]:
+        small_bytes = sum((src / p).stat().st_size for p in smalls)
+        quarter = DlfsMount(node, DATASETS["small"], mnt / "dlfs-small-via-daemon-quarter-cache", short_circuit=False,
+                            cache_size=max(MIN_CACHE, small_bytes // 4 >> 20 << 20))
+        for s in [*base[1:], *dlfs.values(), direct, *remote.values(), quarter]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
             for readers in (1, 2):
@@ -146,11 +153,11 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
                     r = timed_epoch(s, bigs, readers, seed=readers, read="open")
                     r["python"] = _spent(before, mount_sample(s))
                     out["big"][str(readers)][s.name] = r
-            for s in [*base, dlfs["small"], remote["small"]]:
+            for s in [*base, dlfs["small"], remote["small"], quarter]:
                 say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
                 out["small"][s.name] = two_cold_epochs(s, smalls, 2)
         finally:
-            for s in [*base, *dlfs.values(), direct, *remote.values()]:
+            for s in [*base, *dlfs.values(), direct, *remote.values(), quarter]:
                 s.unmount()
     finally:
         node.stop()

@@ -46,6 +46,7 @@ from dlfs.mount.records import (
     read_record,
     write_record,
 )
+from dlfs.mount.remotereads import RemoteReads
 from dlfs.mount.statsfile import SAMPLE_NOW, MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import tighten_home
@@ -302,7 +303,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             last.append(control.close)
             await nursery.start(control.serve, name="dlfs-direct-control")
             ops.control_path = os.fsencode(control.path)
-        await MountStats(label, opts.mountpoint, ops, cache, client, control).publish(nursery, opts.home, opts.metrics)
+        mount_stats = MountStats(label, opts.mountpoint, ops, cache, client, control)
+        await mount_stats.publish(nursery, opts.home, opts.metrics)
         options = {"ro", "default_permissions", "noatime", f"fsname=dlfs:{label}", "subtype=dlfs"}
         if opts.allow_other:
             options.add("allow_other")
@@ -327,6 +329,12 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                      ", with FUSE over io_uring" if uring else "",
                      f", files of {human_mib(DIRECT_IO_MIN)} or more past the page cache" if direct_io else "")
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
+            # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
+            # TCP (an RDMA client reads through Python, as does a node whose disk cache keeps windows).
+            if cache.shared is not None and client.rdma is None and cache.fetcher.disk is None:
+                remote = RemoteReads(client, index.chunk_ids(), opts.threads + (os.cpu_count() or 1) * uring)
+                mount_stats.remote = remote
+                nursery.start_soon(remote.keep, name="dlfs-remote-reads")
         else:
             log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)
         nursery.start_soon(cache.drain_consumed, name="dlfs-drain-consumed")

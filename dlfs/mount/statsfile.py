@@ -48,6 +48,7 @@ class MountStats:
         self.control = control  # the dlfs.direct control socket, if served
         self.started = time.time()
         self.metrics: Address | None = None
+        self.remote: Any = None  # the serving threads' own fetches (remotereads.RemoteReads), once started
 
     def snapshot(self) -> dict[str, Any]:
         ops, c = self.ops, self.cache
@@ -65,6 +66,14 @@ class MountStats:
         if local is not None and blocks:
             fetches_by[local] = fetches_by.get(local, 0) + blocks
             fetched_by[local] = fetched_by.get(local, 0) + block_bytes
+        # Records the serving threads fetched from the data daemons themselves (scan mode): misses too,
+        # counted as fetched from their node whether or not they passed their check (as the fetcher's).
+        remote, remote_bytes = 0, 0
+        for name, r in (self.remote.stats().items() if self.remote is not None else ()):
+            if r["reads"]:
+                fetches_by[name] = fetches_by.get(name, 0) + r["reads"]
+                fetched_by[name] = fetched_by.get(name, 0) + r["bytes"]
+                remote, remote_bytes = remote + r["reads"], remote_bytes + r["bytes"]
         nodes = sorted(set(fetched_by) | set(fetches_by))
         return {
             "format": STATS_FORMAT, "time": time.time(), "pid": os.getpid(), "started": self.started,
@@ -74,16 +83,21 @@ class MountStats:
             "read_errors": ops.errors, "read_seconds": ops.read_seconds.to_dict(),
             "python_reads": ops.reads, "engine": eng, "direct_io_min": ops.direct_io_min,
             "scan_kept": c.scan_latched,
-            "cache_hits": c.hits + native_reads - blocks, "cache_misses": c.misses + blocks, "cache_evictions": c.held.evictions,
+            "cache_hits": c.hits + native_reads - blocks - eng.get("remote_reads", 0),
+            "cache_misses": c.misses + blocks + eng.get("remote_reads", 0), "cache_evictions": c.held.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
             "cache_given_back": c.slabs.given_back, "cache_huge_pages": c.slabs.huge,
-            "fetches": c.fetcher.fetches + blocks, "fetched_bytes": c.fetcher.fetched_bytes + block_bytes,
+            "fetches": c.fetcher.fetches + blocks + remote,
+            "fetched_bytes": c.fetcher.fetched_bytes + block_bytes + remote_bytes,
             # read in place from this machine's chunk files (short-circuit), not through a daemon: all of
             # fetched_bytes on one node; a local copy that fails its check counts here, its good bytes
             # in fetched_bytes under the replica that had them
             "in_place_bytes": (c.fetcher.local.bytes if c.fetcher.local is not None else 0) + block_bytes,
             "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
+            # the serving threads' connections to each data node (scan mode's fetches), where they fetch
+            "thread_connections": ({n: r["open"] for n, r in self.remote.stats().items() if r["open"]}
+                                   if self.remote is not None else {}),
             "failovers": c.fetcher.failovers, "checksum_failures": c.fetcher.corrupt,
             "failing_nodes": sorted(self.client.health),
             **(self.control.stats() if self.control is not None else {}),

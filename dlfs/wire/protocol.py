@@ -273,6 +273,15 @@ class FrameStream:
     def authenticated(self) -> None:
         self.max_meta, self.max_data = MAX_META, MAX_DATA
 
+    def detach(self) -> int:
+        """The socket's descriptor, no longer this stream's (the caller owns it; dlfs/mount/remotereads.py
+        hands it to the serving threads). ProtocolError if bytes of a next frame were already taken."""
+        sock = getattr(self.stream, "socket", None)
+        if sock is None or self._pending:
+            raise ProtocolError(f"the connection to {self.peer} cannot be handed over"
+                                + (" (bytes of a frame already read)" if self._pending else " (not a socket)"))
+        return int(sock.detach())
+
     async def send(self, f: Frame) -> None:
         head = encode_frame(f)
         if isinstance(f.data, FileRange):

@@ -1,0 +1,129 @@
+"""The serving threads' own fetches from the data daemons (native/remote.h): the route and the connections.
+
+In scan mode (an epoch over more than the cache holds) each miss is one small record fetched alone.
+Through Python that cost about 400 us of the mount's CPU per file (a dataset bigger than a 256 MiB
+cache read at random through a daemon: 0.21-0.24x local disk). The serving threads now send those
+READ_RANGEs themselves, on connections opened and authenticated here and handed over for good; this
+owner keeps what is policy: which node each chunk is read from (its first replica in the client's order,
+so failing nodes last, recomputed when that set changes), and how many connections each node has (one
+more whenever the threads found none idle, up to one per thread that may fetch at once). Whatever the
+threads cannot do (no connection yet, an error, a bound passed, a bad frame, a failed check) comes to
+Python's fetcher as before: failover, hedging and the errors users see stay there.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+
+import trio
+
+from dlfs.client.cluster import ClusterClient
+from dlfs.errors import DlfsError, Unreachable
+from dlfs.native import native
+from dlfs.transport.tcp import TRANSPORT
+from dlfs.wire.auth import client_handshake
+from dlfs.wire.protocol import FrameStream
+from dlfs.wire.rpc import CONNECT_TIMEOUT
+
+log = logging.getLogger(__name__)
+
+KEEP_EVERY = 0.02  # seconds between two looks at the threads' wants and the nodes' health
+
+
+class RemoteReads:
+    """Owner of the serving threads' route and data connections, for one mount."""
+
+    def __init__(self, client: ClusterClient, chunk_ids: list[bytes], fetchers: int) -> None:
+        assert native is not None
+        self.client = client
+        self.chunk_ids = chunk_ids
+        nodes = client.cluster.data_nodes[: native.WIRE["nodes"]]
+        self.slot = {spec.name: i + 1 for i, spec in enumerate(nodes)}
+        self.specs = {i + 1: spec for i, spec in enumerate(nodes)}
+        # As many connections to a node as threads may fetch at once: each holds one for its fetch.
+        self.per_node = max(1, min(fetchers, native.WIRE["conns"]))
+        self.opened = 0
+        self.failed_opens = 0
+        self._failing: frozenset[str] | None = None
+
+    def route(self) -> array.array:
+        """Each chunk's node slot: its first replica in the client's order (failing nodes last)."""
+        out = array.array("H", bytes(2 * len(self.chunk_ids)))
+        for i, cid in enumerate(self.chunk_ids):
+            first = self.client.replicas(cid)[0]
+            out[i] = self.slot.get(first.name, 0)
+        return out
+
+    async def _reroute(self) -> None:
+        failing = frozenset(n for n in self.slot if self.client.failing(n))
+        if failing == self._failing:
+            return
+        self._failing = failing
+        # Rendezvous ranks of every chunk: a thread's work on a big dataset, not the loop's.
+        table = await trio.to_thread.run_sync(self.route)
+        assert native is not None
+        native.remote_route(table)
+
+    async def open_one(self, slot: int) -> None:
+        """One more authenticated connection to node `slot`'s data daemon, handed to the threads."""
+        spec = self.specs[slot]
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                stream = await TRANSPORT.connect(spec.data)
+        except (OSError, trio.TooSlowError) as exc:
+            raise Unreachable(f"cannot reach the data daemon at {spec.data}: {exc}") from None
+        fs = FrameStream(stream, str(spec.data))
+        try:
+            node = await client_handshake(fs, self.client.cluster.key, "data")
+            if node != spec.name:
+                raise Unreachable(f"{spec.data} is node {node}, not {spec.name}")
+            fd = fs.detach()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await fs.stream.aclose()
+            raise
+        try:
+            assert native is not None
+            native.remote_add(slot, fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self.opened += 1
+
+    async def keep(self) -> None:
+        """Run for the mount's life: the route follows the nodes' health, and a node whose connections
+        the threads found all busy (or lost) gets another, one at a time."""
+        assert native is not None
+        await self._reroute()
+        seen: dict[int, int] = {}
+        wanted_all = 0
+        while native.engine_running():  # after that, nothing fetches (the engine closed what it was handed)
+            await trio.sleep(KEEP_EVERY)
+            await self._reroute()
+            now_all = native.remote_node_stats(0)["wanted"]
+            if now_all == wanted_all:
+                continue
+            wanted_all = now_all
+            async with trio.open_nursery() as nursery:  # nodes in parallel: a silent one holds up no other
+                for slot in self.specs:
+                    s = native.remote_node_stats(slot)
+                    wanted, seen[slot] = s["wanted"] - seen.get(slot, 0), s["wanted"]
+                    if wanted and not self.client.failing(self.specs[slot].name):
+                        for _ in range(min(wanted, self.per_node - s["open"])):
+                            nursery.start_soon(self._open_logged, slot)
+
+    async def _open_logged(self, slot: int) -> None:
+        try:
+            await self.open_one(slot)
+        except (DlfsError, OSError, trio.TooSlowError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
+            self.failed_opens += 1
+            if self.failed_opens <= 3 or self.failed_opens % 100 == 0:
+                log.info("a data connection for the serving threads to %s: %s (their misses go through Python "
+                         "meanwhile)", self.specs[slot].name, exc)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per data node: the threads' connections and fetches."""
+        assert native is not None
+        return {spec.name: dict(native.remote_node_stats(slot)) for slot, spec in self.specs.items()}

@@ -1,0 +1,312 @@
+/* Records fetched from the data daemons by the serving threads (remote.h). */
+#define _GNU_SOURCE
+#include "remote.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "answer.h"
+
+enum { EMPTY, IDLE, BUSY };
+
+struct conn {
+    int fd;
+    int state;    /* EMPTY: Python may fill it (under the lock); IDLE: a thread may take it; BUSY: taken */
+    uint32_t req; /* the last request id sent on it */
+    uint64_t used; /* when it last answered, CLOCK_MONOTONIC_COARSE seconds */
+};
+
+struct node {
+    struct conn conn[DLFS_REMOTE_CONNS];
+    uint64_t wanted, lost, reads, bytes, failures;
+};
+
+static struct {
+    pthread_mutex_t lock; /* Python's side: filling EMPTY slots, the route's size, closing */
+    uint16_t *route;      /* per chunk: node slot, or 0 */
+    uint64_t n;
+    uint64_t wanted; /* every node's, summed: Python looks at the nodes only when it moved */
+    struct node node[DLFS_REMOTE_NODES];
+} R = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
+    return (uint64_t)t.tv_sec;
+}
+
+static uint64_t now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+#define ADD(p, n) __atomic_fetch_add((p), (n), __ATOMIC_RELAXED)
+
+int dlfs_remote_route(const uint16_t *route, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++) {
+        if (route[i] > DLFS_REMOTE_NODES) {
+            errno = EINVAL;
+            return -1;
+        }
+    }
+    pthread_mutex_lock(&R.lock);
+    int rc = 0;
+    if (!R.route) {
+        uint16_t *t = calloc(n ? n : 1, sizeof *t);
+        if (!t) {
+            errno = ENOMEM;
+            rc = -1;
+        } else {
+            R.n = n;
+            __atomic_store_n(&R.route, t, __ATOMIC_RELEASE);
+        }
+    } else if (R.n != n) {
+        errno = EINVAL;
+        rc = -1;
+    }
+    if (!rc) /* entry by entry: a thread reading one meanwhile sees the old slot or the new, both valid */
+        for (uint64_t i = 0; i < n; i++)
+            __atomic_store_n(&R.route[i], route[i], __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&R.lock);
+    return rc;
+}
+
+int dlfs_remote_add(unsigned slot, int fd)
+{
+    if (slot < 1 || slot > DLFS_REMOTE_NODES || fd < 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    /* Blocking from here on, each wait bounded by the socket's own timeouts. */
+    struct timeval tv = {DLFS_REMOTE_WAIT_MS / 1000, (DLFS_REMOTE_WAIT_MS % 1000) * 1000};
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0 ||
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0)
+        return -1;
+    struct node *nd = &R.node[slot - 1];
+    int rc = -1;
+    errno = ENOSPC;
+    pthread_mutex_lock(&R.lock);
+    for (int k = 0; k < DLFS_REMOTE_CONNS; k++) {
+        struct conn *c = &nd->conn[k];
+        if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == EMPTY) {
+            c->fd = fd;
+            c->used = seconds();
+            __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
+            rc = 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&R.lock);
+    return rc;
+}
+
+void dlfs_remote_node_stats(unsigned slot, struct dlfs_remote_node_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (slot == 0)
+        out->wanted = __atomic_load_n(&R.wanted, __ATOMIC_RELAXED);
+    if (slot < 1 || slot > DLFS_REMOTE_NODES)
+        return;
+    struct node *nd = &R.node[slot - 1];
+    for (int k = 0; k < DLFS_REMOTE_CONNS; k++)
+        out->open += __atomic_load_n(&nd->conn[k].state, __ATOMIC_RELAXED) != EMPTY;
+    out->wanted = __atomic_load_n(&nd->wanted, __ATOMIC_RELAXED);
+    out->lost = __atomic_load_n(&nd->lost, __ATOMIC_RELAXED);
+    out->reads = __atomic_load_n(&nd->reads, __ATOMIC_RELAXED);
+    out->bytes = __atomic_load_n(&nd->bytes, __ATOMIC_RELAXED);
+    out->failures = __atomic_load_n(&nd->failures, __ATOMIC_RELAXED);
+}
+
+int dlfs_remote_on(void)
+{
+    return __atomic_load_n(&R.route, __ATOMIC_ACQUIRE) != NULL;
+}
+
+/* Close a taken connection: its slot is Python's to fill again. */
+static void drop(struct node *nd, struct conn *c)
+{
+    close(c->fd);
+    c->fd = -1;
+    ADD(&nd->lost, 1);
+    __atomic_store_n(&c->state, EMPTY, __ATOMIC_RELEASE);
+}
+
+/* An idle connection of the node, taken; NULL if none (counted as wanted where the node has room). */
+static struct conn *take(struct node *nd)
+{
+    int empty = 0;
+    uint64_t now = seconds();
+    for (int k = 0; k < DLFS_REMOTE_CONNS; k++) {
+        struct conn *c = &nd->conn[k];
+        int idle = IDLE;
+        if (__atomic_compare_exchange_n(&c->state, &idle, BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            if (now - c->used < DLFS_REMOTE_IDLE_S)
+                return c;
+            drop(nd, c); /* the daemon may be closing it: let Python open a fresh one */
+            idle = EMPTY;
+        }
+        empty += idle == EMPTY;
+    }
+    if (empty) {
+        ADD(&nd->wanted, 1);
+        ADD(&R.wanted, 1);
+    }
+    return NULL;
+}
+
+static int send_all(int fd, const char *p, size_t n, uint64_t deadline)
+{
+    while (n) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0 || now_ms() > deadline)
+            return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* `n` bytes into `p`: each wait bounded by the socket's timeout, all of them by `deadline`. */
+static int recv_all(int fd, char *p, size_t n, uint64_t deadline)
+{
+    while (n) {
+        ssize_t k = recv(fd, p, n, MSG_WAITALL);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0 || (n > (size_t)k && now_ms() > deadline))
+            return -1; /* closed, failed, or silent past the bound */
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static void put16(char *p, uint16_t v) { memcpy(p, &v, 2); }
+static void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* A READ_RANGE request (msgpack meta {"id": bin, "offset": uint64, "length": uint32}, as
+ * dlfs/wire/messages.py's ReadRange decodes it) into `f`; its length. */
+static size_t encode_read_range(char *f, uint32_t req, const uint8_t *id, uint64_t offset, uint32_t length)
+{
+    char *m = f + DLFS_WIRE_HEADER;
+    size_t k = 0;
+    m[k++] = (char)0x83;
+    memcpy(m + k, "\xa2id\xc4", 4);
+    k += 4;
+    m[k++] = DLFS_CHUNK_ID;
+    memcpy(m + k, id, DLFS_CHUNK_ID);
+    k += DLFS_CHUNK_ID;
+    memcpy(m + k, "\xa6offset\xcf", 8);
+    k += 8;
+    for (int s = 56; s >= 0; s -= 8) /* msgpack integers are big-endian */
+        m[k++] = (char)(offset >> s);
+    memcpy(m + k, "\xa6length\xce", 8);
+    k += 8;
+    for (int s = 24; s >= 0; s -= 8)
+        m[k++] = (char)(length >> s);
+    put16(f, DLFS_WIRE_MAGIC);
+    f[2] = DLFS_WIRE_VERSION;
+    f[3] = DLFS_WIRE_REQUEST;
+    put16(f + 4, DLFS_WIRE_READ_RANGE);
+    put16(f + 6, 0);
+    put32(f + 8, req);
+    put32(f + 12, (uint32_t)k);
+    put32(f + 16, 0);
+    return DLFS_WIRE_HEADER + k;
+}
+
+int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
+                     struct dlfs_counters *cnt)
+{
+    const uint16_t *route = __atomic_load_n(&R.route, __ATOMIC_ACQUIRE);
+    if (!route || !id || e->chunk >= R.n || e->stored_len > room)
+        return -1;
+    unsigned slot = __atomic_load_n(&route[e->chunk], __ATOMIC_RELAXED);
+    if (!slot)
+        return -1;
+    struct node *nd = &R.node[slot - 1];
+    struct conn *c = take(nd);
+    if (!c)
+        return -1;
+    uint64_t deadline = now_ms() + DLFS_REMOTE_WAIT_MS;
+    char f[128], meta[256];
+    uint32_t req = ++c->req;
+    size_t len = encode_read_range(f, req, id, e->offset, e->stored_len);
+    if (send_all(c->fd, f, len, deadline) < 0 || recv_all(c->fd, f, DLFS_WIRE_HEADER, deadline) < 0)
+        goto broken;
+    uint16_t magic, msg, status;
+    uint32_t rid, meta_len, data_len;
+    memcpy(&magic, f, 2);
+    memcpy(&msg, f + 4, 2);
+    memcpy(&status, f + 6, 2);
+    memcpy(&rid, f + 8, 4);
+    memcpy(&meta_len, f + 12, 4);
+    memcpy(&data_len, f + 16, 4);
+    if (magic != DLFS_WIRE_MAGIC || f[2] != DLFS_WIRE_VERSION || f[3] != DLFS_WIRE_RESPONSE ||
+        msg != DLFS_WIRE_READ_RANGE || rid != req || meta_len > DLFS_WIRE_META_MAX)
+        goto broken;
+    if (status) { /* an error answered (not found, say): read past it, and let Python fetch and say so */
+        if (data_len)
+            goto broken;
+        for (uint32_t left = meta_len; left;) {
+            uint32_t k = left < sizeof meta ? left : sizeof meta;
+            if (recv_all(c->fd, meta, k, deadline) < 0)
+                goto broken;
+            left -= k;
+        }
+        c->used = seconds();
+        __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
+        goto failed;
+    }
+    if (data_len != e->stored_len || meta_len > sizeof meta || recv_all(c->fd, meta, meta_len, deadline) < 0 ||
+        recv_all(c->fd, buf, data_len, deadline) < 0)
+        goto broken;
+    c->used = seconds();
+    __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
+    ADD(&nd->reads, 1);
+    ADD(&nd->bytes, data_len);
+    return 0;
+broken:
+    drop(nd, c);
+failed:
+    ADD(&nd->failures, 1);
+    DLFS_COUNT(cnt, remote_failures, 1);
+    return -1;
+}
+
+void dlfs_remote_close(void)
+{
+    pthread_mutex_lock(&R.lock);
+    for (int s = 0; s < DLFS_REMOTE_NODES; s++) {
+        for (int k = 0; k < DLFS_REMOTE_CONNS; k++) {
+            struct conn *c = &R.node[s].conn[k];
+            if (c->state != EMPTY)
+                close(c->fd);
+            c->fd = -1;
+            c->state = EMPTY;
+        }
+    }
+    uint16_t *t = R.route;
+    __atomic_store_n(&R.route, NULL, __ATOMIC_RELEASE);
+    R.n = 0;
+    R.wanted = 0;
+    memset(R.node, 0, sizeof R.node); /* every slot EMPTY, every count 0: the next mount's own */
+    pthread_mutex_unlock(&R.lock);
+    free(t);
+}

@@ -1,0 +1,60 @@
+#ifndef DLFS_REMOTE_H
+#define DLFS_REMOTE_H
+/* Records fetched from the data daemons by the serving threads themselves: in scan mode (an epoch over
+ * more than the cache holds, each miss a record alone), a whole small record of a chunk this machine
+ * does not hold is one READ_RANGE, sent on a connection Python opened and authenticated
+ * (dlfs/mount/remotereads.py) and received straight into the thread's buffer, checked here, answered
+ * here: no word to Python. Python keeps the policy: which node each chunk is read from (the route, its
+ * replica order), how many connections, failover and hedging. Anything unexpected (no route, no idle
+ * connection, an error reply, a bound passed, a frame out of shape, a failed check) hands the READ to
+ * Python, which fetches it as before; a connection that misbehaved is closed, and Python opens another. */
+#include <stdint.h>
+
+#include "indexview.h"
+
+/* The frame header both sides speak (dlfs/wire/protocol.py: HEADER, MAGIC, VERSION, Msg.READ_RANGE);
+ * a test holds these against it. */
+#define DLFS_WIRE_MAGIC 0xD1F5
+#define DLFS_WIRE_VERSION 1
+#define DLFS_WIRE_HEADER 20 /* magic u16, version u8, kind u8, msg u16, status u16, req u32, meta u32, data u32 */
+#define DLFS_WIRE_REQUEST 0
+#define DLFS_WIRE_RESPONSE 1
+#define DLFS_WIRE_READ_RANGE 51
+#define DLFS_WIRE_META_MAX 4096 /* a reply's meta read past at most (an error's message); longer: closed */
+
+#define DLFS_REMOTE_NODES 1024  /* data nodes a route may name (1..this; 0: Python fetches it) */
+#define DLFS_REMOTE_CONNS 8     /* connections to one node at most */
+#define DLFS_REMOTE_WAIT_MS 2000 /* a fetch's bound (sending, then receiving): past it, Python's (hedges, failover) */
+/* A connection idle this long is closed rather than used: a daemon closes one idle for rpc.IDLE_TIMEOUT
+ * (300 s), and a request must never meet that close. */
+#define DLFS_REMOTE_IDLE_S 120
+
+struct dlfs_counters;
+
+/* Where each chunk of the mounted version is fetched from: `n` entries, one per chunk, each a node
+ * slot (1..DLFS_REMOTE_NODES) or 0 (Python fetches it: this machine's, or no node to ask). The first
+ * call sizes the table; later ones (a node failed, or answers again) must give the same `n`. 0, or -1
+ * with errno set (EINVAL: another size, or a slot out of range; ENOMEM). */
+int dlfs_remote_route(const uint16_t *route, uint64_t n);
+/* An authenticated connection to node `slot`'s data daemon, handed over for good (a blocking socket
+ * from here on, bounded by DLFS_REMOTE_WAIT_MS): 0, or -1 (EINVAL: a bad slot; ENOSPC: the node has
+ * DLFS_REMOTE_CONNS already). The caller closes `fd` on -1. */
+int dlfs_remote_add(unsigned slot, int fd);
+struct dlfs_remote_node_stats {
+    uint32_t open;      /* connections held (idle or in use) */
+    uint64_t wanted;    /* fetches that found no idle connection, while the node had room for another */
+    uint64_t lost;      /* connections closed: broken, out of shape, or idle too long */
+    uint64_t reads, bytes; /* records fetched (checked by the caller: counted here good or not) */
+    uint64_t failures;     /* fetches that got no record: an error answered, a connection lost or out of shape */
+};
+/* Node `slot`'s; slot 0: `wanted` summed over every node (the rest 0). */
+void dlfs_remote_node_stats(unsigned slot, struct dlfs_remote_node_stats *out);
+/* Whether any route is set (the serving threads may fetch). */
+int dlfs_remote_on(void);
+/* Record `e` of chunk e->chunk (`id`, DLFS_CHUNK_ID bytes), its stored bytes fetched into `buf` (`room`
+ * bytes) from the node its route names: 0, or -1 (Python's to fetch). Blocks for the fetch, bounded. */
+int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
+                     struct dlfs_counters *c);
+/* Close every connection and forget the route (the serving threads have stopped). */
+void dlfs_remote_close(void);
+#endif
