@@ -171,6 +171,7 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                  human_bytes(memory.total), human_bytes(memory.per_connection))
         # Before the daemons exist: their caps on half-open connections follow this limit.
         log.info("node %s: up to %d open files", name, raise_open_files_limit())
+        lanes: DataService | None = None  # its native range lanes, stopped after the daemons
         try:
             async with open_nursery() as nursery:
                 data_bound = data_addr
@@ -181,6 +182,8 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                         nursery.start_soon(rdma.run, name="dlfs-rdma-responder")
                 if "data" in roles:
                     data_service = DataService(chunks, key, name, rdma, choice.reason if choice else "", memory)
+                    data_service.start_lanes()
+                    lanes = data_service
                     services.append(data_service)
                     data_bound = await _listen(nursery, data_service, data_addr, data_fallback)
                 if opts.cluster is None:
@@ -231,6 +234,8 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                 nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_DEADLINE
                 nursery.cancel_scope.cancel()
         finally:
+            if lanes is not None:  # after the daemons: nothing hands it a lane any more
+                lanes.stop_lanes()
             if rdma is not None:
                 rdma.close()
             chunks.close()

@@ -13,6 +13,8 @@
 #include "chunkfiles.h"
 #include "indexview.h"
 
+_Static_assert(sizeof(((struct dlfs_chunk_file *)0)->id) == DLFS_CHUNK_ID, "a slot holds a whole chunk id");
+
 #define NO_DIRECT (-2)
 
 static uint64_t opened; /* files opened by every table of the process (stats) */
@@ -99,10 +101,11 @@ static void chunk_path(const uint8_t *id, char path[3 + 2 * DLFS_CHUNK_ID + 1])
 }
 
 /* Open chunk `ci` into the empty slot f (a missing file is remembered as fd -1). */
-static void open_into(struct dlfs_chunk_file *f, int dir, uint64_t ci, const char *path,
+static void open_into(struct dlfs_chunk_file *f, int dir, uint64_t ci, const uint8_t *id, const char *path,
                       uint64_t now)
 {
     empty(f);
+    memcpy(f->id, id, DLFS_CHUNK_ID);
     int fd = openat(dir, path, O_RDONLY | O_CLOEXEC);
     struct stat st;
     if (fd >= 0 && fstat(fd, &st) < 0) {
@@ -167,7 +170,7 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
     struct dlfs_chunk_file *ways = &t->slot[set * DLFS_CHUNK_WAYS], *f = NULL;
     pthread_mutex_lock(&t->lock);
     for (int w = 0; w < DLFS_CHUNK_WAYS; w++)
-        if (ways[w].chunk == (int64_t)ci) {
+        if (ways[w].chunk == (int64_t)ci && !memcmp(ways[w].id, id, DLFS_CHUNK_ID)) {
             f = &ways[w];
             break;
         }
@@ -183,7 +186,7 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
             return open_alone(dir, path, direct, ref);
         }
         forget(f);
-        open_into(f, dir, ci, path, now);
+        open_into(f, dir, ci, id, path, now);
     }
     if (!f) { /* an empty way, else one nobody reads and nobody used since the hand last passed */
         for (int w = 0; w < DLFS_CHUNK_WAYS && !f; w++)
@@ -205,7 +208,7 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
         }
         t->hand++;
         forget(f);
-        open_into(f, dir, ci, path, now);
+        open_into(f, dir, ci, id, path, now);
     }
     if (f->fd < 0) {
         pthread_mutex_unlock(&t->lock);

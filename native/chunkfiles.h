@@ -17,6 +17,7 @@
 
 struct dlfs_chunk_file {
     int64_t chunk; /* -1: empty */
+    uint8_t id[16]; /* the chunk's id (DLFS_CHUNK_ID): a slot matches on both (the data daemon keys by part of it) */
     int fd;        /* -1: the chunk is not on this machine (remembered until the next check) */
     int direct;    /* the same file opened O_DIRECT: -1 not yet, -2 it cannot be */
     int spare;     /* an O_DIRECT descriptor found unreadable so while others held it: closed with the slot */

@@ -8,6 +8,7 @@
 #include "engine.h"
 #include "fusehook.h"
 #include "module.h"
+#include "rangeserve.h"
 #include "remote.h"
 
 static PyObject *fuse_hooked(PyObject *self, PyObject *unused)
@@ -340,6 +341,48 @@ static PyObject *remote_close(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *lanes_start(PyObject *self, PyObject *arg)
+{
+    PyObject *path;
+    if (!PyUnicode_FSConverter(arg, &path))
+        return NULL;
+    int rc = dlfs_lanes_start(PyBytes_AS_STRING(path));
+    Py_DECREF(path);
+    return rc < 0 ? PyErr_SetFromErrno(PyExc_OSError) : (Py_INCREF(Py_None), Py_None);
+}
+
+static PyObject *lanes_add(PyObject *self, PyObject *arg)
+{
+    int fd;
+    if (!PyArg_Parse(arg, "i", &fd))
+        return NULL;
+    if (dlfs_lanes_add(fd) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lanes_room(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(dlfs_lanes_room());
+}
+
+static PyObject *lanes_stats(PyObject *self, PyObject *unused)
+{
+    struct dlfs_lanes_stats s;
+    dlfs_lanes_stats(&s);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "open", s.open, "opened", s.opened, "closed_idle",
+                         s.closed_idle, "closed_bad", s.closed_bad, "reads", s.reads, "bytes", s.bytes, "not_found",
+                         s.not_found);
+}
+
+static PyObject *lanes_stop(PyObject *self, PyObject *unused)
+{
+    Py_BEGIN_ALLOW_THREADS
+    dlfs_lanes_stop();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_direct_io(PyObject *self, PyObject *arg)
 {
     unsigned long long min = PyLong_AsUnsignedLongLong(arg);
@@ -379,6 +422,11 @@ static PyMethodDef methods[] = {
      "remote_add(slot, fd): an authenticated data connection to that node, handed to the serving threads for good."},
     {"remote_node_stats", remote_node_stats, METH_O, "remote_node_stats(slot) -> the node's connections and fetches."},
     {"remote_close", remote_close, METH_NOARGS, "Close the handed-over connections and forget the route (engine stopped)."},
+    {"lanes_start", lanes_start, METH_O, "lanes_start(chunk_dir): the data daemon's native threads serve range lanes."},
+    {"lanes_add", lanes_add, METH_O, "lanes_add(fd): an authenticated data connection given over to READ_RANGE alone."},
+    {"lanes_room", lanes_room, METH_NOARGS, "Whether a range lane would be taken now."},
+    {"lanes_stats", lanes_stats, METH_NOARGS, "The range lanes' counters."},
+    {"lanes_stop", lanes_stop, METH_NOARGS, "Stop the range lanes' threads and close every lane."},
     {"set_direct_io", set_direct_io, METH_O,
      "set_direct_io(min): files of min bytes or more open FOPEN_DIRECT_IO, the rest keep their pages (0: no_open)."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
@@ -408,11 +456,13 @@ static int add_layout(PyObject *m)
 /* The frames the serving threads speak (remote.h), for a test to hold against dlfs/wire/protocol.py. */
 static int add_wire(PyObject *m)
 {
-    PyObject *wire = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "magic", DLFS_WIRE_MAGIC, "version",
-                                   DLFS_WIRE_VERSION, "header", DLFS_WIRE_HEADER, "request", DLFS_WIRE_REQUEST,
-                                   "response", DLFS_WIRE_RESPONSE, "read_range", DLFS_WIRE_READ_RANGE, "nodes",
-                                   DLFS_REMOTE_NODES, "conns", DLFS_REMOTE_CONNS, "wait_ms", DLFS_REMOTE_WAIT_MS,
-                                   "idle_s", DLFS_REMOTE_IDLE_S);
+    PyObject *wire = Py_BuildValue(
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:I,s:i,s:i,s:i}", "magic", DLFS_WIRE_MAGIC, "version",
+        DLFS_WIRE_VERSION, "header", DLFS_WIRE_HEADER, "request", DLFS_WIRE_REQUEST, "response", DLFS_WIRE_RESPONSE,
+        "read_range", DLFS_WIRE_READ_RANGE, "nodes", DLFS_REMOTE_NODES, "conns", DLFS_REMOTE_CONNS, "wait_ms",
+        DLFS_REMOTE_WAIT_MS, "idle_s", DLFS_REMOTE_IDLE_S, "not_found", DLFS_WIRE_NOT_FOUND, "protocol_error",
+        DLFS_WIRE_PROTOCOL, "max_data", DLFS_WIRE_MAX_DATA, "lane_stall_ms", DLFS_LANE_STALL_MS, "lane_idle_s",
+        DLFS_LANE_IDLE_S, "lanes_max", DLFS_LANES_MAX);
     return wire ? PyModule_AddObject(m, "WIRE", wire) : -1;
 }
 

@@ -18,11 +18,12 @@ import msgpack
 import msgspec
 import pytest
 import trio
-from test_services import put_chunk, running_node
+from test_services import make_chunk, put_chunk, running_node
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster
 from dlfs.data.store import chunk_path
+from dlfs.errors import NotFound, ProtocolError, Unreachable
 from dlfs.format.chunk import ChunkWriter
 from dlfs.format.index import Index, IndexWriter
 from dlfs.mount.remotereads import RemoteReads
@@ -117,6 +118,7 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
                 assert (counts["remote_reads"], counts["remote_failures"], counts["record_reads"]) == (1, 0, 0)
             s = native.remote_node_stats(1)
             assert (s["open"], s["reads"], s["bytes"], s["lost"]) == (1, 4, 2 * 100_000 + 63_000, 0), s
+            assert remote.lanes == 1 and native.lanes_stats()["reads"] == 4  # served by the daemon's threads
             assert (await read(3, 4096))[0] == "forward"  # part of a record: its checksum covers it all
             # The daemon's copy damaged: the thread's check fails, Python fetches it (and says what is wrong).
             path = chunk_path(tmp_path / "home" / "data" / "chunks", cid)
@@ -166,3 +168,61 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
             nursery.cancel_scope.cancel()
     assert native.remote_node_stats(1)["open"] == 0
     ix.close()
+
+
+async def test_a_range_lane_answers_as_the_daemons_python_does(tmp_path: Path) -> None:
+    # A connection given over with RANGE_LANE is answered by the daemon's native threads: the daemon's own
+    # client decodes every reply (pipelined, in order), errors included; a bad body is an error reply and
+    # the lane goes on; any other message closes the lane. A daemon without lanes refuses, and the
+    # connection stays its Python's.
+    cid, data, _, _ = make_chunk(9, records=13, size=20_000)  # ~260 KB
+    async with running_node(tmp_path / "home") as (spec, key):
+        async with connect(spec.data, key, "data") as conn:
+            assert await put_chunk(conn, cid, data)
+        before = native.lanes_stats()
+        async with connect(spec.data, key, "data") as lane:
+            await lane.call(Msg.RANGE_LANE)
+            wanted = [(0, 1000), (5, 200_000), (250_000, 9_000), (len(data) - 10, 4096), (len(data) + 5, 10), (0, 0)]
+            got: dict[int, bytes] = {}
+
+            async def one(i: int, off: int, n: int) -> None:
+                _, got[i] = await lane.call(Msg.READ_RANGE, {"id": cid, "offset": off, "length": n})
+
+            async with trio.open_nursery() as n:  # in flight together on the one lane
+                for i, (off, length) in enumerate(wanted):
+                    n.start_soon(one, i, off, length)
+            assert [bytes(got[i]) for i in range(len(wanted))] == [data[o : o + k] for o, k in wanted]
+            with pytest.raises(NotFound, match=r"chunk 0{32} is not on this node"):
+                await lane.call(Msg.READ_RANGE, {"id": bytes(16), "offset": 0, "length": 10})
+            with pytest.raises(ProtocolError, match="bad READ_RANGE request"):
+                await lane.call(Msg.READ_RANGE, {"id": cid, "offset": 0})
+            _, again = await lane.call(Msg.READ_RANGE, {"id": cid, "offset": 3, "length": 3})
+            assert bytes(again) == data[3:6]
+            s = native.lanes_stats()
+            assert s["open"] == 1 and s["reads"] - before["reads"] == len(wanted) + 1, s
+            assert s["not_found"] - before["not_found"] == 1
+            with pytest.raises(Unreachable):  # not a READ_RANGE: the lane is closed
+                await lane.call(Msg.PING, timeout=5)
+        assert wait_until(lambda: native.lanes_stats()["open"] == 0)
+        assert native.lanes_stats()["closed_bad"] - before["closed_bad"] == 1
+        async with connect(spec.data, key, "data") as conn:  # what they served counts in the daemon's status
+            status, _ = await conn.call(Msg.STATUS)
+            assert status["reads"] >= len(wanted) + 1 and status["bytes_served"] >= 200_000 + 9_000 + 1000
+        native.lanes_stop()  # as a daemon without them: refused, the connection stays a plain one
+        try:
+            async with connect(spec.data, key, "data") as conn:
+                with pytest.raises(ProtocolError, match="no room for another range lane"):
+                    await conn.call(Msg.RANGE_LANE)
+                _, plain = await conn.call(Msg.READ_RANGE, {"id": cid, "offset": 7, "length": 5})
+                assert bytes(plain) == data[7:12]
+        finally:
+            native.lanes_start(tmp_path / "home" / "data" / "chunks")  # the node stops them at its end
+
+
+def wait_until(cond: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False

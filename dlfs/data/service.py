@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ import trio
 
 from dlfs.data.store import ChunkStore, boot_id
 from dlfs.errors import CorruptData, ProtocolError, StorageFull, TransportUnavailable
+from dlfs.native import native
 from dlfs.units import human_bytes
 from dlfs.wire.budget import MemoryBudget
 from dlfs.wire.messages import (
@@ -74,11 +76,51 @@ class DataService(Service):
             Msg.VERIFY_CHUNKS: Route(ChunkIds, self.verify_chunks),
             Msg.RDMA_CONNECT: Route(QpEndpoint, self.rdma_connect),
             Msg.RDMA_REGION: Route(RegionRequest, self.rdma_region),
+            Msg.RANGE_LANE: Route(Empty, self.range_lane, handover=self._give_lane),
         })
+        self.lanes = False  # READ_RANGE lanes served by the native helper's threads (start_lanes)
+
+    def start_lanes(self) -> None:
+        """Serve range lanes (Msg.RANGE_LANE: a mount's serving threads fetching records one by one)
+        with native threads, where the helper is built; else such a request is refused and the
+        connection stays with Python."""
+        if native is None:
+            return
+        try:
+            native.lanes_start(self.store.chunk_dir)
+        except OSError as exc:  # EBUSY: another node of this process serves them (tests)
+            log.log(logging.INFO if exc.errno == errno.EBUSY else logging.WARNING,
+                    "node %s: range lanes are not served (%s): records are read through Python", self.node,
+                    exc.strerror or exc)
+            return
+        self.lanes = True
+
+    def stop_lanes(self) -> None:
+        if self.lanes and native is not None:
+            native.lanes_stop()
+        self.lanes = False
+
+    def lane_stats(self) -> dict[str, int]:
+        """The lanes' counters (all 0 without them)."""
+        if not self.lanes or native is None:
+            return {}
+        return dict(native.lanes_stats())
+
+    async def range_lane(self, req: Empty, data: bytearray) -> Reply:
+        if not self.lanes or native is None or not native.lanes_room():
+            raise ProtocolError(f"node {self.node} has no room for another range lane" if self.lanes else
+                                f"node {self.node} serves no range lanes")
+        return Empty(), b""
+
+    def _give_lane(self, fd: int) -> None:
+        assert native is not None
+        native.lanes_add(fd)
 
     async def status(self, req: Empty, data: bytearray) -> Reply:
         free, total = self.store.disk()
-        return DataStatus(self.node, self.store.count, self.store.bytes, free, total, self.reads, self.bytes_served,
+        lanes = self.lane_stats()
+        return DataStatus(self.node, self.store.count, self.store.bytes, free, total, self.reads + lanes.get("reads", 0),
+                          self.bytes_served + lanes.get("bytes", 0),
                           str(self.store.root), str(self.store.chunk_dir), boot_id(),
                           "rdma" if self.rdma else "tcp", self.transport_reason), b""
 

@@ -20,11 +20,11 @@ import os
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.errors import DlfsError, Unreachable
+from dlfs.errors import DlfsError, ProtocolError, Unreachable
 from dlfs.native import native
 from dlfs.transport.tcp import TRANSPORT
 from dlfs.wire.auth import client_handshake
-from dlfs.wire.protocol import FrameStream
+from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, FrameStream, Msg
 from dlfs.wire.rpc import CONNECT_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class RemoteReads:
         # As many connections to a node as threads may fetch at once: each holds one for its fetch.
         self.per_node = max(1, min(fetchers, native.WIRE["conns"]))
         self.opened = 0
+        self.lanes = 0  # of those, lanes the daemon's native threads serve
         self.failed_opens = 0
         self._failing: frozenset[str] | None = None
 
@@ -79,6 +80,13 @@ class RemoteReads:
             node = await client_handshake(fs, self.client.cluster.key, "data")
             if node != spec.name:
                 raise Unreachable(f"{spec.data} is node {node}, not {spec.name}")
+            # A lane where the daemon serves them (its native threads); else a plain connection, its Python's.
+            await fs.send(Frame(REQUEST, Msg.RANGE_LANE, 0))
+            with trio.fail_after(CONNECT_TIMEOUT):
+                answer = await fs.receive()
+            if answer.msg != Msg.RANGE_LANE or answer.kind != RESPONSE:
+                raise ProtocolError(f"{spec.data} answered {answer.msg} to RANGE_LANE")
+            self.lanes += answer.status == 0
             fd = fs.detach()
         except BaseException:
             with trio.CancelScope(shield=True):

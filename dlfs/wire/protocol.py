@@ -25,6 +25,15 @@ RDMA set-up rides on an authenticated data connection (dlfs/data/rdmaserve.py, d
                            chunk's registered read-only mapping is (address, rkey, length); the daemon
                            keeps it registered until the client releases it or the connection ends
 
+A mount's serving threads fetch scan mode's records themselves (native/remote.h), on connections that
+carry nothing else:
+
+    RANGE_LANE     request  {}, the first request of an authenticated data connection, none in flight
+                   response {}: from now on the daemon's native threads (native/rangeserve.h) answer the
+                            connection's READ_RANGEs, one at a time, in order, as its Python would; any
+                            other frame closes it. An error (a daemon without them): the connection
+                            stays as it was, served by Python.
+
 dlfs.direct talks to a mount over its control socket (a Unix socket named by the xattr
 user.dlfs.control on the mount's root; dlfs/mount/directsock.py), in the same frames, with no key: the
 socket is the mount owner's alone (mode 0600, and its peer's uid is checked):
@@ -115,6 +124,7 @@ class Msg(enum.IntEnum):
     RDMA_REGION = 57
     STAGE_CHUNK = 58  # a client on the daemon's machine asks where to write a chunk (ingest without the loopback)
     PUT_STAGED = 59  # ... and hands it over once written: framing checked, the client's hash trusted, synced
+    RANGE_LANE = 63  # this connection carries READ_RANGE alone from now on (the daemon's native threads serve it)
     # a mount's control socket (dlfs.direct)
     DIRECT_ATTACH = 60
     DIRECT_READ = 61

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -47,6 +48,9 @@ class Route(Generic[T]):
 
     kind: type[T]
     handler: Handler[T]
+    # Once its reply is sent, the connection's socket is given to this (a descriptor the callee owns) and
+    # the service reads nothing more from it (Msg.RANGE_LANE). Only with no other request in flight.
+    handover: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -354,10 +358,49 @@ class Service:
                     self._log_closing.log(logging.WARNING, "%s daemon: closing connection from %s: %s",
                                           self.name, fs.peer, exc)
                     break
+                route = self.handlers.get(req.frame.msg)
+                if route is not None and route.handover is not None:
+                    if await self._hand_over(fs, send_lock, limiter, req, route):
+                        break
+                    continue
                 token = object()
                 await limiter.acquire_on_behalf_of(token)
                 nursery.start_soon(self._answer, fs, send_lock, limiter, token, req)
             nursery.cancel_scope.cancel()
+
+    async def _hand_over(self, fs: FrameStream, send_lock: trio.Lock, limiter: trio.CapacityLimiter, req: _Request,
+                         route: Route[Any]) -> bool:
+        """Answer a request whose route takes the connection over, and give it over: True once given
+        (the caller reads no more of it). Refused (an error reply, the connection as it was) while other
+        requests are in flight or when the handler says no."""
+        f = req.frame
+        try:
+            if req.refused is not None:
+                raise req.refused
+            if limiter.borrowed_tokens:
+                raise ProtocolError(f"{msg_name(f.msg)} with requests in flight")
+            body, _ = await route.handler(request(route.kind, f.meta, f.msg), f.data)  # type: ignore[arg-type]
+            reply, given = Frame(RESPONSE, f.msg, f.req_id, 0, to_meta(body)), True
+        except DlfsError as exc:
+            reply, given = Frame(RESPONSE, f.msg, f.req_id, status_of(exc), {"error": exc.message}), False
+        finally:
+            req.share.release(req.held)
+        async with send_lock:
+            await fs.send(reply)
+        if not given:
+            return False
+        try:
+            fd = fs.detach()
+        except ProtocolError as exc:  # it sent more already: not a peer that waits for the answer
+            log.warning("%s daemon: closing connection from %s: %s", self.name, fs.peer, exc)
+            return True
+        assert route.handover is not None
+        try:
+            route.handover(fd)
+        except OSError as exc:  # the reply is gone: the peer learns of it when the connection closes
+            os.close(fd)
+            log.warning("%s daemon: could not hand over the connection from %s: %s", self.name, fs.peer, exc)
+        return True
 
     async def _wait_request(self, fs: FrameStream, limiter: trio.CapacityLimiter, peer: Peer) -> bool:
         """Until the next request begins (True), or the connection has been idle for IDLE_TIMEOUT:
