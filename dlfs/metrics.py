@@ -116,6 +116,20 @@ class NodeCollector:
                                     labels=["node"])
             c.add_metric([self.node], self.data.checksum_failures)
             yield c
+            lanes = self.data.lane_stats()
+            if lanes:  # READ_RANGEs of mounts' serving threads, answered by native threads (not in dlfs_requests)
+                yield _gauge("dlfs_range_lanes", "Range lanes open now (connections carrying READ_RANGE alone)",
+                             self.node, lanes["open"])
+                for name, doc, key in (
+                    ("dlfs_range_lane_reads", "READ_RANGEs answered on range lanes", "reads"),
+                    ("dlfs_range_lane_bytes", "Bytes sent on range lanes", "bytes"),
+                    ("dlfs_range_lane_not_found", "READ_RANGEs on range lanes of chunks not here", "not_found"),
+                    ("dlfs_range_lanes_closed_bad", "Range lanes closed for a frame out of shape, a stall or a "
+                                                    "failed send", "closed_bad"),
+                ):
+                    c = CounterMetricFamily(name, doc, labels=["node"])
+                    c.add_metric([self.node], lanes[key])
+                    yield c
         if self.census is not None and self.census.taken_at:
             k = self.census
             yield _gauge("dlfs_chunks_live", "Chunks referenced by live dataset versions", self.node, k.chunks)

@@ -68,7 +68,16 @@ static void shut(int k)
     COUNT(open, -1);
 }
 
-static int recv_all(int fd, void *p, size_t n)
+static uint64_t now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+/* `n` bytes into `p`: 1, 0 if the peer left before the first, -1 if it failed or the frame begun at
+ * `begun` (ms; 0: not yet) took longer than DLFS_LANE_STALL_MS (a peer trickling bytes holds no worker). */
+static int recv_all(int fd, void *p, size_t n, uint64_t *begun)
 {
     size_t got = 0;
     while (got < n) {
@@ -76,8 +85,12 @@ static int recv_all(int fd, void *p, size_t n)
         if (k < 0 && errno == EINTR)
             continue;
         if (k <= 0)
-            return got ? -1 : (int)k; /* 0: the peer left between frames */
+            return got || *begun ? -1 : (int)k; /* 0: the peer left between frames */
         got += (size_t)k;
+        if (!*begun)
+            *begun = now_ms();
+        else if (got < n && now_ms() - *begun > DLFS_LANE_STALL_MS)
+            return -1;
     }
     return 1;
 }
@@ -177,7 +190,8 @@ static int serve(int fd)
 {
     char h[DLFS_WIRE_HEADER];
     uint8_t meta[DLFS_LANE_META_MAX];
-    int r = recv_all(fd, h, sizeof h);
+    uint64_t begun = 0;
+    int r = recv_all(fd, h, sizeof h, &begun);
     if (r <= 0)
         return r;
     uint16_t magic, msg, status;
@@ -189,7 +203,7 @@ static int serve(int fd)
     memcpy(&meta_len, h + 12, 4);
     memcpy(&data_len, h + 16, 4);
     if (magic != DLFS_WIRE_MAGIC || h[2] != DLFS_WIRE_VERSION || h[3] != DLFS_WIRE_REQUEST ||
-        msg != DLFS_WIRE_READ_RANGE || status || data_len || meta_len > sizeof meta || recv_all(fd, meta, meta_len) <= 0)
+        msg != DLFS_WIRE_READ_RANGE || status || data_len || meta_len > sizeof meta || recv_all(fd, meta, meta_len, &begun) <= 0)
         return -1; /* not a READ_RANGE (a lane carries nothing else), or cut short */
     uint8_t id[DLFS_CHUNK_ID];
     uint64_t offset, length;

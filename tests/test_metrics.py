@@ -94,6 +94,9 @@ def test_node_and_mount_metrics_after_reads(tmp_path: Path) -> None:
             assert ("dlfs_requests_total", frozenset({"node": name, "service": "data", "msg": "PUT_CHUNK"}.items())) \
                 not in got
         assert value(before1, "dlfs_chunks_under_replicated", node="n1") == 0
+        # Native range lanes are served (none open: no mount reads in scan mode yet).
+        assert value(before1, "dlfs_range_lanes", node="n1") == 0
+        assert value(before1, "dlfs_range_lane_reads_total", node="n1") == 0
         assert value(before1, "dlfs_chunks_live", node="n1") == n_files
 
         # n1's copy is read first (the local node) and every one of them is damaged: each read

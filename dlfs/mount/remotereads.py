@@ -48,6 +48,7 @@ class RemoteReads:
         self.lanes = 0  # of those, lanes the daemon's native threads serve
         self.failed_opens = 0
         self._failing: frozenset[str] | None = None
+        self._opening: dict[int, int] = {}  # node slot -> connections being opened now
 
     def route(self) -> array.array:
         """Each chunk's node slot: its first replica in the client's order (failing nodes last)."""
@@ -102,25 +103,29 @@ class RemoteReads:
 
     async def keep(self) -> None:
         """Run for the mount's life: the route follows the nodes' health, and a node whose connections
-        the threads found all busy (or lost) gets another, one at a time."""
+        the threads found all busy (or lost) gets more, opened in the background (a silent node holds up
+        no other's), never more at once than the threads asked for."""
         assert native is not None
         await self._reroute()
         seen: dict[int, int] = {}
         wanted_all = 0
-        while native.engine_running():  # after that, nothing fetches (the engine closed what it was handed)
-            await trio.sleep(KEEP_EVERY)
-            await self._reroute()
-            now_all = native.remote_node_stats(0)["wanted"]
-            if now_all == wanted_all:
-                continue
-            wanted_all = now_all
-            async with trio.open_nursery() as nursery:  # nodes in parallel: a silent one holds up no other
+        async with trio.open_nursery() as nursery:
+            while native.engine_running():  # after that, nothing fetches (the engine closed what it was handed)
+                await trio.sleep(KEEP_EVERY)
+                await self._reroute()
+                now_all = native.remote_node_stats(0)["wanted"]
+                if now_all == wanted_all:
+                    continue
+                wanted_all = now_all
                 for slot in self.specs:
                     s = native.remote_node_stats(slot)
                     wanted, seen[slot] = s["wanted"] - seen.get(slot, 0), s["wanted"]
-                    if wanted and not self.client.failing(self.specs[slot].name):
-                        for _ in range(min(wanted, self.per_node - s["open"])):
-                            nursery.start_soon(self._open_logged, slot)
+                    if not wanted or self.client.failing(self.specs[slot].name):
+                        continue
+                    for _ in range(min(wanted, self.per_node - s["open"] - self._opening.get(slot, 0))):
+                        self._opening[slot] = self._opening.get(slot, 0) + 1
+                        nursery.start_soon(self._open_logged, slot)
+            nursery.cancel_scope.cancel()
 
     async def _open_logged(self, slot: int) -> None:
         try:
@@ -130,6 +135,8 @@ class RemoteReads:
             if self.failed_opens <= 3 or self.failed_opens % 100 == 0:
                 log.info("a data connection for the serving threads to %s: %s (their misses go through Python "
                          "meanwhile)", self.specs[slot].name, exc)
+        finally:
+            self._opening[slot] -= 1
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per data node: the threads' connections and fetches."""
