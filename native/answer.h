@@ -144,6 +144,13 @@ int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, u
 int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
                        struct dlfs_counters *c);
 
+/* READ `unique` of the whole record `ext` (DLFS_RECORD) of a chunk this machine does not hold, fetched
+ * from a data daemon straight into `into` (`room` bytes: where the reply goes, so it is not copied
+ * again) and checked: DLFS_ANSWERED, DLFS_FORWARD (Python's), or DLFS_RECORD (the chunk is this
+ * machine's: read it from the disk). Blocks for the fetch, bounded (remote.h). */
+int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t unique, uint64_t ext, char *into,
+                      uint32_t room, struct dlfs_counters *c);
+
 /* Scan mode, set by the mount's cache when its read-ahead has no room (an epoch over more than the
  * cache holds): a READ of a whole small record of this machine's chunks that is not in the cache is
  * read from the chunk file and checked here, with no slab and no word to Python (which would fetch

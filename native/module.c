@@ -207,12 +207,13 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 /* One request through answer.c, as a serving thread would take it (for tests of the C side). */
 static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"sections", "request", "timeout", "xattr_name", "xattr_value", "local_dir", NULL};
+    static char *names[] = {"sections", "request", "timeout", "xattr_name", "xattr_value", "local_dir", "ring", NULL};
     PyObject *sections, *xname = Py_None, *xvalue = Py_None, *local_dir = Py_None;
     Py_buffer req;
     double timeout = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dOOO", names, &PyTuple_Type, &sections, &req, &timeout, &xname,
-                                     &xvalue, &local_dir))
+    int ring = 0; /* as a FUSE-over-io_uring queue takes it: another machine's record fetched into the reply's buffer */
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!y*|$dOOOp", names, &PyTuple_Type, &sections, &req, &timeout, &xname,
+                                     &xvalue, &local_dir, &ring))
         return NULL;
     Py_buffer view;
     struct dlfs_serve sv;
@@ -233,8 +234,18 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     if (n >= sizeof *in && in->len == n && (op_len = dlfs_op_len(in->opcode)) >= 0 && n - sizeof *in >= (size_t)op_len) {
         const char *body = (const char *)req.buf + sizeof *in;
         struct dlfs_req rq = {in, body, (uint32_t)op_len, body + op_len, (uint32_t)(n - sizeof *in - op_len)};
+        static char payload[DLFS_URING_PAYLOAD];
+        rp.async_records = ring;
+        rp.async_max = sizeof payload;
         Py_BEGIN_ALLOW_THREADS /* a fetch from a data daemon (remote.h) may wait: that daemon may be this process's */
         r = dlfs_answer(&sv, &rq, &rp, &c);
+        if (r == DLFS_RECORD) { /* uring.c: its own read from the disk first, else this */
+            r = dlfs_record_fetch(&sv, &rp, in->unique, rp.record_ext, payload, sizeof payload, &c);
+            if (r == DLFS_RECORD) { /* this machine's: read here and now */
+                rp.async_records = 0;
+                r = dlfs_answer(&sv, &rq, &rp, &c);
+            }
+        }
         Py_END_ALLOW_THREADS
     }
     PyObject *out;

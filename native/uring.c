@@ -443,6 +443,18 @@ static void handle(struct queue *q, int i)
         if (r == DLFS_RECORD) {
             if (record_read(q, sv, i, in->unique, q->reply.record_ext))
                 return; /* answered when its bytes are in (record_done) */
+            /* Another machine's chunk: fetched into the entry's own payload, the reply's buffer (a record
+             * of up to 1 MiB with block sums too, which a thread's scratch cannot hold). */
+            r = dlfs_record_fetch(sv, &q->reply, in->unique, q->reply.record_ext, q->ent[i].payload, PAYLOAD,
+                                  &q->counters);
+            if (r == DLFS_ANSWERED) {
+                answered(q, sv, i, in->unique);
+                return;
+            }
+            if (r == DLFS_FORWARD) {
+                to_python(q, i, 0);
+                return;
+            }
             q->reply.async_records = 0; /* no slot for it: read here and now */
             r = dlfs_answer(sv, &rq, &q->reply, &q->counters);
             q->reply.async_records = 1;

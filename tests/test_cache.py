@@ -482,6 +482,26 @@ async def test_a_dataset_bigger_than_read_ahead_stays_in_scan_mode_once_read_ahe
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("threads_fetch", [True, False], ids=["threads-fetch", "python-fetches"])
+async def test_through_a_daemon_a_dataset_bigger_than_read_ahead_stays_in_scan_mode_where_the_threads_fetch(
+        tmp_path: Path, threads_fetch: bool) -> None:
+    # Through a data daemon (no chunk read in place), read at random until read-ahead fills: where the
+    # serving threads fetch scan mode's records themselves (remotereads.py), scan mode stays, as it does
+    # in place; where each would be a fetch of Python's, it ends once read-ahead has room again.
+    async with _local_cache(tmp_path, 12, 80, 6 * SLAB, in_place=False) as (cache, payloads):
+        cache.threads_fetch = threads_fetch
+        assert sum(map(len, payloads)) > cache.held.readahead_cap
+        order = list(range(len(payloads)))
+        random.Random(9).shuffle(order)
+        scanned = False
+        for ext in order:
+            await _read_as_the_kernel(cache, payloads, [ext])
+            scanned = scanned or cache._scan
+        assert scanned, "read-ahead never filled"
+        assert cache.scan_latched == threads_fetch
+
+
+@pytest.mark.timeout(60)
 async def test_an_epoch_in_a_random_order_stays_in_scan_mode_though_the_dataset_fits(tmp_path: Path) -> None:
     # A dataset well inside read-ahead's bound. Read in order, each window is read whole before the next:
     # none is left partly read and scan mode never latches. Read at random, windows are left partly read;

@@ -21,13 +21,14 @@ import trio
 from test_services import make_chunk, put_chunk, running_node
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.config import Cluster
+from dlfs.config import Cluster, NodeSpec
 from dlfs.data.store import chunk_path
 from dlfs.errors import NotFound, ProtocolError, Unreachable
 from dlfs.format.chunk import ChunkWriter
 from dlfs.format.index import Index, IndexWriter
 from dlfs.mount.remotereads import RemoteReads
 from dlfs.native import native
+from dlfs.transport.base import Address
 from dlfs.wire.messages import ReadRange
 from dlfs.wire.protocol import HEADER, MAGIC, REQUEST, RESPONSE, VERSION, Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, IDLE_TIMEOUT, connect
@@ -88,9 +89,10 @@ def _fake_peer(answer: bytes | None) -> tuple[socket.socket, list[bytes], thread
 
 async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_the_thread(tmp_path: Path) -> None:
     rng = random.Random(8)
-    small = [rng.randbytes(100_000), rng.randbytes(60_000), rng.randbytes(3_000)]
+    small = [rng.randbytes(100_000), rng.randbytes(60_000), rng.randbytes(3_000), rng.randbytes(300_000)]
     c = ChunkWriter(1 << 20)
     recs = [c.add(b, compress=False) for b in small]
+    assert [r.has_block_sums for r in recs] == [False, False, False, True]  # the last: 256 KiB or more
     cid, data = c.finish()
     ghost = bytes(range(16))  # a chunk no daemon has
     ix = _index(tmp_path / "r.idx", [cid, ghost], [len(data), len(data)], recs)
@@ -100,9 +102,9 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
         client = ClusterClient(Cluster([spec], key, 1, "test"), nursery)
         remote = RemoteReads(client, [cid, ghost], fetchers=2)
 
-        async def read(ino: int, size: int = 256 << 10) -> tuple[str, bytes, dict[str, int]]:
+        async def read(ino: int, size: int = 256 << 10, ring: bool = False) -> tuple[str, bytes, dict[str, int]]:
             kind, raw, counts = await trio.to_thread.run_sync(
-                lambda: native.answer(ix.sections(), fw.request(fw.READ, ino, fw.read_in(0, size))))
+                lambda: native.answer(ix.sections(), fw.request(fw.READ, ino, fw.read_in(0, size)), ring=ring))
             return kind, fw.reply(raw).body if kind == "answered" else b"", counts
 
         try:
@@ -119,6 +121,13 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
             s = native.remote_node_stats(1)
             assert (s["open"], s["reads"], s["bytes"], s["lost"]) == (1, 4, 2 * 100_000 + 63_000, 0), s
             assert remote.lanes == 1 and native.lanes_stats()["reads"] == 4  # served by the daemon's threads
+            # A record with block sums: too big for a /dev/fuse thread's buffer (Python's), fetched by an
+            # io_uring queue into the reply's own buffer; so is a small one there.
+            assert (await read(5, 512 << 10))[0] == "forward"
+            for ino, blob in ((5, small[3]), (3, small[1])):
+                kind, body, counts = await read(ino, 512 << 10, ring=True)
+                assert kind == "answered" and body == blob and counts["remote_reads"] == 1, ino
+            assert native.remote_node_stats(1)["reads"] == 6
             assert (await read(3, 4096))[0] == "forward"  # part of a record: its checksum covers it all
             # The daemon's copy damaged: the thread's check fails, Python fetches it (and says what is wrong).
             path = chunk_path(tmp_path / "home" / "data" / "chunks", cid)
@@ -130,10 +139,10 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
             assert kind == "forward" and counts["remote_failures"] == 1 and counts["remote_reads"] == 0
             assert (await read(4))[1] == small[2]  # the damage is record 1's alone, the connection kept
             # An error answered (the daemon has no such chunk): read past, Python's, the connection kept.
-            kind, _, counts = await read(5)
+            kind, _, counts = await read(6)
             assert kind == "forward" and counts["remote_failures"] == 1
             s = native.remote_node_stats(1)
-            assert (s["open"], s["lost"], s["failures"], s["reads"]) == (1, 0, 1, 6), s  # the damaged one was fetched
+            assert (s["open"], s["lost"], s["failures"], s["reads"]) == (1, 0, 1, 8), s  # the damaged one was fetched
             assert (await read(2))[1] == small[0]
 
             # Peers that break the protocol, on node slot 2: the request they get is a valid READ_RANGE.
@@ -226,3 +235,26 @@ def wait_until(cond: object, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+async def test_the_route_names_each_chunks_first_replica_and_follows_the_nodes_health() -> None:
+    # Each chunk is fetched from the first node of the client's order for it (its rendezvous rank), and a
+    # node that fails goes last until it answers again: the route is made again when that changes.
+    specs = [NodeSpec(f"n{i}", Address("127.0.0.1", 1000 + i), Address("127.0.0.1", 2000 + i)) for i in range(3)]
+    ids = [bytes([i]) * 16 for i in range(40)]
+    async with trio.open_nursery() as nursery:
+        client = ClusterClient(Cluster(specs, b"k" * 32, 2, "test"), nursery)
+        remote = RemoteReads(client, ids, fetchers=4)
+        assert remote.per_node == 4 and remote.slot == {"n0": 1, "n1": 2, "n2": 3}
+        first = remote.route()
+        assert list(first) == [remote.slot[client.replicas(c)[0].name] for c in ids]
+        assert {1, 2, 3} <= set(first)  # spread over the nodes
+        seen = client.health_changes
+        client._failed(specs[0])
+        assert client.health_changes == seen + 1
+        after = remote.route()
+        assert 1 not in set(after)  # n0 failing: every chunk from another
+        assert all(a == b for a, b in zip(first, after) if b != 1 and a != 1)  # the others' chunks stay put
+        client._answered("n0")
+        assert list(remote.route()) == list(first) and client.health_changes == seen + 2
+        nursery.cancel_scope.cancel()

@@ -188,7 +188,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
     d = c["dataset"]
     lines = ["", f"cold path ({d['big_files']} big files of 16 MiB and 40 MB, {d['small_files']} files of ~110 KB, "
                  f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped)",
-             f"  {'workload':<44}{'system':<17}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
+             f"  {'workload':<44}{'system':<27}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
              f"{'to Python':>10}{'reader s/GB':>12}"]
 
     def row(what: str, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> str:
@@ -196,7 +196,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
         shown = SHOWN.get(name, name)
-        return (f"  {what:<44}{shown:<17}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
+        return (f"  {what:<44}{shown:<27}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
                 f"{'-' if own is None else f'{own:.2f}':>12}")
 

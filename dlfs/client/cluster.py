@@ -79,6 +79,7 @@ class ClusterClient:
         self._locks: dict[tuple[str, str, int], trio.Lock] = {}
         self._lanes = itertools.count()  # which of READ_LANES the next chunk read takes
         self.health: dict[str, Health] = {}
+        self.health_changes = 0  # bumped whenever a node starts or stops failing (remotereads re-routes)
         self._answer = trio.Event()  # set (and replaced) whenever a failing node answers again
         self.rdma: RangeReader | None = None  # set by client.transport.chunk_transport when RDMA is used
         self.tcp_fallbacks = 0  # reads RDMA could not serve, read over TCP instead
@@ -128,6 +129,8 @@ class ClusterClient:
         return reply
 
     def _failed(self, spec: NodeSpec, why: str = "") -> None:
+        if spec.name not in self.health:
+            self.health_changes += 1
         h = self.health.setdefault(spec.name, Health())
         if h.fail(trio.current_time()) and (h.rounds <= 4 or h.rounds % 30 == 0):  # a long outage: a line a minute
             log.info("node %s is failing%s: read last, probed in %.2f s (round %d, %d failures)", spec.name, why,
@@ -136,6 +139,7 @@ class ClusterClient:
     def _answered(self, name: str) -> None:
         h = self.health.pop(name, None)
         if h is not None:
+            self.health_changes += 1
             log.info("node %s answers again (after %d failures)", name, h.failures)
             self._answer.set()
             self._answer = trio.Event()

@@ -114,6 +114,9 @@ class ChunkCache:
             self.slabs.pins = self.shared
         self.held = Held(self.slabs, self.shared)
         self._scan = False  # whether the serving threads are in scan mode (see _readahead_room)
+        # Whether the serving threads fetch scan mode's records of other machines' chunks themselves
+        # (remotereads.py): then a dataset bigger than read-ahead keeps to scan mode through a daemon too.
+        self.threads_fetch = False
         # Scan mode stays once read-ahead's windows are read in a random order (held.partial: many windows
         # partly read), whatever the dataset's size: each window then brings one record read now and the
         # rest over the whole epoch, so read-ahead holds the dataset in memory nobody can reclaim beside
@@ -203,10 +206,13 @@ class ChunkCache:
             # Under 1.5 records read a partly read window: a random order (about 1.05 when it latches);
             # readers in order have read 2 or more of theirs from their second file on.
             shuffled = self.held.partial > self._latch_partial and 2 * self.held.partial_read < 3 * self.held.partial
-            if (shuffled or (self._bigger and not room)) and self._reads_in_place():
+            # Through a daemon, a random order alone keeps the windows (a dataset that fits is read from
+            # the cache the next epoch); one bigger than read-ahead is scan mode's once the threads fetch.
+            full, in_place = self._bigger and not room, self._reads_in_place()
+            if (shuffled and in_place) or (full and (in_place or self.threads_fetch)):
                 room, self.scan_latched = False, True
                 why = (f"{self.held.partial} windows are partly read, {self.held.partial_read} records of them "
-                       "(a random order)" if shuffled else
+                       "(a random order)" if shuffled and in_place else
                        f"read-ahead is full and the dataset ({human_bytes(self.index.totals.bytes)}) is bigger "
                        f"than its bound ({human_bytes(self.held.readahead_cap)})")
                 log.info("%s: from now on small files are read one by one, each from its lookup on, not by window",

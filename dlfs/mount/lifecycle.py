@@ -334,6 +334,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             if cache.shared is not None and client.rdma is None and cache.fetcher.disk is None:
                 remote = RemoteReads(client, index.chunk_ids(), opts.threads + (os.cpu_count() or 1) * uring)
                 mount_stats.remote = remote
+                cache.threads_fetch = True
                 nursery.start_soon(remote.keep, name="dlfs-remote-reads")
         else:
             log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)

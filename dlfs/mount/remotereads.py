@@ -29,7 +29,8 @@ from dlfs.wire.rpc import CONNECT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
-KEEP_EVERY = 0.02  # seconds between two looks at the threads' wants and the nodes' health
+KEEP_EVERY = 0.02  # seconds between two looks at the threads' wants and the nodes' health, while wanted
+KEEP_IDLE = 0.25  # ... and once nothing was wanted for a second (an idle mount wakes 4 times a second)
 
 
 class RemoteReads:
@@ -47,7 +48,7 @@ class RemoteReads:
         self.opened = 0
         self.lanes = 0  # of those, lanes the daemon's native threads serve
         self.failed_opens = 0
-        self._failing: frozenset[str] | None = None
+        self._health_seen = -1  # the client's health_changes when the route was last made
         self._opening: dict[int, int] = {}  # node slot -> connections being opened now
 
     def route(self) -> array.array:
@@ -59,10 +60,9 @@ class RemoteReads:
         return out
 
     async def _reroute(self) -> None:
-        failing = frozenset(n for n in self.slot if self.client.failing(n))
-        if failing == self._failing:
+        if self.client.health_changes == self._health_seen:
             return
-        self._failing = failing
+        self._health_seen = self.client.health_changes
         # Rendezvous ranks of every chunk: a thread's work on a big dataset, not the loop's.
         table = await trio.to_thread.run_sync(self.route)
         assert native is not None
@@ -108,15 +108,15 @@ class RemoteReads:
         assert native is not None
         await self._reroute()
         seen: dict[int, int] = {}
-        wanted_all = 0
+        wanted_all, last_wanted = 0, trio.current_time()
         async with trio.open_nursery() as nursery:
             while native.engine_running():  # after that, nothing fetches (the engine closed what it was handed)
-                await trio.sleep(KEEP_EVERY)
+                await trio.sleep(KEEP_EVERY if trio.current_time() - last_wanted < 1.0 else KEEP_IDLE)
                 await self._reroute()
                 now_all = native.remote_node_stats(0)["wanted"]
                 if now_all == wanted_all:
                     continue
-                wanted_all = now_all
+                wanted_all, last_wanted = now_all, trio.current_time()
                 for slot in self.specs:
                     s = native.remote_node_stats(slot)
                     wanted, seen[slot] = s["wanted"] - seen.get(slot, 0), s["wanted"]
