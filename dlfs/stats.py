@@ -233,6 +233,10 @@ class EngineFigures(Struct, frozen=True):
     started_at_lookup: int = 0
     scan: bool = False  # read-ahead has no room now: misses are read whole from chunk files, not by window
     scan_kept: bool = False  # and stays so: an epoch in a random order, or a dataset bigger than read-ahead
+    # Whole files of other machines' chunks the serving threads fetched from data daemons themselves (scan
+    # mode), and fetches of theirs that failed (an error, a lost connection, a bad check: Python's then).
+    remote_reads: int = 0
+    remote_failures: int = 0
 
 
 class DirectFigures(Struct, frozen=True):
@@ -271,6 +275,7 @@ class StatsView(Struct, frozen=True):
     direct: DirectFigures | None
     failing_nodes: list[str]
     nodes: list[NodeFigures]  # most bytes first
+    thread_connections: dict[str, int] = {}  # the serving threads' connections to each data node
 
 
 def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
@@ -300,10 +305,11 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
         engine=EngineFigures(eng["requests"], eng["answered"], eng["forwarded"], eng["threads"],
                              str(eng["io_uring"]), int(cur.get("direct_io_min", 0)), int(eng.get("record_reads", 0)),
                              int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False)),
-                             bool(cur.get("scan_kept", False))) if eng else None,
+                             bool(cur.get("scan_kept", False)), int(eng.get("remote_reads", 0)),
+                             int(eng.get("remote_failures", 0))) if eng else None,
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
-        failing_nodes=list(cur["failing_nodes"]),
+        failing_nodes=list(cur["failing_nodes"]), thread_connections=dict(cur.get("thread_connections", {})),
         nodes=[NodeFigures(name, r.node_bytes.get(name, 0.0), n["bytes"], n["fetches"], n["bytes"] / total)
                for name, n in sorted(cur["by_node"].items(), key=lambda kv: -kv[1]["bytes"])])
 

@@ -413,6 +413,54 @@ def test_reads_survive_a_data_node_killed_mid_epoch(cluster: NetCluster, dataset
 
 
 @pytest.mark.timeout(90)
+def test_scan_mode_fetches_by_the_serving_threads_survive_a_data_node_killed_mid_epoch(
+        cluster: NetCluster, dataset: Dataset) -> None:
+    """A mount on n3 whose cache is far smaller than the dataset (scan mode: the serving threads fetch
+    other nodes' records themselves, on range lanes), read at random while n2 is SIGKILLed: every byte
+    right, the threads' fetches from n2 fail over through Python, and they go on fetching from the rest."""
+    n2 = cluster.nodes["n2"]
+    mnt = cluster.base / "mnt-scan-kill"
+    mnt.mkdir(parents=True, exist_ok=True)
+    killed_at: list[int] = []
+
+    def stats() -> dict:
+        return json.loads(cluster.cli("n3", "stats", mnt, "--json").stdout)
+
+    try:
+        cluster.cli("n3", "mount", dataset.name, mnt, "--cache-size", "1M", "--readahead", "64K")
+        try:
+            first = read_all(mnt, dataset.files, seed=5)  # the threads' lanes open as they ask
+            assert not first.problems, "\n".join(first.problems[:20])
+            for rel in dataset.files:  # the kernel's copy dropped: the next epoch reaches the mount again
+                fd = os.open(mnt / rel, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            before = stats()
+            assert before["engine"]["scan"] and before["engine"]["remote_reads"] > 0, before["engine"]  # the threads'
+            assert {"n1", "n2"} <= set(before["thread_connections"]), before["thread_connections"]
+
+            def kill_n2(done: int) -> None:
+                if done >= len(dataset.files) // 3 and not killed_at:
+                    killed_at.append(done)
+                    assert n2.proc is not None
+                    n2.proc.send_signal(signal.SIGKILL)
+
+            kill = read_all(mnt, dataset.files, seed=6, on_progress=kill_n2)
+            after = stats()
+        finally:
+            cluster.cli("n3", "umount", mnt, check=False, timeout=30)
+        assert killed_at and n2.proc is not None and n2.proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if not n2.running:
+            cluster.restart("n2")
+    assert not kill.problems, f"{len(kill.problems)} bad reads with n2 killed:\n" + "\n".join(kill.problems[:20])
+    eng, was = after["engine"], before["engine"]
+    # The threads fetched through the kill: most of the epoch's files were theirs, n2's failed over.
+    assert eng["remote_reads"] - was["remote_reads"] >= len(dataset.files) // 3, (eng, was)
+    assert eng["remote_failures"] > was["remote_failures"], (eng, was)  # a lane to n2 broke under a fetch
+    assert "n2" in after["failing_nodes"] or after["total"]["failovers"] > before["total"]["failovers"], after
+
+
 def test_reads_survive_a_cut_link_without_stalling_on_every_read(cluster: NetCluster, dataset: Dataset) -> None:
     """n2's cable is pulled a third of the way into an epoch on n3 (no RST: requests time out): every
     byte is still right, the epoch ends, and n2 is retried with backoff, not on every read."""
