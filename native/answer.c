@@ -9,10 +9,12 @@
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -385,11 +387,50 @@ static int getxattr(const struct dlfs_serve *sv, const struct dlfs_req *rq, stru
 
 /* --- READ from the shared cache -------------------------------------------------------------- */
 
+static struct {
+    pthread_mutex_t lock;
+    char *buf[DLFS_BIG_BUFFERS];
+    int used[DLFS_BIG_BUFFERS];
+} big = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* A free shared buffer, taken: 1 + its index, or 0 if none (all in use, or no memory). */
+static int big_take(void)
+{
+    int k = 0;
+    pthread_mutex_lock(&big.lock);
+    for (int i = 0; i < DLFS_BIG_BUFFERS && !k; i++) {
+        if (big.used[i])
+            continue;
+        if (!big.buf[i]) {
+            void *m = mmap(NULL, DLFS_BIG_BUFFER, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED)
+                break;
+            big.buf[i] = m;
+        }
+        big.used[i] = 1;
+        k = i + 1;
+    }
+    pthread_mutex_unlock(&big.lock);
+    return k;
+}
+
+static void big_give(int k)
+{
+    pthread_mutex_lock(&big.lock);
+    big.used[k - 1] = 0;
+    pthread_mutex_unlock(&big.lock);
+}
+
+/* Let go of everything the reply holds: its pins, its shared buffer. */
 static void unpin_all(const struct dlfs_serve *sv, struct dlfs_reply *rp)
 {
     for (int i = 0; i < rp->npins; i++)
         dlfs_shm_unpin(sv->shm, sv->pin, rp->pin_slab[i]);
     rp->npins = 0;
+    if (rp->big) {
+        big_give(rp->big);
+        rp->big = 0;
+    }
 }
 
 void dlfs_serve_local_free(int local_dir, struct dlfs_sums *sums, struct dlfs_chunk_files *files)
@@ -670,6 +711,33 @@ static int fetch_record(struct dlfs_reply *rp, const struct dlfs_extent *e, cons
     return 0;
 }
 
+/* A whole record with block sums of a chunk this machine does not hold, for a thread whose own buffer is
+ * too small (/dev/fuse): fetched into a shared buffer, which the reply holds until it is sent. 0, or -1
+ * (Python's: this machine's chunk, no buffer free, the fetch failed or its check). */
+static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
+                     struct dlfs_counters *c)
+{
+    if (!dlfs_remote_on() || e->stored_len > DLFS_BIG_BUFFER || rp->big)
+        return -1;
+    const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
+    struct dlfs_chunk_ref f;
+    if (sv->local_dir >= 0 && dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, &f) == 0) {
+        dlfs_chunk_put(sv->files, &f, 0);
+        return -1;
+    }
+    int k = big_take();
+    if (!k)
+        return -1;
+    char *buf = big.buf[k - 1];
+    if (dlfs_remote_read(e, id, buf, DLFS_BIG_BUFFER, c) < 0 || check_fetched(e, buf, c) < 0) {
+        big_give(k);
+        return -1;
+    }
+    rp->big = k;
+    add(rp, buf, e->raw_len);
+    return 0;
+}
+
 /* A whole uncompressed record (no block sums: small) of a local chunk, read into the scratch buffer
  * and checked against its checksum (as dlfs/format/chunk.py's decode_record). */
 static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
@@ -712,6 +780,8 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
             rp->record_ext = ext;
             return 1;
         }
+        if (scan && !rp->async_records && whole_file && lo == 0 && hi == e->raw_len && fetch_big(sv, rp, e, c) == 0)
+            return 0;
         return sv->sums && size <= DLFS_RANDOM_READ_MAX ? read_blocks(sv, rp, ext, e, lo, hi, c) : -1;
     }
     if (whole_file && lo == 0 && hi == e->raw_len && e->stored_len <= rp->scratch_size && scan) {

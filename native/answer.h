@@ -74,7 +74,15 @@ struct dlfs_reply {
     int async_records;   /* the caller reads scan mode's whole records itself (DLFS_RECORD), not answer.c */
     uint32_t async_max;  /* and records with block sums whose span is up to this, into the reply's own buffer */
     uint64_t record_ext; /* with DLFS_RECORD: the record the READ wants */
+    int big;             /* 1 + the shared buffer (DLFS_BIG_BUFFERS) the reply's bytes are in, until it is sent; 0 none */
 };
+
+/* Buffers shared by the /dev/fuse threads for whole records with block sums (256 KiB to 1 MiB) fetched
+ * from data daemons in scan mode: a thread's own buffer (DLFS_REPLY_SCRATCH) holds only smaller ones.
+ * Mapped on first use and kept: at most DLFS_BIG_BUFFERS * DLFS_BIG_BUFFER of memory, touched as used.
+ * None free: the READ goes to Python. (FUSE over io_uring fetches into the ring entry's own buffer.) */
+#define DLFS_BIG_BUFFERS 4
+#define DLFS_BIG_BUFFER ((1 << 20) + 4096)
 
 /* --- the table: every metadata answer of the mount, as a function of the index alone ---------------
  * The serving threads reply with these, and pyfuse3's handlers (dlfs/mount/ops.py) answer with them
