@@ -19,7 +19,7 @@
 
 #include "chunkfiles.h"
 #include "indexview.h"
-#include "remote.h"
+#include "wire.h"
 
 enum { FREE, ARMED, SERVING };
 
@@ -111,15 +111,8 @@ static int send_all(int fd, const char *p, size_t n)
 
 static void head(char *h, uint16_t status, uint32_t req, uint32_t meta_len, uint32_t data_len)
 {
-    uint16_t magic = DLFS_WIRE_MAGIC, msg = DLFS_WIRE_READ_RANGE;
-    memcpy(h, &magic, 2);
-    h[2] = DLFS_WIRE_VERSION;
-    h[3] = DLFS_WIRE_RESPONSE;
-    memcpy(h + 4, &msg, 2);
-    memcpy(h + 6, &status, 2);
-    memcpy(h + 8, &req, 4);
-    memcpy(h + 12, &meta_len, 4);
-    memcpy(h + 16, &data_len, 4);
+    struct dlfs_wire_head w = dlfs_wire_read_range(DLFS_WIRE_RESPONSE, status, req, meta_len, data_len);
+    dlfs_wire_pack(h, &w);
 }
 
 /* An error reply, {"error": why}, as Python's handlers send one. */
@@ -194,17 +187,11 @@ static int serve(int fd)
     int r = recv_all(fd, h, sizeof h, &begun);
     if (r <= 0)
         return r;
-    uint16_t magic, msg, status;
-    uint32_t req, meta_len, data_len;
-    memcpy(&magic, h, 2);
-    memcpy(&msg, h + 4, 2);
-    memcpy(&status, h + 6, 2);
-    memcpy(&req, h + 8, 4);
-    memcpy(&meta_len, h + 12, 4);
-    memcpy(&data_len, h + 16, 4);
-    if (magic != DLFS_WIRE_MAGIC || h[2] != DLFS_WIRE_VERSION || h[3] != DLFS_WIRE_REQUEST ||
-        msg != DLFS_WIRE_READ_RANGE || status || data_len || meta_len > sizeof meta || recv_all(fd, meta, meta_len, &begun) <= 0)
+    struct dlfs_wire_head w;
+    if (dlfs_wire_unpack(h, &w) < 0 || w.kind != DLFS_WIRE_REQUEST || w.msg != DLFS_WIRE_READ_RANGE || w.status ||
+        w.data_len || w.meta_len > sizeof meta || recv_all(fd, meta, w.meta_len, &begun) <= 0)
         return -1; /* not a READ_RANGE (a lane carries nothing else), or cut short */
+    uint32_t req = w.req, meta_len = w.meta_len;
     uint8_t id[DLFS_CHUNK_ID];
     uint64_t offset, length;
     if (parse_read_range(meta, meta_len, id, &offset, &length) < 0 || length > DLFS_WIRE_MAX_DATA ||
@@ -343,11 +330,7 @@ out:
 
 int dlfs_lanes_add(int fd)
 {
-    struct timeval tv = {DLFS_LANE_STALL_MS / 1000, (DLFS_LANE_STALL_MS % 1000) * 1000};
-    int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0 ||
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
-        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0)
+    if (dlfs_wire_blocking(fd, DLFS_LANE_STALL_MS) < 0)
         return -1;
     pthread_mutex_lock(&L.lock);
     int rc = -1;

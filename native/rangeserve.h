@@ -16,9 +16,6 @@
                                   * (protocol.FRAME_STALL) */
 #define DLFS_LANE_IDLE_S 300     /* a lane with no request for this long is closed (rpc.IDLE_TIMEOUT) */
 #define DLFS_LANE_META_MAX 256   /* a READ_RANGE's meta is ~50 bytes */
-#define DLFS_WIRE_NOT_FOUND 4    /* errors.py's status of NotFound */
-#define DLFS_WIRE_PROTOCOL 8     /* and of ProtocolError */
-#define DLFS_WIRE_MAX_DATA (320u << 20) /* protocol.MAX_DATA: a reply must fit one frame */
 
 struct dlfs_lanes_stats {
     uint64_t open, opened, closed_idle, closed_bad;

@@ -89,12 +89,7 @@ int dlfs_remote_add(unsigned slot, int fd)
         errno = EINVAL;
         return -1;
     }
-    /* Blocking from here on, each wait bounded by the socket's own timeouts. */
-    struct timeval tv = {DLFS_REMOTE_WAIT_MS / 1000, (DLFS_REMOTE_WAIT_MS % 1000) * 1000};
-    int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0 ||
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
-        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0)
+    if (dlfs_wire_blocking(fd, DLFS_REMOTE_WAIT_MS) < 0)
         return -1;
     struct node *nd = &R.node[slot - 1];
     int rc = -1;
@@ -197,9 +192,6 @@ static int recv_all(int fd, char *p, size_t n, uint64_t deadline)
     return 0;
 }
 
-static void put16(char *p, uint16_t v) { memcpy(p, &v, 2); }
-static void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
-
 /* A READ_RANGE request (msgpack meta {"id": bin, "offset": uint64, "length": uint32}, as
  * dlfs/wire/messages.py's ReadRange decodes it) into `f`; its length. */
 static size_t encode_read_range(char *f, uint32_t req, const uint8_t *id, uint64_t offset, uint32_t length)
@@ -220,14 +212,8 @@ static size_t encode_read_range(char *f, uint32_t req, const uint8_t *id, uint64
     k += 8;
     for (int s = 24; s >= 0; s -= 8)
         m[k++] = (char)(length >> s);
-    put16(f, DLFS_WIRE_MAGIC);
-    f[2] = DLFS_WIRE_VERSION;
-    f[3] = DLFS_WIRE_REQUEST;
-    put16(f + 4, DLFS_WIRE_READ_RANGE);
-    put16(f + 6, 0);
-    put32(f + 8, req);
-    put32(f + 12, (uint32_t)k);
-    put32(f + 16, 0);
+    struct dlfs_wire_head h = dlfs_wire_read_range(DLFS_WIRE_REQUEST, 0, req, (uint32_t)k, 0);
+    dlfs_wire_pack(f, &h);
     return DLFS_WIRE_HEADER + k;
 }
 
@@ -250,18 +236,12 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
     size_t len = encode_read_range(f, req, id, e->offset, e->stored_len);
     if (send_all(c->fd, f, len, deadline) < 0 || recv_all(c->fd, f, DLFS_WIRE_HEADER, deadline) < 0)
         goto broken;
-    uint16_t magic, msg, status;
-    uint32_t rid, meta_len, data_len;
-    memcpy(&magic, f, 2);
-    memcpy(&msg, f + 4, 2);
-    memcpy(&status, f + 6, 2);
-    memcpy(&rid, f + 8, 4);
-    memcpy(&meta_len, f + 12, 4);
-    memcpy(&data_len, f + 16, 4);
-    if (magic != DLFS_WIRE_MAGIC || f[2] != DLFS_WIRE_VERSION || f[3] != DLFS_WIRE_RESPONSE ||
-        msg != DLFS_WIRE_READ_RANGE || rid != req || meta_len > DLFS_WIRE_META_MAX)
+    struct dlfs_wire_head h;
+    if (dlfs_wire_unpack(f, &h) < 0 || h.kind != DLFS_WIRE_RESPONSE || h.msg != DLFS_WIRE_READ_RANGE || h.req != req ||
+        h.meta_len > DLFS_WIRE_META_MAX)
         goto broken;
-    if (status) { /* an error answered (not found, say): read past it, and let Python fetch and say so */
+    uint32_t meta_len = h.meta_len, data_len = h.data_len;
+    if (h.status) { /* an error answered (not found, say): read past it, and let Python fetch and say so */
         if (data_len)
             goto broken;
         for (uint32_t left = meta_len; left;) {

@@ -11,15 +11,8 @@
 #include <stdint.h>
 
 #include "indexview.h"
+#include "wire.h"
 
-/* The frame header both sides speak (dlfs/wire/protocol.py: HEADER, MAGIC, VERSION, Msg.READ_RANGE);
- * a test holds these against it. */
-#define DLFS_WIRE_MAGIC 0xD1F5
-#define DLFS_WIRE_VERSION 1
-#define DLFS_WIRE_HEADER 20 /* magic u16, version u8, kind u8, msg u16, status u16, req u32, meta u32, data u32 */
-#define DLFS_WIRE_REQUEST 0
-#define DLFS_WIRE_RESPONSE 1
-#define DLFS_WIRE_READ_RANGE 51
 #define DLFS_WIRE_META_MAX 4096 /* a reply's meta read past at most (an error's message); longer: closed */
 
 #define DLFS_REMOTE_NODES 1024  /* data nodes a route may name (1..this; 0: Python fetches it) */

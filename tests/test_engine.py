@@ -90,6 +90,17 @@ def spoil(node: Node, chunk_id: bytes, at: int, mask: int = 0xFF) -> None:
     chunk.write_bytes(bytes(blob))
 
 
+def spoiled_one(node: Node, tree: dict[str, bytes], seed: int, victim: int, at: int) -> tuple[list[str], int]:
+    """The tree's small files in a random order, the `victim`th's record damaged at byte `at` on the node;
+    and how many chunks the dataset ("t") has."""
+    names = sorted(n for n in tree if n != "big.bin")
+    random.Random(seed).shuffle(names)
+    with version_index(node, "t") as idx:
+        ext = first_record(idx, names[victim])
+        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + at)
+        return names, idx.totals.chunks
+
+
 def test_io_uring_setting(tmp_path: Path) -> None:
     # auto: used where the kernel has it, switched on (root) if it is off; on: the same or one line; off: never.
     param = tmp_path / "enable_uring"
@@ -293,13 +304,8 @@ def test_scan_mode_reads_small_files_from_their_chunks_from_the_lookup_on(node: 
     # 1.5 files per READ). Through FUSE over io_uring that read starts at the file's LOOKUP, before its
     # READ comes, while LOOKUPs foretell READs; a walk that only stats files stops it (one LOOKUP in 16
     # still tries). A flipped byte costs its file EIO (one replica), and nothing else.
-    names = sorted(n for n in tree if n != "big.bin")
-    random.Random(11).shuffle(names)
+    names, n_chunks = spoiled_one(node, tree, seed=11, victim=150, at=5)
     read_first, victim, walked, read_after = names[:150], names[150], names[151:250], names[250:]
-    with version_index(node, "t") as idx:
-        ext = first_record(idx, victim)
-        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 5)
-        n_chunks = idx.totals.chunks
 
     def engine() -> dict:
         return mount_stats_from_now(node.home, mnt)["engine"]
@@ -345,12 +351,8 @@ def test_scan_mode_fetches_other_machines_small_files_in_the_serving_threads(nod
     # the serving threads fetch each small file's record on connections the mount opened for them, check it
     # and answer it; Python fetches only while the first connections open. A damaged replica costs its file
     # EIO (the one replica, tried by Python too) and nothing else; the stats count the fetches by node.
-    names = sorted(n for n in tree if n != "big.bin")
-    random.Random(12).shuffle(names)
+    names, _ = spoiled_one(node, tree, seed=12, victim=100, at=7)
     victim = names[100]
-    with version_index(node, "t") as idx:
-        ext = first_record(idx, victim)
-        spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 7)
     mnt = node.mount("t", tmp_path / "mnt", "--cache-size", "1M", "--readahead", "64K", "--io-uring", io_uring,
                      "--no-short-circuit")
     for rel in names[:20]:

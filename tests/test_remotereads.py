@@ -23,14 +23,14 @@ from test_services import make_chunk, put_chunk, running_node
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import Cluster, NodeSpec
 from dlfs.data.store import chunk_path
-from dlfs.errors import NotFound, ProtocolError, Unreachable
+from dlfs.errors import NotFound, ProtocolError, Unreachable, status_of
 from dlfs.format.chunk import ChunkWriter
 from dlfs.format.index import Index, IndexWriter
 from dlfs.mount.remotereads import RemoteReads
 from dlfs.native import native
 from dlfs.transport.base import Address
 from dlfs.wire.messages import ReadRange
-from dlfs.wire.protocol import HEADER, MAGIC, REQUEST, RESPONSE, VERSION, Msg
+from dlfs.wire.protocol import FRAME_STALL, HEADER, MAGIC, MAX_DATA, REQUEST, RESPONSE, VERSION, Msg
 from dlfs.wire.rpc import CALL_TIMEOUT, IDLE_TIMEOUT, connect
 
 pytestmark = pytest.mark.skipif(native is None, reason="dlfs's C helper is not built (or DLFS_NO_NATIVE is set)")
@@ -43,6 +43,9 @@ def test_the_threads_frames_are_the_protocols() -> None:
         MAGIC, VERSION, HEADER.size, REQUEST, RESPONSE, Msg.READ_RANGE)
     assert w["idle_s"] < IDLE_TIMEOUT / 2  # a connection is retired before the daemon could close it under a fetch
     assert w["wait_ms"] / 1000 < CALL_TIMEOUT
+    # The daemon's range lanes: errors as Python's, the same limits and bounds.
+    assert (w["not_found"], w["protocol_error"]) == (status_of(NotFound("")), status_of(ProtocolError("")))
+    assert (w["max_data"], w["lane_idle_s"], w["lane_stall_ms"]) == (MAX_DATA, IDLE_TIMEOUT, FRAME_STALL * 1000)
 
 
 def _index(path: Path, cids: list[bytes], sizes: list[int], recs: list) -> Index:
