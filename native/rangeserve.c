@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -32,14 +33,16 @@ struct lane {
 
 static struct {
     pthread_mutex_t lock; /* the lanes' states; the counters are atomic */
-    int ep, dir, nworkers;
+    int ep, dir, nworkers, wake; /* wake: an eventfd in the epoll set, written to stop every worker at once */
     atomic_int stopping;
     pthread_t worker[DLFS_LANES_WORKERS];
     struct dlfs_chunk_files files;
     uint64_t swept;
     struct dlfs_lanes_stats st;
     struct lane lane[DLFS_LANES_MAX];
-} L = {.lock = PTHREAD_MUTEX_INITIALIZER, .ep = -1, .dir = -1};
+} L = {.lock = PTHREAD_MUTEX_INITIALIZER, .ep = -1, .dir = -1, .wake = -1};
+
+#define WAKE_TAG UINT64_MAX /* the eventfd's event (a lane's is gen << 32 | slot, never this) */
 
 #define COUNT(field, n) __atomic_fetch_add(&L.st.field, (n), __ATOMIC_RELAXED)
 
@@ -262,8 +265,8 @@ static void *worker(void *arg)
         struct epoll_event ev;
         int n = epoll_wait(L.ep, &ev, 1, 1000);
         sweep();
-        if (n != 1)
-            continue;
+        if (n != 1 || ev.data.u64 == WAKE_TAG)
+            continue; /* stopping: the flag says so */
         int k = (int)(uint32_t)ev.data.u64, fd = -1;
         pthread_mutex_lock(&L.lock);
         if (k < DLFS_LANES_MAX && L.lane[k].gen == (uint32_t)(ev.data.u64 >> 32) && L.lane[k].state == ARMED) {
@@ -305,8 +308,15 @@ int dlfs_lanes_start(const char *dir)
         goto out;
     }
     L.ep = epoll_create1(EPOLL_CLOEXEC);
-    if (L.ep < 0) {
+    L.wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event wake = {.events = EPOLLIN, .data.u64 = WAKE_TAG};
+    if (L.ep < 0 || L.wake < 0 || epoll_ctl(L.ep, EPOLL_CTL_ADD, L.wake, &wake) < 0) {
         int err = errno;
+        if (L.ep >= 0)
+            close(L.ep);
+        if (L.wake >= 0)
+            close(L.wake);
+        L.ep = L.wake = -1;
         dlfs_chunk_files_free(&L.files);
         close(L.dir);
         errno = err;
@@ -378,6 +388,9 @@ void dlfs_lanes_stop(void)
     for (int k = 0; k < DLFS_LANES_MAX; k++)
         if (L.lane[k].state == SERVING)
             shutdown(L.lane[k].fd, SHUT_RDWR); /* a worker in a request's recv or send returns now */
+    uint64_t one = 1;
+    if (L.wake >= 0) /* every worker in epoll_wait returns now (a failed write: it was readable already) */
+        (void)!write(L.wake, &one, sizeof one);
     pthread_mutex_unlock(&L.lock);
     for (int i = 0; i < L.nworkers; i++)
         pthread_join(L.worker[i], NULL); /* each sees the flag within its epoll wait, or its request's bound */
@@ -388,9 +401,10 @@ void dlfs_lanes_stop(void)
             shut(k);
     if (L.ep >= 0) {
         close(L.ep);
+        close(L.wake);
         dlfs_chunk_files_free(&L.files);
         close(L.dir);
     }
-    L.ep = L.dir = -1;
+    L.ep = L.dir = L.wake = -1;
     pthread_mutex_unlock(&L.lock);
 }
