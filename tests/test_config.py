@@ -261,7 +261,7 @@ def test_datasets_and_stats_as_json(node: Node, tmp_path: Path) -> None:
     view = json.loads(proc.stdout)
     assert list(view) == ["dataset", "mountpoint", "pid", "started", "started_unix", "time", "time_unix",
                           "uptime_seconds", "metrics", "interval", "total", "engine", "direct", "failing_nodes",
-                          "nodes"]
+                          "nodes", "thread_connections"]
     assert view["dataset"] == "pics@2" and view["mountpoint"] == str(mnt) and view["metrics"] is None
     assert abs(_unix(view["time"]) - view["time_unix"]) < 1 and abs(_unix(view["started"]) - view["started_unix"]) < 1
     assert view["uptime_seconds"] == pytest.approx(view["time_unix"] - view["started_unix"], abs=0.01)
@@ -277,9 +277,12 @@ def test_datasets_and_stats_as_json(node: Node, tmp_path: Path) -> None:
     assert i["cache_hits"] + i["cache_misses"] <= t["cache_hits"] + t["cache_misses"]
     assert [(n["node"], n["bytes"], n["share"]) for n in view["nodes"]] == [("local", t["fetched_bytes"], 1.0)]
     assert view["failing_nodes"] == []
+    assert view["thread_connections"] == {}  # nothing fetched by the threads: every record is read in place
     if view["engine"] is not None:
         assert set(view["engine"]) == {"requests", "answered", "forwarded", "threads", "io_uring", "direct_io_min",
-                                       "chunk_file_reads", "started_at_lookup", "scan", "scan_kept"}
+                                       "chunk_file_reads", "started_at_lookup", "scan", "scan_kept", "remote_reads",
+                                       "remote_failures"}
+        assert view["engine"]["remote_reads"] == view["engine"]["remote_failures"] == 0
         assert view["engine"]["direct_io_min"] == 0  # small files, far less than memory: --direct-io auto is off
         # Ten files in a default cache: read-ahead has room, nothing is read whole from chunk files.
         assert view["engine"]["scan"] is False and view["engine"]["chunk_file_reads"] == 0
