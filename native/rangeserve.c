@@ -204,15 +204,15 @@ static int serve(int fd)
     memcpy(&key, id, sizeof key);
     struct dlfs_chunk_ref ref;
     if (dlfs_chunk_get(&L.files, L.dir, key >> 1, id, 0, &ref) < 0) {
-        char why[64 + 2 * DLFS_CHUNK_ID], *w = why + snprintf(why, 16, "chunk ");
+        char why[64 + 2 * DLFS_CHUNK_ID], *at = why + snprintf(why, 16, "chunk ");
         for (int i = 0; i < DLFS_CHUNK_ID; i++)
-            w += snprintf(w, 3, "%02x", id[i]);
-        snprintf(w, 32, " is not on this node");
+            at += snprintf(at, 3, "%02x", id[i]);
+        snprintf(at, 32, " is not on this node");
         COUNT(not_found, 1);
         return reply_error(fd, DLFS_WIRE_NOT_FOUND, req, why) < 0 ? -1 : 1;
     }
     struct stat st;
-    int ok = fstat(ref.fd, &st) == 0;
+    int ok = fstat(ref.fd, &st) == 0, bad_file = !ok; /* bad_file: open it again next time (not a peer's fault) */
     uint64_t size = ok ? (uint64_t)st.st_size : 0;
     uint32_t n = (uint32_t)(offset >= size ? 0 : size - offset < length ? size - offset : length); /* shorter at the end */
     /* The whole range asked of the disk at once: the file is open for random reads (no read-ahead), and
@@ -229,9 +229,10 @@ static int serve(int fd)
         if (k < 0 && errno == EINTR)
             continue;
         ok = k > 0; /* 0: the file shrank under us, the frame cannot be finished */
+        bad_file |= k == 0;
         left -= ok ? (uint32_t)k : 0;
     }
-    dlfs_chunk_put(&L.files, &ref, !ok);
+    dlfs_chunk_put(&L.files, &ref, bad_file);
     if (!ok)
         return -1;
     COUNT(reads, 1);
@@ -327,6 +328,7 @@ int dlfs_lanes_start(const char *dir)
         L.lane[k].state = FREE;
     }
     atomic_store(&L.stopping, 0);
+    memset(&L.st, 0, sizeof L.st); /* a node's counters start with it */
     for (L.nworkers = 0; L.nworkers < DLFS_LANES_WORKERS; L.nworkers++)
         if (pthread_create(&L.worker[L.nworkers], NULL, worker, NULL))
             break;

@@ -252,6 +252,9 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
         }
         c->used = seconds();
         __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
+        /* That node will say the same next time (a chunk it lost, say): the chunk is Python's until the
+         * route is made again, so its reads do not ask twice (Python tries the other replicas). */
+        __atomic_store_n((uint16_t *)&route[e->chunk], 0, __ATOMIC_RELAXED);
         goto failed;
     }
     if (data_len != e->stored_len || meta_len > sizeof meta || recv_all(c->fd, meta, meta_len, deadline) < 0 ||

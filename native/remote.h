@@ -45,7 +45,8 @@ void dlfs_remote_node_stats(unsigned slot, struct dlfs_remote_node_stats *out);
 /* Whether any route is set (the serving threads may fetch). */
 int dlfs_remote_on(void);
 /* Record `e` of chunk e->chunk (`id`, DLFS_CHUNK_ID bytes), its stored bytes fetched into `buf` (`room`
- * bytes) from the node its route names: 0, or -1 (Python's to fetch). Blocks for the fetch, bounded. */
+ * bytes) from the node its route names: 0, or -1 (Python's to fetch). Blocks for the fetch, bounded.
+ * An error answered for a chunk takes it off the route (Python's until the route is made again). */
 int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
                      struct dlfs_counters *c);
 /* Close every connection and forget the route (the serving threads have stopped). */

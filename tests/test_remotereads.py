@@ -143,8 +143,12 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
             assert kind == "forward" and counts["remote_failures"] == 1 and counts["remote_reads"] == 0
             assert (await read(4))[1] == small[2]  # the damage is record 1's alone, the connection kept
             # An error answered (the daemon has no such chunk): read past, Python's, the connection kept.
+            not_found = native.lanes_stats()["not_found"]
             kind, _, counts = await read(6)
             assert kind == "forward" and counts["remote_failures"] == 1
+            kind, _, counts = await read(6)  # not asked again: Python's until the route is made again
+            assert kind == "forward" and counts["remote_failures"] == 0
+            assert native.lanes_stats()["not_found"] == not_found + 1
             s = native.remote_node_stats(1)
             assert (s["open"], s["lost"], s["failures"], s["reads"]) == (1, 0, 1, 14), s  # the damaged one was fetched
             assert (await read(2))[1] == small[0]
@@ -188,14 +192,14 @@ async def test_a_range_lane_answers_as_the_daemons_python_does(tmp_path: Path) -
     # client decodes every reply (pipelined, in order), errors included; a bad body is an error reply and
     # the lane goes on; any other message closes the lane. A daemon without lanes refuses, and the
     # connection stays its Python's.
-    cid, data, _, _ = make_chunk(9, records=13, size=20_000)  # ~260 KB
+    cid, data, _, _ = make_chunk(9, records=13, size=20_000)  # half its records compressed: 121 KB
     async with running_node(tmp_path / "home") as (spec, key):
         async with connect(spec.data, key, "data") as conn:
             assert await put_chunk(conn, cid, data)
         before = native.lanes_stats()
         async with connect(spec.data, key, "data") as lane:
             await lane.call(Msg.RANGE_LANE)
-            wanted = [(0, 1000), (5, 200_000), (250_000, 9_000), (len(data) - 10, 4096), (len(data) + 5, 10), (0, 0)]
+            wanted = [(0, 1000), (5, 100_000), (60_000, 9_000), (len(data) - 10, 4096), (len(data) + 5, 10), (0, 0)]
             got: dict[int, bytes] = {}
 
             async def one(i: int, off: int, n: int) -> None:
@@ -220,7 +224,7 @@ async def test_a_range_lane_answers_as_the_daemons_python_does(tmp_path: Path) -
         assert native.lanes_stats()["closed_bad"] - before["closed_bad"] == 1
         async with connect(spec.data, key, "data") as conn:  # what they served counts in the daemon's status
             status, _ = await conn.call(Msg.STATUS)
-            assert status["reads"] >= len(wanted) + 1 and status["bytes_served"] >= 200_000 + 9_000 + 1000
+            assert status["reads"] >= len(wanted) + 1 and status["bytes_served"] >= sum(map(len, got.values())) + 3
         native.lanes_stop()  # as a daemon without them: refused, the connection stays a plain one
         try:
             async with connect(spec.data, key, "data") as conn:

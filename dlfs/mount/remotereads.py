@@ -5,7 +5,8 @@ Through Python that cost about 400 us of the mount's CPU per file (a dataset big
 cache read at random through a daemon: 0.21-0.24x local disk). The serving threads now send those
 READ_RANGEs themselves, on connections opened and authenticated here and handed over for good; this
 owner keeps what is policy: which node each chunk is read from (its first replica in the client's order,
-so failing nodes last, recomputed when that set changes), and how many connections each node has (one
+so failing nodes last, recomputed when that set changes; a chunk its node answered an error for is left
+to Python until then), and how many connections each node has (one
 more whenever the threads found none idle, up to one per thread that may fetch at once). Whatever the
 threads cannot do (no connection yet, an error, a bound passed, a bad frame, a failed check) comes to
 Python's fetcher as before: failover, hedging and the errors users see stay there.
