@@ -222,6 +222,10 @@ static int serve(int fd)
     char f[DLFS_WIRE_HEADER + 1];
     head(f, 0, req, 1, n);
     f[DLFS_WIRE_HEADER] = (char)0x80; /* Empty(): {} */
+    if (ok) { /* counted before it is sent: a peer that has the reply sees it counted */
+        COUNT(reads, 1);
+        COUNT(bytes, n);
+    }
     ok = ok && send_all(fd, f, sizeof f) == 0; /* not MSG_MORE: held back, it cost ~100 ms a cold range */
     off_t at = (off_t)offset;
     for (uint32_t left = n; ok && left;) {
@@ -233,11 +237,7 @@ static int serve(int fd)
         left -= ok ? (uint32_t)k : 0;
     }
     dlfs_chunk_put(&L.files, &ref, bad_file);
-    if (!ok)
-        return -1;
-    COUNT(reads, 1);
-    COUNT(bytes, n);
-    return 1;
+    return ok ? 1 : -1;
 }
 
 /* Close lanes idle for DLFS_LANE_IDLE_S; once a second at most, by whichever worker comes. */

@@ -19,7 +19,7 @@
 
 struct dlfs_lanes_stats {
     uint64_t open, opened, closed_idle, closed_bad;
-    uint64_t reads, bytes, not_found;
+    uint64_t reads, bytes, not_found; /* replies begun (a send that fails then closes the lane: closed_bad) */
 };
 
 /* Serve lanes from the chunk directory `dir` (data/chunks) with DLFS_LANES_WORKERS threads: 0, or -1
