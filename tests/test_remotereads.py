@@ -26,7 +26,7 @@ from dlfs.data.store import chunk_path
 from dlfs.errors import NotFound, ProtocolError, Unreachable, status_of
 from dlfs.format.chunk import ChunkWriter
 from dlfs.format.index import Index, IndexWriter
-from dlfs.mount.remotereads import RemoteReads
+from dlfs.mount.remotereads import IndexChunkIds, RemoteReads
 from dlfs.native import native
 from dlfs.transport.base import Address
 from dlfs.wire.messages import ReadRange
@@ -103,7 +103,9 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
         async with connect(spec.data, key, "data") as conn:
             assert await put_chunk(conn, cid, bytes(data))
         client = ClusterClient(Cluster([spec], key, 1, "test"), nursery)
-        remote = RemoteReads(client, [cid, ghost], fetchers=2)
+        ids = IndexChunkIds(ix)  # as a mount gives them: read from the index as asked
+        assert list(ids) == [cid, ghost] and ids[1:] == [ghost] and len(ids) == 2
+        remote = RemoteReads(client, ids, fetchers=2)
 
         async def read(ino: int, size: int = 256 << 10, ring: bool = False) -> tuple[str, bytes, dict[str, int]]:
             kind, raw, counts = await trio.to_thread.run_sync(

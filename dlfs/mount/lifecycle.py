@@ -46,7 +46,7 @@ from dlfs.mount.records import (
     read_record,
     write_record,
 )
-from dlfs.mount.remotereads import RemoteReads
+from dlfs.mount.remotereads import ROUTE_WORK_MAX, IndexChunkIds, RemoteReads, route_work
 from dlfs.mount.statsfile import SAMPLE_NOW, MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import tighten_home
@@ -331,8 +331,13 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
             # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
             # TCP (an RDMA client reads through Python, as does a node whose disk cache keeps windows).
-            if cache.shared is not None and client.rdma is None and cache.fetcher.disk is None:
-                remote = RemoteReads(client, index.chunk_ids(), opts.threads + (os.cpu_count() or 1) * uring)
+            work = route_work(index.totals.chunks, len(client.cluster.data_nodes))
+            if work > ROUTE_WORK_MAX:
+                log.info("%s: scan mode's records of other machines' chunks are fetched by Python: routing %d chunks "
+                         "over %d data nodes would cost the serving threads' route %d ranks (at most %d)", label,
+                         index.totals.chunks, len(client.cluster.data_nodes), work, ROUTE_WORK_MAX)
+            elif cache.shared is not None and client.rdma is None and cache.fetcher.disk is None:
+                remote = RemoteReads(client, IndexChunkIds(index), opts.threads + (os.cpu_count() or 1) * uring)
                 mount_stats.remote = remote
                 cache.threads_fetch = True
                 nursery.start_soon(remote.keep, name="dlfs-remote-reads")

@@ -17,11 +17,14 @@ from __future__ import annotations
 import array
 import logging
 import os
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import trio
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.errors import DlfsError, ProtocolError, Unreachable
+from dlfs.format.index import Index
 from dlfs.native import native
 from dlfs.transport.tcp import TRANSPORT
 from dlfs.wire.auth import client_handshake
@@ -30,14 +33,47 @@ from dlfs.wire.rpc import CONNECT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
+# Ranks the route may cost (chunks x data nodes, ~0.27 us each in a worker thread: ~6 s, once at the
+# start and again whenever a node starts or stops failing). Beyond it the threads leave other machines'
+# records to Python (the mount's log says so).
+ROUTE_WORK_MAX = 20_000_000
 KEEP_EVERY = 0.02  # seconds between two looks at the threads' wants and the nodes' health, while wanted
 KEEP_IDLE = 0.25  # ... and once nothing was wanted for a second (an idle mount wakes 4 times a second)
+
+
+class IndexChunkIds(Sequence[bytes]):
+    """A mounted index's chunk ids, read from its mapping as asked: no list of them is held."""
+
+    def __init__(self, index: Index) -> None:
+        self._ix = index
+
+    def __len__(self) -> int:
+        return self._ix.totals.chunks
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return [self._ix.chunk(k).id for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self._ix.chunk(i % len(self)).id
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (self._ix.chunk(k).id for k in range(len(self)))
+
+
+def route_work(chunks: int, data_nodes: int) -> int:
+    """What making the route costs, in ranks (see ROUTE_WORK_MAX)."""
+    return chunks * data_nodes
 
 
 class RemoteReads:
     """Owner of the serving threads' route and data connections, for one mount."""
 
-    def __init__(self, client: ClusterClient, chunk_ids: list[bytes], fetchers: int) -> None:
+    def __init__(self, client: ClusterClient, chunk_ids: Sequence[bytes], fetchers: int) -> None:
         assert native is not None
         self.client = client
         self.chunk_ids = chunk_ids
