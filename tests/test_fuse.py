@@ -425,8 +425,11 @@ def test_random_access_across_chunks(edge: Edge) -> None:
 @pytest.mark.parametrize("cache_size", ["", "64K"], ids=["default-cache", "tiny-cache"])
 def test_concurrent_readers(edge: Edge, cache_size: str) -> None:
     # A tiny cache evicts blocks while other readers still hold views into them: bytes must stay right.
-    # The tiny cache reads through the daemon (not the local chunk files), so its blocks are evicted.
-    extra = ("--cache-size", cache_size, "--no-short-circuit") if cache_size else ()
+    # The tiny cache reads through the daemon (not the local chunk files) and a disk cache, so Python
+    # fetches its misses into the cache and its blocks are evicted (without a disk cache the serving
+    # threads would fetch each file's record themselves, past the cache: no block to evict).
+    extra = ("--cache-size", cache_size, "--no-short-circuit", "--cache-dir", str(edge.base / "dcache-threads"),
+             "--cache-dir-size", "64M") if cache_size else ()
     mnt = edge.node.mount(NAME, edge.base / f"mnt-threads{cache_size}", *extra)
     try:
         names = [os.path.join(MANY_DIR, n) for n in sorted(os.listdir(os.path.join(edge.bsrc, MANY_DIR)))]
