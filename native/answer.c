@@ -667,10 +667,14 @@ static int check_record(const struct dlfs_extent *e, const char *data, struct dl
     return 0;
 }
 
-/* The same for a record fetched from a data daemon (remote.h), counted as such. */
-static int check_fetched(const struct dlfs_extent *e, const char *data, struct dlfs_counters *c)
+/* Record `e`'s stored bytes fetched from the data daemon its route names into `buf` (`room` bytes) and
+ * checked as check_record does, counted as fetched (remote.h): 0, or -1 (Python's). */
+static int fetch_checked(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
+                         struct dlfs_counters *c)
 {
-    if (dlfs_xxh3(data, e->stored_len) != e->checksum) {
+    if (dlfs_remote_read(e, id, buf, room, c) < 0)
+        return -1;
+    if (dlfs_xxh3(buf, e->stored_len) != e->checksum) {
         DLFS_COUNT(c, remote_failures, 1);
         return -1;
     }
@@ -700,12 +704,22 @@ static char *direct_record(const struct dlfs_serve *sv, struct dlfs_chunk_ref *f
     return base + (e->offset - lo);
 }
 
+/* Whether record `e`'s chunk (`id`) is one of this machine's chunk files, read from the disk, not fetched. */
+static int chunk_here(const struct dlfs_serve *sv, const struct dlfs_extent *e, const uint8_t *id)
+{
+    struct dlfs_chunk_ref f;
+    if (sv->local_dir < 0 || dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, &f) < 0)
+        return 0;
+    dlfs_chunk_put(sv->files, &f, 0);
+    return 1;
+}
+
 /* A whole uncompressed record (no block sums: small) of a chunk this machine does not hold, fetched from
  * the data daemon its route names into the scratch buffer and checked (remote.h): 0, or -1 (Python's). */
 static int fetch_record(struct dlfs_reply *rp, const struct dlfs_extent *e, const uint8_t *id,
                         struct dlfs_counters *c)
 {
-    if (dlfs_remote_read(e, id, rp->scratch, rp->scratch_size, c) < 0 || check_fetched(e, rp->scratch, c) < 0)
+    if (fetch_checked(e, id, rp->scratch, rp->scratch_size, c) < 0)
         return -1;
     add(rp, rp->scratch, e->raw_len);
     return 0;
@@ -720,16 +734,13 @@ static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
     if (!dlfs_remote_on() || e->stored_len > DLFS_BIG_BUFFER || rp->big)
         return -1;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
-    struct dlfs_chunk_ref f;
-    if (sv->local_dir >= 0 && dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, &f) == 0) {
-        dlfs_chunk_put(sv->files, &f, 0);
+    if (chunk_here(sv, e, id))
         return -1;
-    }
     int k = big_take();
     if (!k)
         return -1;
     char *buf = big.buf[k - 1];
-    if (dlfs_remote_read(e, id, buf, DLFS_BIG_BUFFER, c) < 0 || check_fetched(e, buf, c) < 0) {
+    if (fetch_checked(e, id, buf, DLFS_BIG_BUFFER, c) < 0) {
         big_give(k);
         return -1;
     }
@@ -850,15 +861,12 @@ int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
                       uint32_t room, struct dlfs_counters *c)
 {
     struct dlfs_extent e;
-    struct dlfs_chunk_ref f;
     if (dlfs_ix_extent(&sv->ix, ext, &e) < 0)
         return DLFS_FORWARD;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e.chunk);
-    if (sv->local_dir >= 0 && dlfs_chunk_get(sv->files, sv->local_dir, e.chunk, id, 0, &f) == 0) {
-        dlfs_chunk_put(sv->files, &f, 0);
+    if (chunk_here(sv, &e, id))
         return DLFS_RECORD; /* this machine's: read from the disk */
-    }
-    if (dlfs_remote_read(&e, id, into, room, c) < 0 || check_fetched(&e, into, c) < 0)
+    if (fetch_checked(&e, id, into, room, c) < 0)
         return DLFS_FORWARD;
     reply_begin(rp, unique);
     add(rp, into, e.raw_len);

@@ -26,10 +26,8 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.errors import DlfsError, ProtocolError, Unreachable
 from dlfs.format.index import Index
 from dlfs.native import native
-from dlfs.transport.tcp import TRANSPORT
-from dlfs.wire.auth import client_handshake
-from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, FrameStream, Msg
-from dlfs.wire.rpc import CONNECT_TIMEOUT
+from dlfs.wire.protocol import REQUEST, RESPONSE, Frame, Msg
+from dlfs.wire.rpc import CONNECT_TIMEOUT, open_stream
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +106,8 @@ class RemoteReads:
     async def open_one(self, slot: int) -> None:
         """One more authenticated connection to node `slot`'s data daemon, handed to the threads."""
         spec = self.specs[slot]
+        fs, node = await open_stream(spec.data, self.client.cluster.key, "data")
         try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                stream = await TRANSPORT.connect(spec.data)
-        except (OSError, trio.TooSlowError) as exc:
-            raise Unreachable(f"cannot reach the data daemon at {spec.data}: {exc}") from None
-        fs = FrameStream(stream, str(spec.data))
-        try:
-            node = await client_handshake(fs, self.client.cluster.key, "data")
             if node != spec.name:
                 raise Unreachable(f"{spec.data} is node {node}, not {spec.name}")
             # A lane where the daemon serves them (its native threads); else a plain connection, its Python's.
@@ -128,7 +120,7 @@ class RemoteReads:
             fd = fs.detach()
         except BaseException:
             with trio.CancelScope(shield=True):
-                await fs.stream.aclose()
+                await fs.aclose()
             raise
         try:
             assert native is not None

@@ -69,7 +69,8 @@ class MountStats:
         # Records the serving threads fetched from the data daemons themselves (scan mode): misses too,
         # counted as fetched from their node whether or not they passed their check (as the fetcher's).
         remote, remote_bytes = 0, 0
-        for name, r in (self.remote.stats().items() if self.remote is not None else ()):
+        threads = self.remote.stats() if self.remote is not None else {}
+        for name, r in threads.items():
             if r["reads"]:
                 fetches_by[name] = fetches_by.get(name, 0) + r["reads"]
                 fetched_by[name] = fetched_by.get(name, 0) + r["bytes"]
@@ -96,8 +97,7 @@ class MountStats:
             "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
             # the serving threads' connections to each data node (scan mode's fetches), where they fetch
-            "thread_connections": ({n: r["open"] for n, r in self.remote.stats().items() if r["open"]}
-                                   if self.remote is not None else {}),
+            "thread_connections": {n: r["open"] for n, r in threads.items() if r["open"]},
             "failovers": c.fetcher.failovers, "checksum_failures": c.fetcher.corrupt,
             "failing_nodes": sorted(self.client.health),
             **(self.control.stats() if self.control is not None else {}),

@@ -160,10 +160,10 @@ class Connection:
         return w.frame.meta, got
 
 
-@asynccontextmanager
-async def connect(address: Address, key: bytes, service: str,
-                  timeout: float = CONNECT_TIMEOUT) -> AsyncIterator[Connection]:
-    """An authenticated connection to the `service` daemon at `address`, closed on exit."""
+async def open_stream(address: Address, key: bytes, service: str,
+                      timeout: float = CONNECT_TIMEOUT) -> tuple[FrameStream, str]:
+    """The frames of a new connection to the `service` daemon at `address`, authenticated, and the
+    daemon's node name; Unreachable if it cannot be (the connection closed). The caller closes it."""
     try:
         with trio.fail_after(timeout):
             stream = await TRANSPORT.connect(address)
@@ -172,12 +172,23 @@ async def connect(address: Address, key: bytes, service: str,
         raise Unreachable(f"cannot reach the {service} daemon at {address}: {reason}") from None
     fs = FrameStream(stream, str(address))
     try:
-        try:
-            node = await client_handshake(fs, key, service)
-        except trio.TooSlowError:
+        return fs, await client_handshake(fs, key, service)
+    except BaseException as exc:
+        with trio.CancelScope(shield=True):
+            await fs.aclose()
+        if isinstance(exc, trio.TooSlowError):
             raise Unreachable(f"the {service} daemon at {address} did not finish the handshake") from None
-        except (trio.EndOfChannel, trio.BrokenResourceError, OSError):
+        if isinstance(exc, (trio.EndOfChannel, trio.BrokenResourceError, OSError)):
             raise Unreachable(f"the {service} daemon at {address} closed the connection during the handshake") from None
+        raise
+
+
+@asynccontextmanager
+async def connect(address: Address, key: bytes, service: str,
+                  timeout: float = CONNECT_TIMEOUT) -> AsyncIterator[Connection]:
+    """An authenticated connection to the `service` daemon at `address`, closed on exit."""
+    fs, node = await open_stream(address, key, service, timeout)
+    try:
         conn = Connection(fs, node)
         async with open_nursery() as nursery:
             nursery.start_soon(conn._read_responses, name=f"dlfs-rpc-reader {address}")
