@@ -336,7 +336,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                 log.info("%s: scan mode's records of other machines' chunks are fetched by Python: routing %d chunks "
                          "over %d data nodes would cost the serving threads' route %d ranks (at most %d)", label,
                          index.totals.chunks, len(client.cluster.data_nodes), work, ROUTE_WORK_MAX)
-            elif cache.shared is not None and client.rdma is None and cache.fetcher.disk is None:
+            elif (cache.shared is not None and client.rdma is None and cache.fetcher.disk is None
+                  and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
+                # (The last: one data node, and this machine is it: every chunk is read in place.)
                 remote = RemoteReads(client, IndexChunkIds(index), opts.threads + (os.cpu_count() or 1) * uring)
                 mount_stats.remote = remote
                 cache.threads_fetch = True
