@@ -1,6 +1,7 @@
 """The cold path through a real mount: big files streamed with READs parked in C until their window
 lands, every byte checked (files across chunk boundaries, readers at different offsets, a reader that
-stops halfway, a corrupt record: EIO for exactly its bytes), and two cold epochs on one mount with the
+stops halfway, a corrupt record: EIO for exactly its bytes, parked READs answered as the Python
+handlers answer the same READs), and two cold epochs on one mount with the
 page cache dropped between them, the second fetching as the first did."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Node, mount_stats, needs_fuse, running_cluster, running_node
+from conftest import Node, mount_stats, mount_stats_from_now, needs_fuse, running_cluster, running_node
 from damage import inode_of
 
 from dlfs.bench.baselines import drop_caches
@@ -24,9 +25,9 @@ from dlfs.format.index import Index
 
 pytestmark = [needs_fuse, pytest.mark.serial]  # it drops the page cache between reads
 MiB = 1 << 20
-# Sizes across the record (4 MiB) and chunk (8 MiB) boundaries, 1 byte to 40 MB.
+# Sizes across the record (4 MiB) and chunk (8 MiB) boundaries, 1 byte to 200 MB.
 BIG_SIZES = {"one": 1, "page": 4096, "rec": 4 * MiB, "rec1": 4 * MiB + 1, "chunk": 8 * MiB - 3,
-             "u16": 16 * MiB, "m40": 40_000_000}
+             "u16": 16 * MiB, "m40": 40_000_000, "m200": 200_000_003}
 
 
 @dataclass
@@ -135,6 +136,62 @@ def test_big_files_streamed_cold_are_byte_exact_and_wait_in_c(cold: Cold) -> Non
     assert eng["parked_answered"] - eng0["parked_answered"] == parked and eng["parked_forwarded"] == eng0["parked_forwarded"]
     # The first READ of each file reaches Python (nothing is coming yet); most of the rest do not.
     assert python < (after["reads"] - before["reads"]) / 2, (python, after["reads"] - before["reads"])
+
+
+# READ sizes of the comparison below: whole READs, a page, odd sizes across record boundaries.
+READ_SIZES = (MiB, 4096, 3 * MiB + 17, 1, 131_071, 2 * MiB)
+
+
+@pytest.mark.timeout(240)
+def test_parked_reads_answer_as_the_python_path_read_by_read(cold: Cold, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file read in order with O_DIRECT preads (each reaches the mount as it is, at most 1 MiB a
+    READ), cold, all files at once, through the engine (READs that come before their window wait in C),
+    then the same preads through a mount of the same dataset without the C helper (DLFS_NO_NATIVE:
+    Python answers every READ): each answer the same bytes, and the source's."""
+    monkeypatch.setenv("DLFS_NO_NATIVE", "1")
+    py_mnt = cold.node.mount("cold", cold.mnt.parent / "py-big")
+    monkeypatch.delenv("DLFS_NO_NATIVE")
+    plan = {}  # name -> its preads, in order: one past the end too (both answer it empty)
+    for name, size in BIG_SIZES.items():
+        off, k, plan[name] = 0, 0, []
+        while off <= size:
+            n = READ_SIZES[k % len(READ_SIZES)]
+            plan[name].append((off, n))
+            off, k = off + n, k + 1
+    answers: dict[str, list[bytes]] = {}
+
+    def stream(name: str) -> None:
+        fd = os.open(cold.mnt / "big" / name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            answers[name] = [os.pread(fd, n, off) for off, n in plan[name]]
+        finally:
+            os.close(fd)
+
+    try:
+        for _attempt in range(5):  # parking is a race (see above): cold passes until READs park
+            before = _engine(cold)
+            drop_caches()
+            answers.clear()
+            threads = [threading.Thread(target=stream, args=(name,)) for name in plan]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            after = mount_stats_from_now(cold.node.home, cold.mnt / "big")
+            if after["engine"]["parked"] > before["engine"]["parked"]:
+                break
+        assert after["engine"]["parked"] > before["engine"]["parked"], "no READ waited in C (in 5 cold passes)"
+        assert answers.keys() == plan.keys()
+        for name in plan:
+            want = (cold.src / "big" / name).read_bytes()
+            fd = os.open(py_mnt / name, os.O_RDONLY | os.O_DIRECT)
+            try:
+                for (off, n), got in zip(plan[name], answers[name], strict=True):
+                    assert got == os.pread(fd, n, off) == want[off : off + n], (name, off, n)
+            finally:
+                os.close(fd)
+    finally:
+        cold.node.umount(py_mnt)
 
 
 @pytest.mark.timeout(120)
