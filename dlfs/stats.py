@@ -149,6 +149,11 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
             t.add_row("fetched whole by the threads", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
                       f"{eng.get('remote_reads', 0):,} files from data daemons; {eng.get('remote_failures', 0):,} "
                       "failed (an error, a lost connection, a bad check) and were fetched by Python")
+        if eng.get("disk_cache_reads"):  # scan mode's records read from the disk cache's files
+            files = eng.get("disk_cache_reads", 0) - was.get("disk_cache_reads", 0)
+            t.add_row("read whole from the disk cache", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
+                      f"{eng.get('disk_cache_reads', 0):,} files, {human_bytes(eng.get('disk_cache_bytes', 0))}, "
+                      "by the serving threads")
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
@@ -237,6 +242,8 @@ class EngineFigures(Struct, frozen=True):
     # mode), and fetches of theirs that failed (an error, a lost connection, a bad check: Python's then).
     remote_reads: int = 0
     remote_failures: int = 0
+    # Whole files read from the disk cache's files by the serving threads (scan mode, --cache-dir).
+    disk_cache_reads: int = 0
 
 
 class DirectFigures(Struct, frozen=True):
@@ -306,7 +313,7 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
                              str(eng["io_uring"]), int(cur.get("direct_io_min", 0)), int(eng.get("record_reads", 0)),
                              int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False)),
                              bool(cur.get("scan_kept", False)), int(eng.get("remote_reads", 0)),
-                             int(eng.get("remote_failures", 0))) if eng else None,
+                             int(eng.get("remote_failures", 0)), int(eng.get("disk_cache_reads", 0))) if eng else None,
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
         failing_nodes=list(cur["failing_nodes"]), thread_connections=dict(cur.get("thread_connections", {})),

@@ -24,6 +24,7 @@
 #include "answer.h"
 #include "remote.h"
 #include "chunkfiles.h"
+#include "diskcache.h"
 
 int dlfs_op_len(uint32_t opcode)
 {
@@ -572,13 +573,13 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
     if (stop - start > rp->scratch_size || n > sizeof sums / sizeof *sums)
         return -1;
     struct dlfs_chunk_ref f;
-    if (dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 0, &f) < 0)
+    if (dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 0, 0, &f) < 0)
         return -1;
     char *data = rp->scratch;
     if (record_sums(sv, f.fd, ext, e, first, n, sums, c) < 0 ||
         pread_all(f.fd, data, stop - start, (off_t)e->offset + (off_t)start) < 0) {
         DLFS_COUNT(c, block_failures, 1);
-        dlfs_chunk_put(sv->files, &f, 1);
+        dlfs_chunk_put(&f, 1);
         return -1;
     }
     for (uint64_t b = 0; b < n; b++) {
@@ -586,11 +587,11 @@ static int read_blocks(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
         if (dlfs_xxh3(data + b * DLFS_BLOCK_SIZE, len) != le64toh(sums[b])) {
             DLFS_COUNT(c, block_failures, 1); /* Python reads it again, from the replicas, and says which block */
             sums_forget(sv->sums, ext);
-            dlfs_chunk_put(sv->files, &f, 1);
+            dlfs_chunk_put(&f, 1);
             return -1;
         }
     }
-    dlfs_chunk_put(sv->files, &f, 0);
+    dlfs_chunk_put(&f, 0);
     DLFS_COUNT(c, block_reads, 1);
     DLFS_COUNT(c, block_bytes, stop - start);
     add(rp, data + (lo - start), hi - lo);
@@ -654,17 +655,41 @@ static int open_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
     return DLFS_ANSWERED;
 }
 
-/* Record `e`'s stored bytes `data` (NULL: they could not be read) against its checksum, counted: 0 if
- * good; -1 if not (Python reads it again, from the replicas, and says what is wrong). */
-static int check_record(const struct dlfs_extent *e, const char *data, struct dlfs_counters *c)
+/* Whether `n` bytes at `p` are all zero: what a file holds where nothing was written. */
+static int all_zero(const char *p, size_t n)
+{
+    return n == 0 || (p[0] == 0 && !memcmp(p, p + 1, n - 1));
+}
+
+/* Record `e`'s stored bytes `data` (NULL: they could not be read) from file `f` against its checksum,
+ * counted as read from this machine's chunk files or from the disk cache: 0 if good; -1 if not (Python
+ * reads it again, from the replicas, and says what is wrong). */
+static int check_record(const struct dlfs_extent *e, const char *data, const struct dlfs_chunk_ref *f,
+                        struct dlfs_counters *c)
 {
     if (!data || dlfs_xxh3(data, e->stored_len) != e->checksum) {
-        DLFS_COUNT(c, record_failures, 1);
+        if (!(data && dlfs_dcache_ref(f) && all_zero(data, e->stored_len)))
+            DLFS_COUNT(c, record_failures, 1); /* (zeros: a record the disk cache never had, beside kept ones) */
         return -1;
     }
-    DLFS_COUNT(c, record_reads, 1);
-    DLFS_COUNT(c, record_bytes, e->stored_len);
+    if (dlfs_dcache_ref(f)) {
+        DLFS_COUNT(c, disk_cache_reads, 1);
+        DLFS_COUNT(c, disk_cache_bytes, e->stored_len);
+    } else {
+        DLFS_COUNT(c, record_reads, 1);
+        DLFS_COUNT(c, record_bytes, e->stored_len);
+    }
     return 0;
+}
+
+/* Record `e`'s chunk (`id`) held for reading it whole: this machine's chunk file, else the disk cache's
+ * copy where it has all of the record (diskcache.h). 0 (dlfs_chunk_put it), or -1: neither. */
+static int record_file(const struct dlfs_serve *sv, const struct dlfs_extent *e, const uint8_t *id, int direct,
+                       struct dlfs_chunk_ref *f)
+{
+    if (sv->local_dir >= 0 && dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, direct, f) == 0)
+        return 0;
+    return dlfs_dcache_get(e->chunk, id, e->offset, e->stored_len, direct, f);
 }
 
 /* Record `e`'s stored bytes fetched from the data daemon its route names into `buf` (`room` bytes) and
@@ -698,19 +723,20 @@ static char *direct_record(const struct dlfs_serve *sv, struct dlfs_chunk_ref *f
         return NULL;
     ssize_t n = pread(f->direct, base, len, (off_t)lo);
     if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
-        dlfs_chunk_no_direct(sv->files, f);
+        dlfs_chunk_no_direct(f);
     if (n < (ssize_t)(e->offset + e->stored_len - lo))
         return NULL;
     return base + (e->offset - lo);
 }
 
-/* Whether record `e`'s chunk (`id`) is one of this machine's chunk files, read from the disk, not fetched. */
-static int chunk_here(const struct dlfs_serve *sv, const struct dlfs_extent *e, const uint8_t *id)
+/* Whether record `e` (of chunk `id`) is read from a file on this machine's disk (its chunk file, or the
+ * disk cache's copy), not fetched. */
+static int record_here(const struct dlfs_serve *sv, const struct dlfs_extent *e, const uint8_t *id)
 {
     struct dlfs_chunk_ref f;
-    if (sv->local_dir < 0 || dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, &f) < 0)
+    if (record_file(sv, e, id, 0, &f) < 0)
         return 0;
-    dlfs_chunk_put(sv->files, &f, 0);
+    dlfs_chunk_put(&f, 0);
     return 1;
 }
 
@@ -731,16 +757,32 @@ static int fetch_record(struct dlfs_reply *rp, const struct dlfs_extent *e, cons
 static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
                      struct dlfs_counters *c)
 {
-    if (!dlfs_remote_on() || e->stored_len > DLFS_BIG_BUFFER || rp->big)
+    if ((!dlfs_remote_on() && !dlfs_dcache_on()) || e->stored_len > DLFS_BIG_BUFFER || rp->big)
         return -1;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
-    if (chunk_here(sv, e, id))
+    struct dlfs_chunk_ref f;
+    if (sv->local_dir >= 0 && dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, 0, &f) == 0) {
+        dlfs_chunk_put(&f, 0); /* this machine's: its blocks are read (read_blocks) */
+        return -1;
+    }
+    int cached = dlfs_dcache_get(e->chunk, id, e->offset, e->stored_len, 0, &f) == 0;
+    if (!cached && !dlfs_remote_on())
         return -1;
     int k = big_take();
-    if (!k)
+    if (!k) {
+        if (cached)
+            dlfs_chunk_put(&f, 0);
         return -1;
+    }
     char *buf = big.buf[k - 1];
-    if (fetch_checked(e, id, buf, DLFS_BIG_BUFFER, c) < 0) {
+    int bad = 0;
+    if (cached) { /* the disk cache's copy */
+        bad = check_record(e, pread_all(f.fd, buf, e->stored_len, (off_t)e->offset) < 0 ? NULL : buf, &f, c) < 0;
+        dlfs_chunk_put(&f, bad);
+    } else {
+        bad = fetch_checked(e, id, buf, DLFS_BIG_BUFFER, c) < 0;
+    }
+    if (bad) {
         big_give(k);
         return -1;
     }
@@ -756,7 +798,7 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
 {
     struct dlfs_chunk_ref f;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
-    if (sv->local_dir < 0 || dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 1, &f) < 0)
+    if (record_file(sv, e, id, 1, &f) < 0)
         return fetch_record(rp, e, id, c);
     char *got = direct_record(sv, &f, rp, e);
     if (!got) {
@@ -764,8 +806,8 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
         if (pread_all(f.fd, got, e->stored_len, (off_t)e->offset) < 0)
             got = NULL;
     }
-    int bad = check_record(e, got, c) < 0;
-    dlfs_chunk_put(sv->files, &f, bad);
+    int bad = check_record(e, got, &f, c) < 0;
+    dlfs_chunk_put(&f, bad);
     if (bad)
         return -1;
     add(rp, got, e->raw_len);
@@ -779,7 +821,8 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const
 static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t ext, const struct dlfs_extent *e,
                       uint64_t lo, uint64_t hi, uint32_t size, int whole_file, struct dlfs_counters *c)
 {
-    if ((sv->local_dir < 0 && !dlfs_remote_on()) || e->flags & DLFS_RECORD_LZ4 || e->stored_len != e->raw_len)
+    if ((sv->local_dir < 0 && !dlfs_remote_on() && !dlfs_dcache_on()) || e->flags & DLFS_RECORD_LZ4 ||
+        e->stored_len != e->raw_len)
         return -1;
     int scan = __atomic_load_n(&scan_mode, __ATOMIC_RELAXED);
     if (e->flags & DLFS_RECORD_BLOCK_SUMS) {
@@ -808,7 +851,8 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
 int dlfs_record_wanted(const struct dlfs_serve *sv, uint64_t ino, uint64_t *ext, struct dlfs_extent *e)
 {
     struct dlfs_inode n;
-    if (!__atomic_load_n(&scan_mode, __ATOMIC_RELAXED) || sv->local_dir < 0 || !sv->shm || !sv->consume ||
+    if (!__atomic_load_n(&scan_mode, __ATOMIC_RELAXED) || (sv->local_dir < 0 && !dlfs_dcache_on()) || !sv->shm ||
+        !sv->consume ||
         dlfs_ix_inode(&sv->ix, ino, &n) < 0 || !S_ISREG(n.mode) || n.count != 1 ||
         dlfs_ix_extent(&sv->ix, n.ref, e) < 0)
         return 0;
@@ -835,20 +879,19 @@ int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, u
                      struct dlfs_chunk_ref *f, uint64_t *lo, uint32_t *len)
 {
     *len = dlfs_record_span(e, lo);
-    if (*len > room || sv->local_dir < 0 ||
-        dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, dlfs_ix_chunk_id(&sv->ix, e->chunk), 1, f) < 0)
+    if (*len > room || record_file(sv, e, dlfs_ix_chunk_id(&sv->ix, e->chunk), 1, f) < 0)
         return -1;
     if (f->direct < 0) {
-        dlfs_chunk_put(sv->files, f, 0);
+        dlfs_chunk_put(f, 0);
         return -1;
     }
     return 0;
 }
 
 int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
-                       struct dlfs_counters *c)
+                       const struct dlfs_chunk_ref *f, struct dlfs_counters *c)
 {
-    if (check_record(e, data, c) < 0)
+    if (check_record(e, data, f, c) < 0)
         return DLFS_FORWARD;
     reply_begin(rp, unique);
     add(rp, data, e->raw_len);
@@ -864,8 +907,8 @@ int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
     if (dlfs_ix_extent(&sv->ix, ext, &e) < 0)
         return DLFS_FORWARD;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e.chunk);
-    if (chunk_here(sv, &e, id))
-        return DLFS_RECORD; /* this machine's: read from the disk */
+    if (record_here(sv, &e, id))
+        return DLFS_RECORD; /* on this machine's disk: read from there */
     if (fetch_checked(&e, id, into, room, c) < 0)
         return DLFS_FORWARD;
     reply_begin(rp, unique);

@@ -34,6 +34,7 @@ struct dlfs_counters {
     uint64_t block_reads, block_bytes, block_failures; /* random reads from this machine's chunk files */
     uint64_t record_reads, record_bytes, record_failures; /* whole small records read there, in scan mode */
     uint64_t remote_reads, remote_bytes, remote_failures; /* and fetched from a data daemon, in scan mode (remote.h) */
+    uint64_t disk_cache_reads, disk_cache_bytes; /* and read from the disk cache's files, in scan mode (diskcache.h) */
     uint64_t parked, parked_answered, parked_forwarded; /* READs that waited in C for a window being fetched */
     uint64_t records_ahead, records_ahead_used; /* records read from the disk on their file's LOOKUP, and READ */
 };
@@ -130,12 +131,12 @@ struct dlfs_serve {
 /* DLFS_PARK: a READ of a record the cache is fetching now: it waits in C (engine.c) and is answered
  * when the record lands, never sent to Python for that. */
 /* DLFS_RECORD (only where rp->async_records): a READ of a whole small record to be read from this
- * machine's chunk file, which the caller reads without waiting for the disk (dlfs_record_plan, then
+ * machine's chunk file (or the disk cache's copy), which the caller reads without waiting for the disk (dlfs_record_plan, then
  * dlfs_record_answer once the bytes are in). */
 enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3, DLFS_RECORD = 4 };
 
-/* Whether a READ of inode `ino` would now be a DLFS_RECORD (scan mode; a file of one small record of
- * this machine's chunks, not in the cache and not being fetched into it): 1 with its extent in *ext and
+/* Whether a READ of inode `ino` would now be a DLFS_RECORD (scan mode; a file of one small record that
+ * may be on this machine's disk, not in the cache and not being fetched into it): 1 with its extent in *ext and
  * *e. A LOOKUP of such a file starts its read before the READ comes (uring.c). */
 int dlfs_record_wanted(const struct dlfs_serve *sv, uint64_t ino, uint64_t *ext, struct dlfs_extent *e);
 /* The page-aligned range an O_DIRECT read of record `e` covers: from *lo, the length returned (the record
@@ -147,15 +148,15 @@ uint32_t dlfs_record_span(const struct dlfs_extent *e, uint64_t *lo);
 int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, uint32_t room,
                      struct dlfs_chunk_ref *f, uint64_t *lo, uint32_t *len);
 /* The reply to READ `unique` of the whole record `e`, whose stored bytes are `data` (NULL: the read
- * failed): DLFS_ANSWERED once they pass their check, else DLFS_FORWARD (Python reads it again from the
- * replicas and says what is wrong). */
+ * failed), read from `f`: DLFS_ANSWERED once they pass their check, else DLFS_FORWARD (Python reads it
+ * again from the replicas and says what is wrong). */
 int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
-                       struct dlfs_counters *c);
+                       const struct dlfs_chunk_ref *f, struct dlfs_counters *c);
 
 /* READ `unique` of the whole record `ext` (DLFS_RECORD) of a chunk this machine does not hold, fetched
  * from a data daemon straight into `into` (`room` bytes: where the reply goes, so it is not copied
- * again) and checked: DLFS_ANSWERED, DLFS_FORWARD (Python's), or DLFS_RECORD (the chunk is this
- * machine's: read it from the disk). Blocks for the fetch, bounded (remote.h). */
+ * again) and checked: DLFS_ANSWERED, DLFS_FORWARD (Python's), or DLFS_RECORD (the record is on this
+ * machine's disk, in its chunk file or the disk cache: read it from there). Blocks for the fetch, bounded (remote.h). */
 int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t unique, uint64_t ext, char *into,
                       uint32_t room, struct dlfs_counters *c);
 

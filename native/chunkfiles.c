@@ -86,26 +86,35 @@ void dlfs_chunk_files_free(struct dlfs_chunk_files *t)
     pthread_mutex_destroy(&t->lock);
 }
 
-/* "ab/abcd..." for chunk id `id`. */
-static void chunk_path(const uint8_t *id, char path[3 + 2 * DLFS_CHUNK_ID + 1])
+#define PATH_MAX_LEN (3 + 2 * DLFS_CHUNK_ID + 9 + 1) /* "ab/" + the id in hex + ".<tag>" + NUL */
+
+/* "ab/abcd..." for chunk id `id`, and ".<tag>" (8 hex digits: a disk cache's name) after it unless 0. */
+static void chunk_path(const uint8_t *id, uint32_t tag, char path[PATH_MAX_LEN])
 {
     static const char hex[] = "0123456789abcdef";
     for (int i = 0; i < DLFS_CHUNK_ID; i++) {
         path[3 + 2 * i] = hex[id[i] >> 4];
         path[4 + 2 * i] = hex[id[i] & 15];
     }
-    path[3 + 2 * DLFS_CHUNK_ID] = 0;
+    char *end = path + 3 + 2 * DLFS_CHUNK_ID;
+    if (tag) {
+        *end++ = '.';
+        for (int k = 7; k >= 0; k--)
+            *end++ = hex[(tag >> (4 * k)) & 15];
+    }
+    *end = 0;
     path[0] = path[3];
     path[1] = path[4];
     path[2] = '/';
 }
 
 /* Open chunk `ci` into the empty slot f (a missing file is remembered as fd -1). */
-static void open_into(struct dlfs_chunk_file *f, int dir, uint64_t ci, const uint8_t *id, const char *path,
-                      uint64_t now)
+static void open_into(struct dlfs_chunk_file *f, int dir, uint64_t ci, const uint8_t *id, uint32_t tag,
+                      const char *path, uint64_t now)
 {
     empty(f);
     memcpy(f->id, id, DLFS_CHUNK_ID);
+    f->tag = tag;
     int fd = openat(dir, path, O_RDONLY | O_CLOEXEC);
     struct stat st;
     if (fd >= 0 && fstat(fd, &st) < 0) {
@@ -158,19 +167,20 @@ static int open_alone(int dir, const char *path, int direct, struct dlfs_chunk_r
     return 0;
 }
 
-int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8_t *id, int direct,
+int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8_t *id, uint32_t tag, int direct,
                    struct dlfs_chunk_ref *ref)
 {
     if (!id) /* out of the index's range */
         return -1;
-    char path[3 + 2 * DLFS_CHUNK_ID + 1];
-    chunk_path(id, path);
+    char path[PATH_MAX_LEN];
+    chunk_path(id, tag, path);
+    ref->table = t;
     uint64_t now = coarse_ns();
     unsigned set = (unsigned)((ci * 0x9E3779B97F4A7C15ull) >> 32) & (t->nsets - 1);
     struct dlfs_chunk_file *ways = &t->slot[set * DLFS_CHUNK_WAYS], *f = NULL;
     pthread_mutex_lock(&t->lock);
     for (int w = 0; w < DLFS_CHUNK_WAYS; w++)
-        if (ways[w].chunk == (int64_t)ci && !memcmp(ways[w].id, id, DLFS_CHUNK_ID)) {
+        if (ways[w].chunk == (int64_t)ci && ways[w].tag == tag && !memcmp(ways[w].id, id, DLFS_CHUNK_ID)) {
             f = &ways[w];
             break;
         }
@@ -186,7 +196,7 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
             return open_alone(dir, path, direct, ref);
         }
         forget(f);
-        open_into(f, dir, ci, id, path, now);
+        open_into(f, dir, ci, id, tag, path, now);
     }
     if (!f) { /* an empty way, else one nobody reads and nobody used since the hand last passed */
         for (int w = 0; w < DLFS_CHUNK_WAYS && !f; w++)
@@ -208,7 +218,7 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
         }
         t->hand++;
         forget(f);
-        open_into(f, dir, ci, id, path, now);
+        open_into(f, dir, ci, id, tag, path, now);
     }
     if (f->fd < 0) {
         pthread_mutex_unlock(&t->lock);
@@ -225,8 +235,9 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
     return 0;
 }
 
-void dlfs_chunk_put(struct dlfs_chunk_files *t, struct dlfs_chunk_ref *ref, int failed)
+void dlfs_chunk_put(struct dlfs_chunk_ref *ref, int failed)
 {
+    struct dlfs_chunk_files *t = ref->table;
     if (ref->slot < 0) {
         if (ref->fd >= 0)
             close(ref->fd);
@@ -238,7 +249,7 @@ void dlfs_chunk_put(struct dlfs_chunk_files *t, struct dlfs_chunk_ref *ref, int 
     pthread_mutex_lock(&t->lock);
     struct dlfs_chunk_file *f = &t->slot[ref->slot];
     f->readers--;
-    if (failed)
+    if (failed && !t->renamed)
         f->failed = 1;
     if (f->failed && !f->readers)
         forget(f);
@@ -247,8 +258,9 @@ void dlfs_chunk_put(struct dlfs_chunk_files *t, struct dlfs_chunk_ref *ref, int 
     ref->fd = ref->direct = -1;
 }
 
-void dlfs_chunk_no_direct(struct dlfs_chunk_files *t, struct dlfs_chunk_ref *ref)
+void dlfs_chunk_no_direct(struct dlfs_chunk_ref *ref)
 {
+    struct dlfs_chunk_files *t = ref->table;
     if (ref->slot < 0) {
         if (ref->direct >= 0)
             close(ref->direct);

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "diskcache.h"
 #include "remote.h"
 
 #define DEV_BUF ((1 << 20) + 4096) /* max_write (1 MiB) + headers: the kernel refuses smaller reads */
@@ -654,6 +655,7 @@ int dlfs_engine_release(void)
     close(E.wake_fd);
     dlfs_serve_local_free(E.serve.local_dir, E.serve.sums, E.serve.files);
     dlfs_remote_close(); /* no thread fetches any more: the connections Python handed over end here */
+    dlfs_dcache_close();
     E.devfd = E.wake_fd = -1;
     E.attached = 0;
     E.se = NULL;

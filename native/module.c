@@ -9,6 +9,7 @@
 #include "fusehook.h"
 #include "module.h"
 #include "rangeserve.h"
+#include "diskcache.h"
 #include "remote.h"
 
 static PyObject *fuse_hooked(PyObject *self, PyObject *unused)
@@ -267,11 +268,11 @@ static PyObject *answer(PyObject *self, PyObject *args, PyObject *kw)
     PyBuffer_Release(&view);
     PyBuffer_Release(&req);
     if (out) { /* what the request cost, for tests of the counters */
-        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "block_reads", c.block_reads, "block_bytes",
-                                         c.block_bytes, "block_failures", c.block_failures, "record_reads",
-                                         c.record_reads, "record_bytes", c.record_bytes, "record_failures",
-                                         c.record_failures, "remote_reads", c.remote_reads, "remote_failures",
-                                         c.remote_failures);
+        PyObject *counts = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "block_reads", c.block_reads,
+                                         "block_bytes", c.block_bytes, "block_failures", c.block_failures,
+                                         "record_reads", c.record_reads, "record_bytes", c.record_bytes,
+                                         "record_failures", c.record_failures, "remote_reads", c.remote_reads,
+                                         "remote_failures", c.remote_failures, "disk_cache_reads", c.disk_cache_reads);
         PyObject *both = counts ? PyTuple_Pack(3, PyTuple_GET_ITEM(out, 0), PyTuple_GET_ITEM(out, 1), counts) : NULL;
         Py_XDECREF(counts);
         Py_DECREF(out);
@@ -296,13 +297,13 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O}",
         "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
         "records_ahead", s.c.records_ahead, "records_ahead_used", s.c.records_ahead_used,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
         s.c.block_failures, "record_reads", s.c.record_reads, "record_bytes", s.c.record_bytes, "record_failures",
         s.c.record_failures, "remote_reads", s.c.remote_reads, "remote_bytes", s.c.remote_bytes, "remote_failures",
-        s.c.remote_failures,
+        s.c.remote_failures, "disk_cache_reads", s.c.disk_cache_reads, "disk_cache_bytes", s.c.disk_cache_bytes,
         "answered", s.c.answered, "forwarded", s.c.forwarded, "lookups", s.c.lookups, "getattrs", s.c.getattrs,
         "readdirs", s.c.readdirs, "ioctls", s.c.ioctls, "opens", s.c.opens, "reads", s.c.reads, "read_bytes",
         s.c.read_bytes, "read_misses", s.c.read_misses, "corrupt", s.c.corrupt, "threads", s.threads, "uring_queues",
@@ -349,6 +350,54 @@ static PyObject *remote_close(PyObject *self, PyObject *unused)
     if (dlfs_engine_running())
         return PyErr_Format(PyExc_RuntimeError, "the serving threads still fetch: stop the engine first");
     dlfs_remote_close();
+    Py_RETURN_NONE;
+}
+
+static PyObject *dcache_open(PyObject *self, PyObject *args)
+{
+    PyObject *path;
+    unsigned long long n;
+    if (!PyArg_ParseTuple(args, "O&K", PyUnicode_FSConverter, &path, &n))
+        return NULL;
+    int rc = dlfs_dcache_open(PyBytes_AS_STRING(path), n);
+    PyObject *err = rc < 0 ? PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path) : NULL;
+    Py_DECREF(path);
+    return rc < 0 ? err : (Py_INCREF(Py_None), Py_None);
+}
+
+static PyObject *dcache_set(PyObject *self, PyObject *args)
+{
+    unsigned long long chunk;
+    unsigned int tag;
+    if (!PyArg_ParseTuple(args, "KI", &chunk, &tag))
+        return NULL;
+    if (dlfs_dcache_set(chunk, tag) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *dcache_used(PyObject *self, PyObject *unused)
+{
+    enum { BATCH = 4096 };
+    uint64_t got[BATCH];
+    PyObject *out = PyList_New(0);
+    for (uint64_t k = BATCH; out && k == BATCH;) {
+        k = dlfs_dcache_used(got, BATCH);
+        for (uint64_t i = 0; i < k && out; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(got[i]);
+            if (!v || PyList_Append(out, v) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(v);
+        }
+    }
+    return out;
+}
+
+static PyObject *dcache_close(PyObject *self, PyObject *unused)
+{
+    if (dlfs_engine_running())
+        return PyErr_Format(PyExc_RuntimeError, "the serving threads still read: stop the engine first");
+    dlfs_dcache_close();
     Py_RETURN_NONE;
 }
 
@@ -432,6 +481,11 @@ static PyMethodDef methods[] = {
     {"remote_add", remote_add, METH_VARARGS,
      "remote_add(slot, fd): an authenticated data connection to that node, handed to the serving threads for good."},
     {"remote_node_stats", remote_node_stats, METH_O, "remote_node_stats(slot) -> the node's connections and fetches."},
+    {"dcache_open", dcache_open, METH_VARARGS,
+     "dcache_open(chunk_dir, chunks): the serving threads may read the disk cache's files there (diskcache.h)."},
+    {"dcache_set", dcache_set, METH_VARARGS, "dcache_set(chunk, tag): chunk's disk cache file is <id>.<tag> (0: none)."},
+    {"dcache_used", dcache_used, METH_NOARGS, "dcache_used() -> the chunks the threads read from the disk cache since."},
+    {"dcache_close", dcache_close, METH_NOARGS, "dcache_close(): forget the disk cache (the engine has stopped)."},
     {"remote_close", remote_close, METH_NOARGS, "Close the handed-over connections and forget the route (engine stopped)."},
     {"lanes_start", lanes_start, METH_O, "lanes_start(chunk_dir): the data daemon's native threads serve range lanes."},
     {"lanes_add", lanes_add, METH_O, "lanes_add(fd): an authenticated data connection given over to READ_RANGE alone."},
@@ -483,7 +537,8 @@ PyMODINIT_FUNC PyInit__native(void)
     if (m && (dlfs_owner_add_types(m) < 0 || dlfs_arena_add_functions(m) < 0 || dlfs_direct_add_types(m) < 0 || dlfs_index_add_types(m) < 0 ||
               add_layout(m) < 0 || add_wire(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_BYTES_PER_CPU) < 0 ||
-              PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0))
+              PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0 ||
+              PyModule_AddIntConstant(m, "LOCAL_RECHECK_S", (long)(DLFS_LOCAL_RECHECK_NS / 1000000000ull)) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);
     return m;

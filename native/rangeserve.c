@@ -203,7 +203,7 @@ static int serve(int fd)
     uint64_t key;
     memcpy(&key, id, sizeof key);
     struct dlfs_chunk_ref ref;
-    if (dlfs_chunk_get(&L.files, L.dir, key >> 1, id, 0, &ref) < 0) {
+    if (dlfs_chunk_get(&L.files, L.dir, key >> 1, id, 0, 0, &ref) < 0) {
         char why[64 + 2 * DLFS_CHUNK_ID], *at = why + snprintf(why, 16, "chunk ");
         for (int i = 0; i < DLFS_CHUNK_ID; i++)
             at += snprintf(at, 3, "%02x", id[i]);
@@ -236,7 +236,7 @@ static int serve(int fd)
         bad_file |= k == 0;
         left -= ok ? (uint32_t)k : 0;
     }
-    dlfs_chunk_put(&L.files, &ref, bad_file);
+    dlfs_chunk_put(&ref, bad_file);
     return ok ? 1 : -1;
 }
 

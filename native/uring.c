@@ -296,7 +296,7 @@ static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, 
         return NULL;
     if (best->state == READ) {
         rescore(q, -4);
-        dlfs_chunk_put(sv->files, &best->f, 0);
+        dlfs_chunk_put(&best->f, 0);
         best->state = FREE;
     }
     return best;
@@ -343,9 +343,9 @@ static void record_done(struct queue *q, const struct dlfs_serve *sv, struct rec
     uint64_t need = s->e.offset - s->lo + s->e.stored_len;
     const char *data = s->res >= 0 && (uint64_t)s->res >= need ? s->into + (s->e.offset - s->lo) : NULL;
     if (s->res == -EINVAL) /* a file system that opens O_DIRECT but will not read so */
-        dlfs_chunk_no_direct(sv->files, &s->f);
-    int r = dlfs_record_answer(&q->reply, s->unique, &s->e, data, &q->counters);
-    dlfs_chunk_put(sv->files, &s->f, r != DLFS_ANSWERED && s->res != -EINVAL);
+        dlfs_chunk_no_direct(&s->f);
+    int r = dlfs_record_answer(&q->reply, s->unique, &s->e, data, &s->f, &q->counters);
+    dlfs_chunk_put(&s->f, r != DLFS_ANSWERED && s->res != -EINVAL);
     s->state = FREE;
     s->waiter = -1;
     if (r == DLFS_ANSWERED)
@@ -595,7 +595,7 @@ static void *queue_main(void *arg)
 out:
     for (int k = 0; k < RECORDS; k++) /* a read still in flight keeps its file (io_uring holds it) and buffer (freed after the ring) */
         if (q->rec[k].state != FREE)
-            dlfs_chunk_put(q->rec[k].sv->files, &q->rec[k].f, 0);
+            dlfs_chunk_put(&q->rec[k].f, 0);
     pthread_mutex_lock(&q->lock);
     q->alive = 0; /* replies for its entries are dropped from now on */
     pthread_mutex_unlock(&q->lock);

@@ -374,7 +374,7 @@ def test_random_reads_of_local_chunks_are_read_and_checked_block_by_block(tmp_pa
         # The record's whole sum table is read the first time (a serving thread keeps it): 8 B a block.
         assert counts == {"block_reads": 1, "block_bytes": span + 8 * -(-len(rec) // 4096), "block_failures": 0,
                           "record_reads": 0, "record_bytes": 0, "record_failures": 0, "remote_reads": 0,
-                          "remote_failures": 0}
+                          "remote_failures": 0, "disk_cache_reads": 0}
     assert read(1000, 64 << 10)[0] == "answered"
     assert read(1000, (64 << 10) + 1)[0] == "forward"  # read-ahead size: Python fetches windows
     assert read(299_000, 4096)[0] == "forward"  # across two records

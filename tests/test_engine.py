@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -378,6 +379,62 @@ def test_scan_mode_fetches_other_machines_small_files_in_the_serving_threads(nod
     shown = node.run("stats", mnt).stdout
     assert re.search(r"fetched whole by the threads .* [\d,]+ files from data daemons; 1 failed", shown), shown
     assert "checksum mismatch" in node.mount_log("t").read_text()
+
+
+def _held_in(cache_dir: Path, cid: bytes, lo: int, hi: int) -> Path | None:
+    """The disk cache's file of chunk `cid` if its catalogue lists all of [lo, hi) of it."""
+    db = sqlite3.connect(cache_dir / "catalogue.db")
+    try:
+        row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
+        covered = db.execute("SELECT 1 FROM ranges WHERE cid=? AND off<=? AND end>=?", (cid, lo, hi)).fetchone()
+    finally:
+        db.close()
+    return cache_dir / "chunks" / row[0][:2] / row[0] if row and covered else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("io_uring", ["on", "off"], ids=["io-uring", "dev-fuse"])
+def test_scan_mode_reads_the_disk_cache_in_the_serving_threads(node: Node, tmp_path: Path, tree: dict[str, bytes],
+                                                               io_uring: str) -> None:
+    # A compute node with a disk cache (--no-short-circuit --cache-dir) and a cache far smaller than the
+    # dataset: the first mount's epoch fetches through Python from the data daemon and keeps it on disk; the
+    # next mount's reads in scan mode come from the disk cache's files, read, checked and answered by the
+    # serving threads. A copy damaged there costs nothing: Python reads that file from the replica and
+    # drops the copy. The stats count the threads' reads as the disk cache's.
+    names = sorted(n for n in tree if n != "big.bin")
+    random.Random(21).shuffle(names)
+    dc = tmp_path / "dc"
+    args = ("--cache-size", "1M", "--readahead", "64K", "--io-uring", io_uring, "--no-short-circuit", "--cache-dir", str(dc))
+    mnt = node.mount("t", tmp_path / "mnt", *args)
+    for rel in names:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    node.umount(mnt)  # its disk cache's writer finishes what is queued
+    with version_index(node, "t") as idx:
+        for victim in names[5:]:  # the first file kept whole (a write may be dropped when the disk falls behind)
+            ext = first_record(idx, victim)
+            cid = idx.chunk(ext.chunk).id
+            held = _held_in(dc, cid, ext.record.offset, ext.record.offset + ext.record.stored_len)
+            if held is not None:
+                break
+        assert held is not None, "the first epoch kept files in the disk cache"
+    with open(held, "r+b") as f:
+        f.seek(ext.record.offset + 7)
+        b = f.read(1)
+        f.seek(ext.record.offset + 7)
+        f.write(bytes([b[0] ^ 0x21]))
+    mnt = node.mount("t", tmp_path / "mnt", *args)
+    for rel in names:
+        assert read_and_drop(mnt / rel) == tree[rel], rel
+    s = mount_stats_from_now(node.home, mnt)
+    eng = s["engine"]
+    assert eng["scan"] and eng["disk_cache_reads"] >= 0.75 * len(names), eng
+    assert eng["record_failures"] >= 1 and eng["record_reads"] == 0 and eng["remote_reads"] == 0, eng
+    assert s["python_reads"] <= 0.25 * len(names), s["python_reads"]
+    assert s["by_node"]["disk-cache"]["fetches"] >= eng["disk_cache_reads"] and s["in_place_bytes"] == 0, s["by_node"]
+    assert "dropped from the disk cache, reading it from the replicas" in node.mount_log("t").read_text()
+    shown = node.run("stats", mnt).stdout
+    assert re.search(r"read whole from the disk cache .* [\d,]+ files, .* by the serving threads", shown), shown
+    assert read_and_drop(mnt / victim) == tree[victim]  # from the replica, and kept again: no harm done
 
 
 @pytest.mark.timeout(120)

@@ -47,6 +47,7 @@ from dlfs.client.cluster import ClusterClient
 from dlfs.errors import CorruptData, DlfsError
 from dlfs.format.chunk import FLAG_BLOCK_SUMS, FLAG_LZ4
 from dlfs.format.index import Extent, Index
+from dlfs.mount.diskcache import SOURCE as DISK_CACHE
 from dlfs.mount.fetcher import Buffer, Fetcher, verify_window
 from dlfs.mount.held import Held
 from dlfs.mount.localchunks import DIRECT_ALIGN, THREAD_BYTES, ticket
@@ -117,6 +118,9 @@ class ChunkCache:
         # Whether the serving threads fetch scan mode's records of other machines' chunks themselves
         # (remotereads.py): then a dataset bigger than read-ahead keeps to scan mode through a daemon too.
         self.threads_fetch = False
+        # Whether they read the records the disk cache holds from its files (diskreads.py): its fetches
+        # are then in place as this machine's chunk files' are.
+        self.threads_read_disk = False
         # Scan mode stays once read-ahead's windows are read in a random order (held.partial: many windows
         # partly read), whatever the dataset's size: each window then brings one record read now and the
         # rest over the whole epoch, so read-ahead holds the dataset in memory nobody can reclaim beside
@@ -224,13 +228,16 @@ class ChunkCache:
         return room
 
     def _reads_in_place(self) -> bool:
-        """Whether most fetches so far read this machine's chunk files, which the serving threads can read
-        themselves in scan mode. Where they came from replicas, each of scan mode's misses is a fetch of
+        """Whether most fetches so far read this machine's chunk files (or the disk cache's, where the
+        threads read it), which the serving threads can read themselves in scan mode. Where they came from replicas, each of scan mode's misses is a fetch of
         its own through Python, and windows are worth their memory (the cold bench's small files through
         the data daemon, --no-short-circuit: 1,233-1,624 files/s latched against 2,724-2,867 by window in
         the first epoch, 1,445-1,498 against 5,709-5,772 in the second)."""
-        local = self.fetcher.local
-        return local is not None and 2 * self.fetcher.fetches_by_node.get(local.node, 0) >= self.fetcher.fetches
+        # The latest fetches, not all: the epoch that filled the disk cache came from replicas, the next from it.
+        on_disk = {self.fetcher.local.node if self.fetcher.local is not None else None,
+                   DISK_CACHE if self.threads_read_disk else None} - {None}
+        recent = self.fetcher.recent
+        return bool(on_disk) and 2 * sum(src in on_disk for src in recent) >= len(recent)
 
     def _take_slab(self) -> int:
         """A free slab, evicting scratch blocks (then the oldest resident ones) if none is free;

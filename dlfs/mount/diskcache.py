@@ -29,7 +29,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -190,6 +190,10 @@ class DiskCache:
         self._closed = False
         self._said_full = False
         self.disk = DiskQueue()
+        # Told (chunk, its file's name, or None: none now) whenever this process writes, evicts or drops a
+        # chunk's file: the mount's serving threads read files by name (diskreads.py). From the writer
+        # thread and the event loop both.
+        self.on_file: Callable[[bytes, str | None], None] | None = None
         self.hits = self.misses = self.hit_bytes = self.written = self.written_bytes = 0
         self.dropped = self.evicted = self.evicted_bytes = self.corrupt = self.full = self.errors = 0
 
@@ -251,6 +255,14 @@ class DiskCache:
     def _path(self, name: str) -> Path:
         return self.chunk_dir / name[:2] / name
 
+    def files(self) -> dict[bytes, str]:
+        """Every chunk held now, and its file's name (blocking: a thread's)."""
+        return dict(self._db().execute("SELECT cid, file FROM chunks").fetchall())
+
+    def _tell(self, cid: bytes, name: str | None) -> None:
+        if self.on_file is not None:
+            self.on_file(cid, name)
+
     def size_bound(self) -> int | None:
         row = self._db().execute("SELECT value FROM meta WHERE key='size'").fetchone()
         return None if row is None else int(row[0])
@@ -299,6 +311,7 @@ class DiskCache:
         at once, removed by the writer; a copy written since, under a new name, is kept."""
         name = self._read_from.pop(cid, None)
         if name is not None and name not in self._bad:
+            self._tell(cid, None)  # nobody reads it from now on
             self.corrupt += 1
             self._bad.add(name)
             self._start_writer()
@@ -423,6 +436,7 @@ class DiskCache:
             added = sum(self._merge(db, cid, off, off + n) for off, n in ranges)
             db.execute("UPDATE chunks SET bytes=bytes+?, used=? WHERE cid=?", (added, now, cid))
             db.execute("UPDATE meta SET value=value+? WHERE key='bytes'", (added,))
+        self._tell(cid, name)
         return added
 
     @staticmethod
@@ -463,6 +477,7 @@ class DiskCache:
                     db.execute("DELETE FROM chunks WHERE cid=?", (cid,))
                     db.execute("UPDATE meta SET value=value-? WHERE key='bytes'", (n,))
                     taken.append(name)
+                    self._tell(cid, None)
                     freed += n
                 # Unlinked inside the transaction: a writer that still had the name finds no row, and
                 # throws its own file away.
@@ -482,8 +497,15 @@ class DiskCache:
             db.execute("DELETE FROM ranges WHERE cid=?", (cid,))
             db.execute("DELETE FROM chunks WHERE cid=?", (cid,))
             db.execute("UPDATE meta SET value=value-? WHERE key='bytes'", (row[1],))
+            self._tell(cid, None)
             self._path(row[0]).unlink(missing_ok=True)
         log.warning("disk cache %s: dropped chunk %s (its bytes failed a check)", self.root, cid.hex())
+
+    def note_used(self, cids: Iterable[bytes]) -> None:
+        """Chunks read here by others than read() (the serving threads): recently used, for eviction."""
+        now = time.time()
+        for cid in cids:
+            self._used[cid] = now
 
     def _flush_used(self) -> None:
         """Note in the catalogue when the chunks read since the last flush were read (LRU order)."""

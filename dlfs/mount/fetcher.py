@@ -11,6 +11,7 @@ No decision about what to fetch is made here (planner.py), nor about what stays 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from dlfs.mount.localchunks import LocalChunks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RECENT = 64  # fetches remembered by source: where reads come from now, not over the mount's life
 Buffer = bytes | bytearray | memoryview
 
 
@@ -72,6 +74,7 @@ class Fetcher:
         self.fetches = self.fetched_bytes = 0
         self.fetched_by_node: dict[str, int] = {}  # bytes
         self.fetches_by_node: dict[str, int] = {}
+        self.recent: deque[str] = deque(maxlen=RECENT)  # where the latest fetches came from
         self.fetch_seconds = LatencyHistogram()
 
     @property
@@ -94,6 +97,7 @@ class Fetcher:
         self.fetched_bytes += nbytes
         self.fetches_by_node[node] = self.fetches_by_node.get(node, 0) + 1
         self.fetched_by_node[node] = self.fetched_by_node.get(node, 0) + nbytes
+        self.recent.append(node)
 
     def _fetched(self, f: Fetched) -> None:
         """A replica's bytes arrived (checked next): counted as fetched from it, good or not."""

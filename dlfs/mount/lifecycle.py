@@ -32,6 +32,7 @@ from dlfs.logs import set_context
 from dlfs.mount.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.mount.directsock import ControlServer, control_socket_path
 from dlfs.mount.diskcache import DiskCache
+from dlfs.mount.diskreads import DiskReads
 from dlfs.mount.localchunks import open_local_chunks
 from dlfs.mount.ops import CONTROL_XATTR, TIMEOUT, DlfsOperations
 from dlfs.mount.pressure import watch_memory
@@ -343,6 +344,10 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                 mount_stats.remote = remote
                 cache.threads_fetch = True
                 nursery.start_soon(remote.keep, name="dlfs-remote-reads")
+            if cache.shared is not None and cache.fetcher.disk is not None:
+                # Scan mode's records the disk cache holds read from its files by the serving threads.
+                cache.threads_read_disk = True
+                nursery.start_soon(DiskReads(cache.fetcher.disk, IndexChunkIds(index)).keep, name="dlfs-disk-reads")
         else:
             log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)
         nursery.start_soon(cache.drain_consumed, name="dlfs-drain-consumed")

@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from dlfs.mount.diskcache import SOURCE as DISK_CACHE
 from dlfs.native import engine_stats
 from dlfs.private import private_dirs, write_private
 from dlfs.transport.base import Address
@@ -75,6 +76,11 @@ class MountStats:
                 fetches_by[name] = fetches_by.get(name, 0) + r["reads"]
                 fetched_by[name] = fetched_by.get(name, 0) + r["bytes"]
                 remote, remote_bytes = remote + r["reads"], remote_bytes + r["bytes"]
+        # Records they read from the disk cache's files (scan mode): misses, fetched from the disk cache.
+        cached, cached_bytes = eng.get("disk_cache_reads", 0), eng.get("disk_cache_bytes", 0)
+        if cached:
+            fetches_by[DISK_CACHE] = fetches_by.get(DISK_CACHE, 0) + cached
+            fetched_by[DISK_CACHE] = fetched_by.get(DISK_CACHE, 0) + cached_bytes
         nodes = sorted(set(fetched_by) | set(fetches_by))
         return {
             "format": STATS_FORMAT, "time": time.time(), "pid": os.getpid(), "started": self.started,
@@ -84,12 +90,12 @@ class MountStats:
             "read_errors": ops.errors, "read_seconds": ops.read_seconds.to_dict(),
             "python_reads": ops.reads, "engine": eng, "direct_io_min": ops.direct_io_min,
             "scan_kept": c.scan_latched,
-            "cache_hits": c.hits + native_reads - blocks - eng.get("remote_reads", 0),
-            "cache_misses": c.misses + blocks + eng.get("remote_reads", 0), "cache_evictions": c.held.evictions,
+            "cache_hits": c.hits + native_reads - blocks - eng.get("remote_reads", 0) - cached,
+            "cache_misses": c.misses + blocks + eng.get("remote_reads", 0) + cached, "cache_evictions": c.held.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
             "cache_given_back": c.slabs.given_back, "cache_huge_pages": c.slabs.huge,
-            "fetches": c.fetcher.fetches + blocks + remote,
-            "fetched_bytes": c.fetcher.fetched_bytes + block_bytes + remote_bytes,
+            "fetches": c.fetcher.fetches + blocks + remote + cached,
+            "fetched_bytes": c.fetcher.fetched_bytes + block_bytes + remote_bytes + cached_bytes,
             # read in place from this machine's chunk files (short-circuit), not through a daemon: all of
             # fetched_bytes on one node; a local copy that fails its check counts here, its good bytes
             # in fetched_bytes under the replica that had them
