@@ -227,7 +227,8 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
                 assert r["files"] == 4 and r["mb_per_s"] > 0, (readers, name)
                 # Reading 4 big files costs each system's readers CPU of their own (copies, page cache).
                 assert r["reader_cpu_s"] > 0 and r["reader_cpu_s_per_gb"] == r["reader_cpu_s"] / (r["bytes"] / 1e9)
-        assert set(cold["small"]) == {"local", "squashfuse_ll", "dlfs", "dlfs_via_daemon", "dlfs_via_daemon_quarter_cache"}
+        assert set(cold["small"]) == {"local", "squashfuse_ll", "dlfs", "dlfs_via_daemon", "dlfs_via_daemon_quarter_cache",
+                                      "dlfs_disk_cache_quarter_cache"}
         for name in cold["small"]:
             two = cold["small"][name]
             assert two["first"]["files"] == two["second"]["files"] == 300, name
@@ -237,6 +238,7 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
                                                                "parked", "in_place_bytes"}
             assert min(cold["small"]["dlfs"][k]["python"].values()) >= 0
             assert cold["small"]["dlfs_via_daemon_quarter_cache"][k]["python"]["in_place_bytes"] == 0
+            assert cold["small"]["dlfs_disk_cache_quarter_cache"][k]["python"]["in_place_bytes"] == 0
         jobs = out["two_jobs"]
         assert [j["files"] for j in jobs["jobs"]] == [300, 300] and jobs["dataset_bytes"] == total
         assert 1.0 <= jobs["fetched_ratio"] <= 1.1, jobs  # each chunk fetched once for both jobs

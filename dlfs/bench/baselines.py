@@ -370,18 +370,22 @@ class DlfsMount(System):
     # ... with a cache of a quarter of the dataset: every epoch of a dataset bigger than the memory the mount
     # may use, read at random (scan mode: each miss a record of its own)
     VIA_DAEMON_SMALL_CACHE = ("dlfs_via_daemon_quarter_cache", "dlfs via daemon, cache 1/4")
+    # ... and the same with a disk cache (--cache-dir) that `dlfs warmup` filled: a compute node's later epochs
+    VIA_DISK_CACHE = ("dlfs_disk_cache_quarter_cache", "dlfs --cache-dir, cache 1/4")
 
     def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False,
-                 short_circuit: bool = True, cache_size: int | None = None) -> None:
+                 short_circuit: bool = True, cache_size: int | None = None, cache_dir: Path | None = None) -> None:
         super().__init__(mountpoint)
         self.node, self.dataset = node, dataset
         self.direct_io = direct_io  # mounted with --direct-io: then named dlfs_direct_io
         self.short_circuit = short_circuit
         self.cache_size = cache_size  # --cache-size, in bytes (None: the default)
+        self.cache_dir = cache_dir  # --cache-dir (None: none)
         if direct_io:
             self.name, self.label = self.DIRECT_IO
         elif not short_circuit:
-            self.name, self.label = self.VIA_DAEMON if cache_size is None else self.VIA_DAEMON_SMALL_CACHE
+            self.name, self.label = (self.VIA_DAEMON if cache_size is None else self.VIA_DAEMON_SMALL_CACHE
+                                     if cache_dir is None else self.VIA_DISK_CACHE)
         self._pid: int | None = None
         self.mount_seconds = 0.0
 
@@ -449,6 +453,7 @@ class DlfsMount(System):
         self.node.cli("mount", *self.node.mount_args(), *(["--direct-io", "on"] if self.direct_io else []),
                       *([] if self.short_circuit else ["--no-short-circuit"]),
                       *([] if self.cache_size is None else ["--cache-size", str(self.cache_size)]),
+                      *([] if self.cache_dir is None else ["--cache-dir", str(self.cache_dir)]),
                       self.dataset, str(self.root), timeout=300)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True

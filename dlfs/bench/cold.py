@@ -14,13 +14,16 @@ them (a mount chooses how it serves by its dataset: see want_io_uring):
   - beside them, not a target: the same reads by a mount that fetches its chunks from the data daemon
     (--no-short-circuit), what a compute node that holds none of the data gets (here over loopback TCP),
     and the small files' two epochs again through a mount whose cache holds a quarter of them (a dataset
-    bigger than the memory a job may use: each miss one record, fetched by the serving threads).
+    bigger than the memory a job may use: each miss one record, fetched by the serving threads), and
+    through such a mount with a disk cache (--cache-dir) that `dlfs warmup` filled first (a compute node's
+    epochs after its first: each miss one record, read from the disk cache by the serving threads).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,8 +51,7 @@ SMALL_MAX = 8000  # small files at most: enough for a steady epoch, a dataset of
 DLFS_LABELS = {"dlfs": DlfsMount.label, DlfsMount.DIRECT_IO[0]: DlfsMount.DIRECT_IO[1]}  # dlfs mounts' results by name
 # Shown beside them, not targets: the chunks fetched from the data daemon over TCP, not read in place (one
 # machine here, so loopback, the daemon sharing the CPUs with the readers)
-SHOWN = {**DLFS_LABELS, DlfsMount.VIA_DAEMON[0]: DlfsMount.VIA_DAEMON[1],
-         DlfsMount.VIA_DAEMON_SMALL_CACHE[0]: DlfsMount.VIA_DAEMON_SMALL_CACHE[1]}
+SHOWN = {**DLFS_LABELS, **dict([DlfsMount.VIA_DAEMON, DlfsMount.VIA_DAEMON_SMALL_CACHE, DlfsMount.VIA_DISK_CACHE])}
 MIN_CACHE = 16 << 20  # the smallest cache the quarter-cache mount gets (tiny runs)
 
 
@@ -139,9 +141,14 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
         remote = {folder: DlfsMount(node, name, mnt / f"dlfs-{folder}-via-daemon", short_circuit=False)
                   for folder, name in DATASETS.items()}
         small_bytes = sum((src / p).stat().st_size for p in smalls)
+        quarter_size = max(MIN_CACHE, small_bytes // 4 >> 20 << 20)
         quarter = DlfsMount(node, DATASETS["small"], mnt / "dlfs-small-via-daemon-quarter-cache", short_circuit=False,
-                            cache_size=max(MIN_CACHE, small_bytes // 4 >> 20 << 20))
-        for s in [*base[1:], *dlfs.values(), direct, *remote.values(), quarter]:
+                            cache_size=quarter_size)
+        disk_cache = work / "cold-disk-cache"
+        shutil.rmtree(disk_cache, ignore_errors=True)
+        on_disk = DlfsMount(node, DATASETS["small"], mnt / "dlfs-small-disk-cache", short_circuit=False,
+                            cache_size=quarter_size, cache_dir=disk_cache)
+        for s in [*base[1:], *dlfs.values(), direct, *remote.values(), quarter, on_disk]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
             for readers in (1, 2):
@@ -153,12 +160,17 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
                     r = timed_epoch(s, bigs, readers, seed=readers, read="open")
                     r["python"] = _spent(before, mount_sample(s))
                     out["big"][str(readers)][s.name] = r
-            for s in [*base, dlfs["small"], remote["small"], quarter]:
+            for s in [*base, dlfs["small"], remote["small"], quarter, on_disk]:
+                if s is on_disk:
+                    say(f"cold path: dlfs warmup of the small files into a disk cache ({disk_cache}), untimed")
+                    node.cli("warmup", DATASETS["small"], "--cache-dir", str(disk_cache), "--no-short-circuit",
+                             timeout=600)
                 say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
                 out["small"][s.name] = two_cold_epochs(s, smalls, 2)
         finally:
-            for s in [*base, *dlfs.values(), direct, *remote.values(), quarter]:
+            for s in [*base, *dlfs.values(), direct, *remote.values(), quarter, on_disk]:
                 s.unmount()
+            shutil.rmtree(disk_cache, ignore_errors=True)
     finally:
         node.stop()
         image.unlink(missing_ok=True)
@@ -188,7 +200,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
     d = c["dataset"]
     lines = ["", f"cold path ({d['big_files']} big files of 16 MiB and 40 MB, {d['small_files']} files of ~110 KB, "
                  f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped)",
-             f"  {'workload':<44}{'system':<27}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
+             f"  {'workload':<44}{'system':<29}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
              f"{'to Python':>10}{'reader s/GB':>12}"]
 
     def row(what: str, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> str:
@@ -196,7 +208,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
         shown = SHOWN.get(name, name)
-        return (f"  {what:<44}{shown:<27}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
+        return (f"  {what:<44}{shown:<29}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
                 f"{'-' if own is None else f'{own:.2f}':>12}")
 
