@@ -189,13 +189,20 @@ def test_write_behind_never_waits_and_drops_when_behind(tmp_path: Path) -> None:
     blocker = catalogue(cache.root)
     blocker.isolation_level = None
     blocker.execute("BEGIN IMMEDIATE")
-    queued = [cache.put(cid_of(i), [(0, 1000)], [content(cid_of(i), 0, 1000)]) for i in range(WRITE_SLOTS + 1)]
+    window = MiB // 2  # more than a quarter of a buffer: a window, in one of the reused buffers
+    queued = [cache.put(cid_of(i), [(0, window)], [content(cid_of(i), 0, window)]) for i in range(WRITE_SLOTS + 1)]
     assert queued == [True] * WRITE_SLOTS + [False]
     assert cache.dropped == 1
+    # Records alone wait in buffers of their own size, as many bytes of them as the buffers would hold.
+    small = 100_000
+    fit = WRITE_SLOTS * MiB // small
+    queued = [cache.put(cid_of(100 + i), [(0, small)], [content(cid_of(100 + i), 0, small)]) for i in range(fit + 1)]
+    assert queued == [True] * fit + [False]
+    assert cache.dropped == 2
     blocker.execute("COMMIT")
     blocker.close()
     cache.close()  # finishes what was queued
-    assert consistent(cache.root) == WRITE_SLOTS * 1000
+    assert consistent(cache.root) == WRITE_SLOTS * window + fit * small
 
 
 def test_concurrent_processes_share_one_catalogue(tmp_path: Path) -> None:
