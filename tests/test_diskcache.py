@@ -17,6 +17,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import trio
 from conftest import REPO, Node, mount_stats, needs_fuse
 
 from dlfs.errors import UsageError
+from dlfs.mount import diskcache
 from dlfs.mount.diskcache import CATALOGUE, SOURCE, WRITE_SLOTS, DiskCache
 from dlfs.warmup import TokenBucket, parse_rate
 
@@ -203,6 +205,23 @@ def test_write_behind_never_waits_and_drops_when_behind(tmp_path: Path) -> None:
     blocker.close()
     cache.close()  # finishes what was queued
     assert consistent(cache.root) == WRITE_SLOTS * window + fit * small
+
+
+def test_each_buffer_goes_back_once_whatever_the_writer_waited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer waits FLUSH_EVERY for work, then notes what was read; it once put its last job's buffer back
+    # again after such a wait, so two later writes could share one buffer and one of them keep the other's bytes.
+    monkeypatch.setattr(diskcache, "FLUSH_EVERY", 0.05)
+    cache = bounded(tmp_path / "c", slot_bytes=MiB)
+    window = MiB // 2
+    assert cache.put(cid_of(1), [(0, window)], [content(cid_of(1), 0, window)])
+    time.sleep(0.5)  # written, then several idle waits
+    assert cache._slots.qsize() == cache._nslots == 1
+    for i in range(2, 2 + WRITE_SLOTS):  # two writes in one buffer would show as a wrong range here
+        assert cache.put(cid_of(i), [(0, window)], [content(cid_of(i), 0, window)])
+    cache.close()
+    for i in range(1, 2 + WRITE_SLOTS):
+        got = trio.run(DiskCache(tmp_path / "c").read, cid_of(i), [(0, window)], None)
+        assert got is not None and bytes(got[0]) == content(cid_of(i), 0, window), i
 
 
 def test_concurrent_processes_share_one_catalogue(tmp_path: Path) -> None:
