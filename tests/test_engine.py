@@ -437,6 +437,38 @@ def test_scan_mode_reads_the_disk_cache_in_the_serving_threads(node: Node, tmp_p
     assert read_and_drop(mnt / victim) == tree[victim]  # from the replica, and kept again: no harm done
 
 
+@pytest.mark.timeout(180)
+def test_the_disk_cache_evicting_under_the_threads_reads_costs_no_byte(node: Node, tmp_path: Path,
+                                                                       tree: dict[str, bytes]) -> None:
+    # A disk cache bounded to a third of the dataset, read in scan mode by 4 readers at once: chunks are
+    # evicted, fetched again under new names and read by the serving threads all the while (a file
+    # unlinked under a thread's read, a name told late or early); every byte is right, every pass.
+    names = sorted(tree)
+    mnt = node.mount("t", tmp_path / "mnt", "--cache-size", "1M", "--readahead", "64K", "--no-short-circuit",
+                     "--cache-dir", str(tmp_path / "dc"), "--cache-dir-size", str(sum(map(len, tree.values())) // 3))
+    wrong: list[str] = []
+
+    def reader(seed: int) -> None:
+        order = list(names)
+        random.Random(seed).shuffle(order)
+        for rel in order:
+            if read_and_drop(mnt / rel) != tree[rel]:
+                wrong.append(rel)
+
+    for rnd in range(3):
+        threads = [threading.Thread(target=reader, args=(10 * rnd + k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+    assert mount_stats_from_now(node.home, mnt)["engine"]["disk_cache_reads"] > 0
+    node.umount(mnt)
+    evicted = re.findall(r"'disk_cache_evicted_chunks': (\d+)", node.mount_log("t").read_text())
+    assert evicted and int(evicted[-1]) > 0, evicted
+
+
 @pytest.mark.timeout(120)
 def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: Node, tmp_path: Path) -> None:
     # Files of 256 KiB-1 MiB are one record each with block sums, page-aligned in their chunk: in scan mode
