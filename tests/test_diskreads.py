@@ -6,15 +6,13 @@ answered one by one in this process, against a real disk cache directory."""
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
 import fusewire as fw
 import pytest
-from test_remotereads import _index
+from test_remotereads import _index, four_records
 
-from dlfs.format.chunk import ChunkWriter
 from dlfs.mount.diskcache import DiskCache
 from dlfs.mount.diskreads import DiskReads, tag_of
 from dlfs.mount.remotereads import IndexChunkIds
@@ -29,12 +27,7 @@ def test_a_disk_cache_files_name_gives_its_tag() -> None:
 
 
 def test_records_the_disk_cache_holds_are_read_checked_and_answered_by_the_thread(tmp_path: Path) -> None:
-    rng = random.Random(3)
-    small = [rng.randbytes(100_000), rng.randbytes(60_000), rng.randbytes(3_000), rng.randbytes(300_000)]
-    c = ChunkWriter(1 << 20)
-    recs = [c.add(b, compress=False) for b in small]
-    assert [r.has_block_sums for r in recs] == [False, False, False, True]  # the last: 256 KiB or more
-    cid, data = c.finish()
+    small, recs, cid, data = four_records(3)
     other = bytes(range(16))  # a chunk the disk cache never has
     ix = _index(tmp_path / "r.idx", [cid, other], [len(data), len(data)], recs)
     disk = DiskCache(tmp_path / "dc")

@@ -90,13 +90,20 @@ def _fake_peer(answer: bytes | None) -> tuple[socket.socket, list[bytes], thread
     return ours, got, t
 
 
-async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_the_thread(tmp_path: Path) -> None:
-    rng = random.Random(8)
+def four_records(seed: int) -> tuple[list[bytes], list, bytes, bytes]:
+    """A chunk of four records (100 KB, 60 KB, 3 KB, and 300 KB with block sums): the files' bytes, the
+    records, the chunk's id and its bytes."""
+    rng = random.Random(seed)
     small = [rng.randbytes(100_000), rng.randbytes(60_000), rng.randbytes(3_000), rng.randbytes(300_000)]
     c = ChunkWriter(1 << 20)
     recs = [c.add(b, compress=False) for b in small]
     assert [r.has_block_sums for r in recs] == [False, False, False, True]  # the last: 256 KiB or more
     cid, data = c.finish()
+    return small, recs, cid, bytes(data)
+
+
+async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_the_thread(tmp_path: Path) -> None:
+    small, recs, cid, data = four_records(8)
     ghost = bytes(range(16))  # a chunk no daemon has
     ix = _index(tmp_path / "r.idx", [cid, ghost], [len(data), len(data)], recs)
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as nursery:
