@@ -323,6 +323,17 @@ static PyObject *remote_route(PyObject *self, PyObject *arg)
     return rc < 0 ? PyErr_SetFromErrno(PyExc_OSError) : (Py_INCREF(Py_None), Py_None);
 }
 
+static PyObject *remote_route_set(PyObject *self, PyObject *args)
+{
+    unsigned long long chunk;
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "KI", &chunk, &slot))
+        return NULL;
+    if (dlfs_remote_route_set(chunk, slot) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 static PyObject *remote_add(PyObject *self, PyObject *args)
 {
     unsigned slot;
@@ -478,6 +489,8 @@ static PyMethodDef methods[] = {
     {"set_scan", set_scan, METH_O, "Scan mode on or off: serving threads read whole small local records themselves."},
     {"remote_route", remote_route, METH_O,
      "remote_route(uint16 per chunk): which node slot each chunk's records are fetched from in scan mode (0: Python's)."},
+    {"remote_route_set", remote_route_set, METH_VARARGS,
+     "remote_route_set(chunk, slot): one chunk's node slot (a route learned as chunks are read)."},
     {"remote_add", remote_add, METH_VARARGS,
      "remote_add(slot, fd): an authenticated data connection to that node, handed to the serving threads for good."},
     {"remote_node_stats", remote_node_stats, METH_O, "remote_node_stats(slot) -> the node's connections and fetches."},

@@ -83,6 +83,20 @@ int dlfs_remote_route(const uint16_t *route, uint64_t n)
     return rc;
 }
 
+int dlfs_remote_route_set(uint64_t chunk, unsigned slot)
+{
+    pthread_mutex_lock(&R.lock);
+    int rc = 0;
+    if (!R.route || chunk >= R.n || slot > DLFS_REMOTE_NODES) {
+        errno = EINVAL;
+        rc = -1;
+    } else {
+        __atomic_store_n(&R.route[chunk], (uint16_t)slot, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&R.lock);
+    return rc;
+}
+
 int dlfs_remote_add(unsigned slot, int fd)
 {
     if (slot < 1 || slot > DLFS_REMOTE_NODES || fd < 0) {

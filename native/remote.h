@@ -29,6 +29,9 @@ struct dlfs_counters;
  * call sizes the table; later ones (a node failed, or answers again) must give the same `n`. 0, or -1
  * with errno set (EINVAL: another size, or a slot out of range; ENOMEM). */
 int dlfs_remote_route(const uint16_t *route, uint64_t n);
+/* One chunk's entry (a route learned as its chunk is first read: see remotereads.py). 0, or -1 (EINVAL:
+ * no route yet, a chunk or a slot out of range). */
+int dlfs_remote_route_set(uint64_t chunk, unsigned slot);
 /* An authenticated connection to node `slot`'s data daemon, handed over for good (a blocking socket
  * from here on, bounded by DLFS_REMOTE_WAIT_MS): 0, or -1 (EINVAL: a bad slot; ENOSPC: the node has
  * DLFS_REMOTE_CONNS already). The caller closes `fd` on -1. */

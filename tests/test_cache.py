@@ -502,6 +502,30 @@ async def test_through_a_daemon_a_dataset_bigger_than_read_ahead_stays_in_scan_m
 
 
 @pytest.mark.timeout(60)
+async def test_each_record_fetched_alone_tells_its_chunk(tmp_path: Path) -> None:
+    # Where the serving threads' route is learned (remotereads.RemoteReads.learn), it learns a chunk from the
+    # records Python fetches alone: scan mode's misses, each told with its chunk; windows tell nothing.
+    async with _local_cache(tmp_path, 12, 80, 6 * SLAB, in_place=False) as (cache, payloads):
+        told: list[int] = []
+        cache.threads_fetch, cache.on_alone = True, told.append
+        order = list(range(len(payloads)))
+        random.Random(9).shuffle(order)
+        alone = windows = 0
+        for ext in order:
+            fetched, was = cache.fetcher.fetches, len(told)
+            await _read_as_the_kernel(cache, payloads, [ext])
+            if cache.fetcher.fetches == fetched:
+                assert len(told) == was, ext  # a hit
+            elif cache._scan:
+                alone += 1
+                assert told[was:] == [cache.index.extent(ext).chunk], ext
+            else:
+                windows += 1
+                assert len(told) == was, ext
+        assert alone > 0 and windows > 0, (alone, windows)
+
+
+@pytest.mark.timeout(60)
 async def test_an_epoch_in_a_random_order_stays_in_scan_mode_though_the_dataset_fits(tmp_path: Path) -> None:
     # A dataset well inside read-ahead's bound. Read in order, each window is read whole before the next:
     # none is left partly read and scan mode never latches. Read at random, windows are left partly read;

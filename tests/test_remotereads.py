@@ -196,6 +196,52 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
     ix.close()
 
 
+async def test_a_learned_route_is_made_chunk_by_chunk_and_forgotten_when_the_nodes_health_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the whole route would cost too many ranks (a big cluster, a big dataset), it is learned: a chunk's
+    # entry is made when Python first fetches one of its records alone, and every entry is forgotten (to be
+    # learned again in the new order) when a node starts or stops failing.
+    small, recs, cid, data = four_records(5)
+    ix = _index(tmp_path / "r.idx", [cid, bytes(range(16))], [len(data), len(data)], recs)
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as nursery:
+        async with connect(spec.data, key, "data") as conn:
+            assert await put_chunk(conn, cid, data)
+        client = ClusterClient(Cluster([spec], key, 1, "test"), nursery)
+        assert not RemoteReads(client, IndexChunkIds(ix), fetchers=2).learned  # 2 ranks: made whole
+        monkeypatch.setattr("dlfs.mount.remotereads.ROUTE_WORK_MAX", 1)
+        remote = RemoteReads(client, IndexChunkIds(ix), fetchers=2)
+        assert remote.learned
+
+        async def read(ino: int) -> tuple[str, bytes, dict[str, int]]:
+            kind, raw, counts = await trio.to_thread.run_sync(
+                lambda: native.answer(ix.sections(), fw.request(fw.READ, ino, fw.read_in(0, 256 << 10))))
+            return kind, fw.reply(raw).body if kind == "answered" else b"", counts
+
+        try:
+            native.set_scan(True)
+            remote.learn(0)  # before the route exists: nothing to make yet
+            await remote._reroute()
+            await remote.open_one(1)
+            assert (await read(2))[0] == "forward"  # chunk 0 not learned: Python's
+            remote.learn(0)
+            for ino, blob in ((2, small[0]), (3, small[1])):  # its other records: the threads'
+                kind, body, counts = await read(ino)
+                assert kind == "answered" and body == blob and counts["remote_reads"] == 1, ino
+            assert (await read(6))[0] == "forward"  # chunk 1: not learned
+            client._failed(spec)  # health changed: forgotten
+            await remote._reroute()
+            assert (await read(2))[0] == "forward"
+            client._answered(spec.name)
+            await remote._reroute()
+            remote.learn(0)
+            assert (await read(2))[1] == small[0]
+        finally:
+            native.set_scan(False)
+            native.remote_close()
+            nursery.cancel_scope.cancel()
+    ix.close()
+
+
 async def test_a_range_lane_answers_as_the_daemons_python_does(tmp_path: Path) -> None:
     # A connection given over with RANGE_LANE is answered by the daemon's native threads: the daemon's own
     # client decodes every reply (pipelined, in order), errors included; a bad body is an error reply and

@@ -37,7 +37,7 @@ import math
 import mmap
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -118,6 +118,8 @@ class ChunkCache:
         # Whether the serving threads fetch scan mode's records of other machines' chunks themselves
         # (remotereads.py): then a dataset bigger than read-ahead keeps to scan mode through a daemon too.
         self.threads_fetch = False
+        # Told the chunk of each record Python fetches alone (remotereads.RemoteReads.learn: a learned route).
+        self.on_alone: Callable[[int], None] | None = None
         # Whether they read the records the disk cache holds from its files (diskreads.py): its fetches
         # are then in place as this machine's chunk files' are.
         self.threads_read_disk = False
@@ -347,6 +349,8 @@ class ChunkCache:
             for start in self.planner.rest_of_chunk(ext, self._present):
                 self._queue_window(start, of_chunk=True)
         run = self.planner.run(ext, self._present, sent=not direct) if window else [ext]
+        if not window and self.on_alone is not None:
+            self.on_alone(self.index.extent(ext).chunk)
         data = await self._fetch(run, ext, direct)
         assert data is not None
         return data

@@ -332,15 +332,16 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
             # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
             # TCP (an RDMA client reads through Python, as does a node whose disk cache keeps windows).
-            work = route_work(index.totals.chunks, len(client.cluster.data_nodes))
-            if work > ROUTE_WORK_MAX:
-                log.info("%s: scan mode's records of other machines' chunks are fetched by Python: routing %d chunks "
-                         "over %d data nodes would cost the serving threads' route %d ranks (at most %d)", label,
-                         index.totals.chunks, len(client.cluster.data_nodes), work, ROUTE_WORK_MAX)
-            elif (cache.shared is not None and client.rdma is None and cache.fetcher.disk is None
-                  and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
+            if (cache.shared is not None and client.rdma is None and cache.fetcher.disk is None
+                    and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
                 # (The last: one data node, and this machine is it: every chunk is read in place.)
                 remote = RemoteReads(client, IndexChunkIds(index), opts.threads + (os.cpu_count() or 1) * uring)
+                if remote.learned:
+                    cache.on_alone = remote.learn
+                    log.info("%s: the serving threads' route is learned as chunks are read: making it whole for %d "
+                             "chunks over %d data nodes would cost %d ranks (at most %d)", label, index.totals.chunks,
+                             len(client.cluster.data_nodes),
+                             route_work(index.totals.chunks, len(client.cluster.data_nodes)), ROUTE_WORK_MAX)
                 mount_stats.remote = remote
                 cache.threads_fetch = True
                 nursery.start_soon(remote.keep, name="dlfs-remote-reads")
