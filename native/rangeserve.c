@@ -46,13 +46,6 @@ static struct {
 
 #define COUNT(field, n) __atomic_fetch_add(&L.st.field, (n), __ATOMIC_RELAXED)
 
-static uint64_t seconds(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
-    return (uint64_t)t.tv_sec;
-}
-
 static int watch(int op, int k)
 {
     struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT,
@@ -71,13 +64,6 @@ static void shut(int k)
     COUNT(open, -1);
 }
 
-static uint64_t now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
-}
-
 /* `n` bytes into `p`: 1, 0 if the peer left before the first, -1 if it failed or the frame begun at
  * `begun` (ms; 0: not yet) took longer than DLFS_LANE_STALL_MS (a peer trickling bytes holds no worker). */
 static int recv_all(int fd, void *p, size_t n, uint64_t *begun)
@@ -91,25 +77,11 @@ static int recv_all(int fd, void *p, size_t n, uint64_t *begun)
             return got || *begun ? -1 : (int)k; /* 0: the peer left between frames */
         got += (size_t)k;
         if (!*begun)
-            *begun = now_ms();
-        else if (got < n && now_ms() - *begun > DLFS_LANE_STALL_MS)
+            *begun = dlfs_wire_now_ms();
+        else if (got < n && dlfs_wire_now_ms() - *begun > DLFS_LANE_STALL_MS)
             return -1;
     }
     return 1;
-}
-
-static int send_all(int fd, const char *p, size_t n)
-{
-    while (n) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
 }
 
 static void head(char *h, uint16_t status, uint32_t req, uint32_t meta_len, uint32_t data_len)
@@ -129,7 +101,7 @@ static int reply_error(int fd, uint16_t status, uint32_t req, const char *why)
     memcpy(f + k, why, n);
     k += n;
     head(f, status, req, (uint32_t)(k - DLFS_WIRE_HEADER), 0);
-    return send_all(fd, f, k);
+    return dlfs_wire_send_all(fd, f, k, 0);
 }
 
 /* A msgpack unsigned integer at *p (advanced past it): 0, or -1 if not one. */
@@ -226,7 +198,7 @@ static int serve(int fd)
         COUNT(reads, 1);
         COUNT(bytes, n);
     }
-    ok = ok && send_all(fd, f, sizeof f) == 0; /* not MSG_MORE: held back, it cost ~100 ms a cold range */
+    ok = ok && dlfs_wire_send_all(fd, f, sizeof f, 0) == 0; /* not MSG_MORE: held back, it cost ~100 ms a cold range */
     off_t at = (off_t)offset;
     for (uint32_t left = n; ok && left;) {
         ssize_t k = sendfile(fd, ref.fd, &at, left);
@@ -243,7 +215,7 @@ static int serve(int fd)
 /* Close lanes idle for DLFS_LANE_IDLE_S; once a second at most, by whichever worker comes. */
 static void sweep(void)
 {
-    uint64_t now = seconds();
+    uint64_t now = dlfs_wire_seconds();
     if (now == __atomic_load_n(&L.swept, __ATOMIC_RELAXED) || pthread_mutex_trylock(&L.lock))
         return;
     L.swept = now;
@@ -279,7 +251,7 @@ static void *worker(void *arg)
             continue; /* closed as idle meanwhile */
         int r = serve(fd);
         pthread_mutex_lock(&L.lock);
-        L.lane[k].used = seconds();
+        L.lane[k].used = dlfs_wire_seconds();
         if (r > 0 && !atomic_load(&L.stopping) && watch(EPOLL_CTL_MOD, k) == 0) {
             L.lane[k].state = ARMED;
         } else {
@@ -351,7 +323,7 @@ int dlfs_lanes_add(int fd)
         if (L.lane[k].state != FREE)
             continue;
         L.lane[k].fd = fd;
-        L.lane[k].used = seconds();
+        L.lane[k].used = dlfs_wire_seconds();
         L.lane[k].state = ARMED;
         if (watch(EPOLL_CTL_ADD, k) < 0) {
             L.lane[k].fd = -1;

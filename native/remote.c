@@ -37,20 +37,6 @@ static struct {
     struct node node[DLFS_REMOTE_NODES];
 } R = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-static uint64_t seconds(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
-    return (uint64_t)t.tv_sec;
-}
-
-static uint64_t now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
-}
-
 #define ADD(p, n) __atomic_fetch_add((p), (n), __ATOMIC_RELAXED)
 
 int dlfs_remote_route(const uint16_t *route, uint64_t n)
@@ -113,7 +99,7 @@ int dlfs_remote_add(unsigned slot, int fd)
         struct conn *c = &nd->conn[k];
         if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == EMPTY) {
             c->fd = fd;
-            c->used = seconds();
+            c->used = dlfs_wire_seconds();
             __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
             rc = 0;
             break;
@@ -158,7 +144,7 @@ static void drop(struct node *nd, struct conn *c)
 static struct conn *take(struct node *nd)
 {
     int empty = 0;
-    uint64_t now = seconds();
+    uint64_t now = dlfs_wire_seconds();
     for (int k = 0; k < DLFS_REMOTE_CONNS; k++) {
         struct conn *c = &nd->conn[k];
         int idle = IDLE;
@@ -177,20 +163,6 @@ static struct conn *take(struct node *nd)
     return NULL;
 }
 
-static int send_all(int fd, const char *p, size_t n, uint64_t deadline)
-{
-    while (n) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0 || now_ms() > deadline)
-            return -1;
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
 /* `n` bytes into `p`: each wait bounded by the socket's timeout, all of them by `deadline`. */
 static int recv_all(int fd, char *p, size_t n, uint64_t deadline)
 {
@@ -198,7 +170,7 @@ static int recv_all(int fd, char *p, size_t n, uint64_t deadline)
         ssize_t k = recv(fd, p, n, MSG_WAITALL);
         if (k < 0 && errno == EINTR)
             continue;
-        if (k <= 0 || (n > (size_t)k && now_ms() > deadline))
+        if (k <= 0 || (n > (size_t)k && dlfs_wire_now_ms() > deadline))
             return -1; /* closed, failed, or silent past the bound */
         p += k;
         n -= (size_t)k;
@@ -244,11 +216,11 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
     struct conn *c = take(nd);
     if (!c)
         return -1;
-    uint64_t deadline = now_ms() + DLFS_REMOTE_WAIT_MS;
+    uint64_t deadline = dlfs_wire_now_ms() + DLFS_REMOTE_WAIT_MS;
     char f[128], meta[256];
     uint32_t req = ++c->req;
     size_t len = encode_read_range(f, req, id, e->offset, e->stored_len);
-    if (send_all(c->fd, f, len, deadline) < 0 || recv_all(c->fd, f, DLFS_WIRE_HEADER, deadline) < 0)
+    if (dlfs_wire_send_all(c->fd, f, len, deadline) < 0 || recv_all(c->fd, f, DLFS_WIRE_HEADER, deadline) < 0)
         goto broken;
     struct dlfs_wire_head h;
     if (dlfs_wire_unpack(f, &h) < 0 || h.kind != DLFS_WIRE_RESPONSE || h.msg != DLFS_WIRE_READ_RANGE || h.req != req ||
@@ -264,7 +236,7 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
                 goto broken;
             left -= k;
         }
-        c->used = seconds();
+        c->used = dlfs_wire_seconds();
         __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
         /* That node will say the same next time (a chunk it lost, say): the chunk is Python's until the
          * route is made again, so its reads do not ask twice (Python tries the other replicas). */
@@ -274,7 +246,7 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
     if (data_len != e->stored_len || meta_len > sizeof meta || recv_all(c->fd, meta, meta_len, deadline) < 0 ||
         recv_all(c->fd, buf, data_len, deadline) < 0)
         goto broken;
-    c->used = seconds();
+    c->used = dlfs_wire_seconds();
     __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
     ADD(&nd->reads, 1);
     ADD(&nd->bytes, data_len);

@@ -3,11 +3,13 @@
 /* The frame header of dlfs/wire/protocol.py (HEADER, MAGIC, VERSION, Msg), as the native side speaks
  * it: a mount's serving threads (remote.c) and the data daemon's range lanes (rangeserve.c). A test
  * holds these against protocol.py. Little-endian on the wire, as on every machine dlfs runs on. */
+#include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <time.h>
 
 #define DLFS_WIRE_MAGIC 0xD1F5
 #define DLFS_WIRE_VERSION 1
@@ -73,4 +75,35 @@ static inline int dlfs_wire_blocking(int fd, unsigned ms)
         return -1;
     return 0;
 }
+/* Seconds of CLOCK_MONOTONIC_COARSE (idle times), and milliseconds of CLOCK_MONOTONIC (bounds). */
+static inline uint64_t dlfs_wire_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
+    return (uint64_t)t.tv_sec;
+}
+
+static inline uint64_t dlfs_wire_now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+/* All `n` bytes at `p` sent on a blocking socket (each send bounded by its SO_SNDTIMEO), and, where
+ * `deadline` (dlfs_wire_now_ms) is not 0, none after it: 0, or -1. */
+static inline int dlfs_wire_send_all(int fd, const char *p, size_t n, uint64_t deadline)
+{
+    while (n) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0 || (deadline && dlfs_wire_now_ms() > deadline))
+            return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
 #endif
