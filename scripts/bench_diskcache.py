@@ -12,9 +12,13 @@ a compute-only machine (in no cluster file) whose link from n1 is shaped to --li
   warmup        `dlfs warmup` on c1 into an empty cache dir          target >= 0.8x the link
 
 Epochs read every file once, shuffled, `open(path, "rb").read()` in --readers processes, after
-`echo 3 > /proc/sys/vm/drop_caches`; a figure is the median of the --repeat epochs. Needs root, ip, nsenter, tc and /dev/fuse.
+`echo 3 > /proc/sys/vm/drop_caches`; a figure is the median of the --repeat epochs. With --cache-size
+both mounts get that cache (e.g. a quarter of the dataset: a dataset bigger than the memory a job may
+use, whose every miss is one file read alone: in place on the data node, from the disk cache on the
+compute node, by the mounts' native threads). Needs root, ip, nsenter, tc and /dev/fuse.
 
-    sudo .venv/bin/python scripts/bench_diskcache.py [--mb 300] [--readers 2] [--link 1gbit] [--dir .bench-diskcache]
+    sudo .venv/bin/python scripts/bench_diskcache.py [--mb 300] [--readers 2] [--link 1gbit] [--cache-size 75M]
+                                                     [--dir .bench-diskcache]
 """
 
 from __future__ import annotations
@@ -134,6 +138,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5,
                    help="cold epochs after the first, of which the median is taken (default 5)")
     p.add_argument("--link", default="1gbit", help="the compute node's link (tc rate; default 1gbit)")
+    p.add_argument("--cache-size", metavar="SIZE",
+                   help="both mounts' --cache-size (e.g. a quarter of the dataset; default: theirs)")
     p.add_argument("--dir", default=".bench-diskcache", help="work dir (the sample is kept; default .bench-diskcache)")
     p.add_argument("--json", metavar="FILE", help="write the figures here")
     args = p.parse_args()
@@ -149,7 +155,8 @@ def main() -> int:
     files = list_files(str(src))
     link = link_bytes_per_s(args.link)
     print(f"dataset: {len(files)} files, {info.total_bytes / 1e6:.0f} MB; compute node link {args.link} "
-          f"({link / 1e6:.0f} MB/s); {args.readers} readers, caches dropped before every epoch", flush=True)
+          f"({link / 1e6:.0f} MB/s); {args.readers} readers, caches dropped before every epoch"
+          + (f"; both mounts' cache {args.cache_size}" if args.cache_size else ""), flush=True)
     out: dict[str, float] = {}
     with NetLab(["n1", "c1"]) as lab:
         bench = Bench(lab, work)
@@ -158,8 +165,9 @@ def main() -> int:
             bench.shape(args.link)
             bench.dlfs("n1", "ingest", src, "--name", "ds")
 
-            data = bench.mount("n1", "data")
-            compute = bench.mount("c1", "compute", "--cache-dir", work / "cache-epochs")
+            sized = ["--cache-size", args.cache_size] if args.cache_size else []
+            data = bench.mount("n1", "data", *sized)
+            compute = bench.mount("c1", "compute", "--cache-dir", work / "cache-epochs", *sized)
             d1, nbytes = epoch(data, files, args.readers, 0)
             c1, _ = epoch(compute, files, args.readers, 0)  # over the link: fills the disk cache
             # Then the two in turn, so that whatever else the machine does weighs on both alike.
