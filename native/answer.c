@@ -705,6 +705,7 @@ static int fetch_checked(const struct dlfs_extent *e, const uint8_t *id, char *b
     }
     DLFS_COUNT(c, remote_reads, 1);
     DLFS_COUNT(c, remote_bytes, e->stored_len);
+    dlfs_dcache_offer(e, buf); /* a disk cache keeps it (where one is kept: diskcache.h) */
     return 0;
 }
 

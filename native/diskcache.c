@@ -2,11 +2,24 @@
 #define _GNU_SOURCE
 #include "diskcache.h"
 
+#include "indexview.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+enum { FREE, FILLING, FULL };
+
+struct keep_slot {
+    int state; /* FREE -> FILLING (a serving thread) -> FULL -> FREE (the taker) */
+    uint64_t chunk, offset;
+    uint32_t len;
+    char *data; /* DLFS_KEEP_MAX bytes */
+};
 
 static struct {
     pthread_mutex_t lock; /* Python's side: opening, closing */
@@ -15,7 +28,14 @@ static struct {
     uint64_t n;
     int dir;
     struct dlfs_chunk_files files;
-} D = {.lock = PTHREAD_MUTEX_INITIALIZER, .dir = -1};
+    /* Records offered to be kept: `keeping` once the slots exist; `full` counts FULL slots (under wake). */
+    int keeping, closed, full;
+    struct keep_slot slot[DLFS_KEEP_SLOTS];
+    pthread_mutex_t wake;
+    pthread_cond_t offered;
+    uint64_t kept, dropped;
+} D = {.lock = PTHREAD_MUTEX_INITIALIZER, .dir = -1, .wake = PTHREAD_MUTEX_INITIALIZER,
+       .offered = PTHREAD_COND_INITIALIZER};
 
 int dlfs_dcache_open(const char *chunk_dir, uint64_t n)
 {
@@ -38,6 +58,11 @@ int dlfs_dcache_open(const char *chunk_dir, uint64_t n)
         goto out;
     }
     D.files.renamed = 1;
+    pthread_mutex_lock(&D.wake); /* (a process may open it again after a close: tests do) */
+    D.closed = D.full = 0;
+    for (int k = 0; k < DLFS_KEEP_SLOTS; k++)
+        D.slot[k].state = FREE;
+    pthread_mutex_unlock(&D.wake);
     D.dir = dir;
     D.n = n;
     D.used = used;
@@ -102,8 +127,98 @@ uint64_t dlfs_dcache_used(uint64_t *out, uint64_t max)
     return k;
 }
 
+int dlfs_dcache_keep(void)
+{
+    pthread_mutex_lock(&D.lock);
+    int rc = 0;
+    if (!D.tag) {
+        errno = EINVAL;
+        rc = -1;
+    }
+    for (int k = 0; !rc && !D.keeping && k < DLFS_KEEP_SLOTS; k++)
+        if (!D.slot[k].data && !(D.slot[k].data = malloc(DLFS_KEEP_MAX))) {
+            errno = ENOMEM;
+            rc = -1;
+        }
+    if (!rc)
+        __atomic_store_n(&D.keeping, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&D.lock);
+    return rc;
+}
+
+void dlfs_dcache_offer(const struct dlfs_extent *e, const char *data)
+{
+    if (!__atomic_load_n(&D.keeping, __ATOMIC_ACQUIRE) || e->stored_len > DLFS_KEEP_MAX)
+        return;
+    for (int k = 0; k < DLFS_KEEP_SLOTS; k++) {
+        struct keep_slot *s = &D.slot[k];
+        int want = FREE;
+        if (!__atomic_compare_exchange_n(&s->state, &want, FILLING, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            continue;
+        memcpy(s->data, data, e->stored_len);
+        s->chunk = e->chunk;
+        s->offset = e->offset;
+        s->len = e->stored_len;
+        __atomic_store_n(&s->state, FULL, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&D.kept, 1, __ATOMIC_RELAXED);
+        pthread_mutex_lock(&D.wake);
+        if (D.full++ == 0)
+            pthread_cond_signal(&D.offered);
+        pthread_mutex_unlock(&D.wake);
+        return;
+    }
+    __atomic_add_fetch(&D.dropped, 1, __ATOMIC_RELAXED); /* the taker fell behind: this one is not kept */
+}
+
+int dlfs_dcache_take(unsigned ms, void (*take)(void *arg, uint64_t chunk, uint64_t offset, const char *data,
+                                               uint32_t len), void *arg)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += ms / 1000;
+    until.tv_nsec += (long)(ms % 1000) * 1000000;
+    if (until.tv_nsec >= 1000000000) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000;
+    }
+    pthread_mutex_lock(&D.wake);
+    while (!D.full && !D.closed && pthread_cond_timedwait(&D.offered, &D.wake, &until) == 0)
+        ;
+    int closed = D.closed;
+    pthread_mutex_unlock(&D.wake);
+    int n = 0;
+    for (int k = 0; k < DLFS_KEEP_SLOTS; k++) {
+        struct keep_slot *s = &D.slot[k];
+        if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != FULL)
+            continue;
+        take(arg, s->chunk, s->offset, s->data, s->len);
+        __atomic_store_n(&s->state, FREE, __ATOMIC_RELEASE);
+        pthread_mutex_lock(&D.wake);
+        D.full--;
+        pthread_mutex_unlock(&D.wake);
+        n++;
+    }
+    return closed && !n ? -1 : n; /* once ended, what was offered before is still handed over first */
+}
+
+void dlfs_dcache_keep_end(void)
+{
+    __atomic_store_n(&D.keeping, 0, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&D.wake);
+    D.closed = 1;
+    pthread_cond_broadcast(&D.offered);
+    pthread_mutex_unlock(&D.wake);
+}
+
+void dlfs_dcache_keep_stats(uint64_t *kept, uint64_t *dropped)
+{
+    *kept = __atomic_load_n(&D.kept, __ATOMIC_RELAXED);
+    *dropped = __atomic_load_n(&D.dropped, __ATOMIC_RELAXED);
+}
+
 void dlfs_dcache_close(void)
 {
+    dlfs_dcache_keep_end(); /* (the slots' memory stays for the process's life: a taker may copy out of one) */
     pthread_mutex_lock(&D.lock);
     uint32_t *t = D.tag;
     __atomic_store_n(&D.tag, NULL, __ATOMIC_RELEASE);

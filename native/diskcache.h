@@ -29,6 +29,27 @@ int dlfs_dcache_ref(const struct dlfs_chunk_ref *ref);
 /* Chunks read from the disk cache since the last call: up to `max` chunk numbers into `out`, each reported
  * once (Python notes them as recently used, for the catalogue's eviction order); how many. */
 uint64_t dlfs_dcache_used(uint64_t *out, uint64_t max);
+/* Records the serving threads fetched from the data daemons, offered to the disk cache: each copied into
+ * one of DLFS_KEEP_SLOTS buffers (none free: not kept, counted), taken by a Python thread that writes
+ * them there (dlfs/mount/diskreads.py), so a compute node's threads fetch its first epoch and its disk
+ * cache still fills. Off until dlfs_dcache_keep(). */
+#define DLFS_KEEP_SLOTS 64
+#define DLFS_KEEP_MAX (256u << 10) /* the biggest record kept so: one without block sums */
+struct dlfs_extent;
+/* Keep from now on (the slots' memory, DLFS_KEEP_SLOTS * DLFS_KEEP_MAX = 16 MiB, allocated now and kept for
+ * the process's life). 0, or -1 (ENOMEM; EINVAL: not open). */
+int dlfs_dcache_keep(void);
+/* A serving thread's record `e` (its stored bytes `data`, checked) fetched from a data daemon. */
+void dlfs_dcache_offer(const struct dlfs_extent *e, const char *data);
+/* Wait up to `ms` for offered records, then hand each to `take` (its chunk, offset in the chunk, bytes) and
+ * free its slot: how many, or -1 once ended and every record offered before was handed over (the caller's
+ * thread ends). */
+int dlfs_dcache_take(unsigned ms, void (*take)(void *arg, uint64_t chunk, uint64_t offset, const char *data,
+                                               uint32_t len), void *arg);
+/* Keep no more (the mount ends, or the disk cache closes): records offered before are still taken. */
+void dlfs_dcache_keep_end(void);
+/* Records offered and kept in a slot, and those dropped for want of one. */
+void dlfs_dcache_keep_stats(uint64_t *kept, uint64_t *dropped);
 /* Close the files and forget the tags (the serving threads have stopped). */
 void dlfs_dcache_close(void);
 #endif

@@ -404,6 +404,58 @@ static PyObject *dcache_used(PyObject *self, PyObject *unused)
     return out;
 }
 
+static PyObject *dcache_keep(PyObject *self, PyObject *unused)
+{
+    if (dlfs_dcache_keep() < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+/* dcache_take's callback: each kept record appended to the list as (chunk, offset, bytearray). */
+static void take_one(void *arg, uint64_t chunk, uint64_t offset, const char *data, uint32_t len)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *list = *(PyObject **)arg;
+    PyObject *item = list ? Py_BuildValue("(KKN)", (unsigned long long)chunk, (unsigned long long)offset,
+                                          PyByteArray_FromStringAndSize(data, len)) : NULL;
+    if (!item || PyList_Append(list, item) < 0)
+        PyErr_Clear(); /* out of memory: that record is not kept, nothing else changes */
+    Py_XDECREF(item);
+    PyGILState_Release(g);
+}
+
+static PyObject *dcache_take(PyObject *self, PyObject *arg)
+{
+    unsigned long ms = PyLong_AsUnsignedLong(arg);
+    if (ms == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    int n;
+    Py_BEGIN_ALLOW_THREADS /* the wait, and the copies (each takes the GIL for its bytearray) */
+    n = dlfs_dcache_take((unsigned)ms, take_one, &list);
+    Py_END_ALLOW_THREADS
+    if (n < 0) {
+        Py_DECREF(list);
+        Py_RETURN_NONE;
+    }
+    return list;
+}
+
+static PyObject *dcache_keep_end(PyObject *self, PyObject *unused)
+{
+    dlfs_dcache_keep_end();
+    Py_RETURN_NONE;
+}
+
+static PyObject *dcache_keep_stats(PyObject *self, PyObject *unused)
+{
+    uint64_t kept, dropped;
+    dlfs_dcache_keep_stats(&kept, &dropped);
+    return Py_BuildValue("{s:K,s:K}", "kept", (unsigned long long)kept, "dropped", (unsigned long long)dropped);
+}
+
 static PyObject *dcache_close(PyObject *self, PyObject *unused)
 {
     if (dlfs_engine_running())
@@ -498,6 +550,13 @@ static PyMethodDef methods[] = {
      "dcache_open(chunk_dir, chunks): the serving threads may read the disk cache's files there (diskcache.h)."},
     {"dcache_set", dcache_set, METH_VARARGS, "dcache_set(chunk, tag): chunk's disk cache file is <id>.<tag> (0: none)."},
     {"dcache_used", dcache_used, METH_NOARGS, "dcache_used() -> the chunks the threads read from the disk cache since."},
+    {"dcache_keep", dcache_keep, METH_NOARGS,
+     "dcache_keep(): the serving threads offer the records they fetch from data daemons to the disk cache."},
+    {"dcache_take", dcache_take, METH_O,
+     "dcache_take(ms) -> [(chunk, offset, bytearray)] offered within ms (at least one if any came), None once closed."},
+    {"dcache_keep_stats", dcache_keep_stats, METH_NOARGS, "dcache_keep_stats() -> records kept and dropped."},
+    {"dcache_keep_end", dcache_keep_end, METH_NOARGS,
+     "dcache_keep_end(): offer no more; a taker gets what was offered before, then None."},
     {"dcache_close", dcache_close, METH_NOARGS, "dcache_close(): forget the disk cache (the engine has stopped)."},
     {"remote_close", remote_close, METH_NOARGS, "Close the handed-over connections and forget the route (engine stopped)."},
     {"lanes_start", lanes_start, METH_O, "lanes_start(chunk_dir): the data daemon's native threads serve range lanes."},
@@ -551,7 +610,8 @@ PyMODINIT_FUNC PyInit__native(void)
               add_layout(m) < 0 || add_wire(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_BYTES_PER_CPU) < 0 ||
               PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0 ||
-              PyModule_AddIntConstant(m, "LOCAL_RECHECK_S", (long)(DLFS_LOCAL_RECHECK_NS / 1000000000ull)) < 0))
+              PyModule_AddIntConstant(m, "LOCAL_RECHECK_S", (long)(DLFS_LOCAL_RECHECK_NS / 1000000000ull)) < 0 ||
+              PyModule_AddIntConstant(m, "KEEP_SLOTS", DLFS_KEEP_SLOTS) < 0))
         Py_CLEAR(m);
     dlfs_fuse_on_release(release_kept);
     return m;

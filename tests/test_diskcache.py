@@ -28,7 +28,7 @@ from conftest import REPO, Node, mount_stats, needs_fuse
 
 from dlfs.errors import UsageError
 from dlfs.mount import diskcache
-from dlfs.mount.diskcache import CATALOGUE, SOURCE, WRITE_SLOTS, DiskCache
+from dlfs.mount.diskcache import CATALOGUE, SMALL_QUEUED_MIN, SOURCE, WRITE_SLOTS, DiskCache
 from dlfs.warmup import TokenBucket, parse_rate
 
 pytestmark = pytest.mark.timeout(300)
@@ -197,7 +197,7 @@ def test_write_behind_never_waits_and_drops_when_behind(tmp_path: Path) -> None:
     assert cache.dropped == 1
     # Records alone wait in buffers of their own size, as many bytes of them as the buffers would hold.
     small = 100_000
-    fit = WRITE_SLOTS * MiB // small
+    fit = max(WRITE_SLOTS * MiB, SMALL_QUEUED_MIN) // small
     queued = [cache.put(cid_of(100 + i), [(0, small)], [content(cid_of(100 + i), 0, small)]) for i in range(fit + 1)]
     assert queued == [True] * fit + [False]
     assert cache.dropped == 2

@@ -11,12 +11,17 @@ from pathlib import Path
 
 import fusewire as fw
 import pytest
+import trio
 from test_remotereads import _index, four_records
+from test_services import put_chunk, running_node
 
+from dlfs.client.cluster import ClusterClient
+from dlfs.config import Cluster
 from dlfs.mount.diskcache import DiskCache
 from dlfs.mount.diskreads import DiskReads, tag_of
-from dlfs.mount.remotereads import IndexChunkIds
+from dlfs.mount.remotereads import IndexChunkIds, RemoteReads
 from dlfs.native import native
+from dlfs.wire.rpc import connect
 
 pytestmark = pytest.mark.skipif(native is None, reason="dlfs's C helper is not built (or DLFS_NO_NATIVE is set)")
 
@@ -101,3 +106,60 @@ def test_records_the_disk_cache_holds_are_read_checked_and_answered_by_the_threa
         native.dcache_close()
         disk.close()
         ix.close()
+
+
+async def test_what_the_threads_fetch_is_kept_in_the_disk_cache(tmp_path: Path) -> None:
+    # A compute node whose serving threads fetch scan mode's records from the data daemons: each record they
+    # fetch is offered back (copied into one of DLFS_KEEP_SLOTS buffers: none free, it is not kept, and
+    # counted), taken by a thread of the mount's and written to the disk cache, whose file the threads
+    # then read it from.
+    small, recs, cid, data = four_records(6)
+    ix = _index(tmp_path / "r.idx", [cid, bytes(range(16))], [len(data), len(data)], recs)
+    disk = DiskCache(tmp_path / "dc")
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as nursery:
+        async with connect(spec.data, key, "data") as conn:
+            assert await put_chunk(conn, cid, data)
+        client = ClusterClient(Cluster([spec], key, 1, "test"), nursery)
+        remote = RemoteReads(client, IndexChunkIds(ix), fetchers=2)
+        reads = DiskReads(disk, IndexChunkIds(ix))
+
+        async def read(ino: int, size: int = 256 << 10) -> tuple[str, bytes, dict[str, int]]:
+            kind, raw, counts = await trio.to_thread.run_sync(
+                lambda: native.answer(ix.sections(), fw.request(fw.READ, ino, fw.read_in(0, size))))
+            return kind, fw.reply(raw).body if kind == "answered" else b"", counts
+
+        try:
+            native.set_scan(True)
+            reads.refresh()
+            native.remote_route(remote.route())
+            await remote.open_one(1)
+            kind, body, counts = await read(2)  # not kept yet: nothing is offered, nothing taken
+            assert kind == "answered" and body == small[0] and counts["remote_reads"] == 1
+            assert native.dcache_take(0) == []
+            native.dcache_keep()
+            for _ in range(native.KEEP_SLOTS + 1):  # one more than there are slots, none taken
+                assert (await read(3))[2]["remote_reads"] == 1
+            got = native.dcache_take(0)
+            assert len(got) == native.KEEP_SLOTS and native.dcache_keep_stats()["dropped"] == 1
+            assert all((ci, off, bytes(b)) == (0, recs[1].offset, small[1]) for ci, off, b in got)
+            assert native.dcache_take(10) == []  # (waited 10 ms: nothing more came)
+            reads.start_keeping()  # the mount's keeper: taken and written as they come
+            assert (await read(2))[2]["remote_reads"] == 1
+            for _ in range(100):
+                if disk.files():
+                    break
+                await trio.sleep(0.05)
+            kind, body, counts = await read(2)  # now from the disk cache's file
+            assert kind == "answered" and body == small[0] and counts["disk_cache_reads"] == 1
+            assert counts["remote_reads"] == 0
+            kept = native.dcache_keep_stats()["kept"]
+            kind, body, counts = await read(5, 512 << 10)  # a record with block sums (256 KiB or more): not kept
+            assert kind == "answered" and body == small[3] and counts["remote_reads"] == 1
+            assert native.dcache_keep_stats()["kept"] == kept
+        finally:
+            native.set_scan(False)
+            native.remote_close()
+            native.dcache_close()  # the keeper's wait ends: its thread too
+            nursery.cancel_scope.cancel()
+    disk.close()
+    ix.close()

@@ -397,10 +397,11 @@ def _held_in(cache_dir: Path, cid: bytes, lo: int, hi: int) -> Path | None:
 def test_scan_mode_reads_the_disk_cache_in_the_serving_threads(node: Node, tmp_path: Path, tree: dict[str, bytes],
                                                                io_uring: str) -> None:
     # A compute node with a disk cache (--no-short-circuit --cache-dir) and a cache far smaller than the
-    # dataset: the first mount's epoch fetches through Python from the data daemon and keeps it on disk; the
-    # next mount's reads in scan mode come from the disk cache's files, read, checked and answered by the
-    # serving threads. A copy damaged there costs nothing: Python reads that file from the replica and
-    # drops the copy. The stats count the threads' reads as the disk cache's.
+    # dataset: the first mount's epoch is fetched from the data daemon, in scan mode by the serving threads,
+    # and what they fetch is written to the disk cache as Python's own fetches are; the next mount's reads
+    # in scan mode come from the disk cache's files, read, checked and answered by the serving threads. A
+    # copy damaged there costs nothing: Python reads that file from the replica and drops the copy. The
+    # stats count the threads' reads as the disk cache's.
     names = sorted(n for n in tree if n != "big.bin")
     random.Random(21).shuffle(names)
     dc = tmp_path / "dc"
@@ -408,6 +409,8 @@ def test_scan_mode_reads_the_disk_cache_in_the_serving_threads(node: Node, tmp_p
     mnt = node.mount("t", tmp_path / "mnt", *args)
     for rel in names:
         assert read_and_drop(mnt / rel) == tree[rel], rel
+    fetched = mount_stats_from_now(node.home, mnt)["engine"]["remote_reads"]
+    assert fetched >= len(names) // 2, fetched  # the threads fetched most of the first epoch themselves
     node.umount(mnt)  # its disk cache's writer finishes what is queued
     with version_index(node, "t") as idx:
         for victim in names[5:]:  # the first file kept whole (a write may be dropped when the disk falls behind)
@@ -428,7 +431,8 @@ def test_scan_mode_reads_the_disk_cache_in_the_serving_threads(node: Node, tmp_p
     s = mount_stats_from_now(node.home, mnt)
     eng = s["engine"]
     assert eng["scan"] and eng["disk_cache_reads"] >= 0.75 * len(names), eng
-    assert eng["record_failures"] >= 1 and eng["record_reads"] == 0 and eng["remote_reads"] == 0, eng
+    assert eng["record_failures"] >= 1 and eng["record_reads"] == 0, eng
+    assert eng["remote_reads"] <= 0.1 * len(names), eng  # what the disk cache had not kept (a write dropped)
     assert s["python_reads"] <= 0.25 * len(names), s["python_reads"]
     assert s["by_node"]["disk-cache"]["fetches"] >= eng["disk_cache_reads"] and s["in_place_bytes"] == 0, s["by_node"]
     assert "dropped from the disk cache, reading it from the replicas" in node.mount_log("t").read_text()

@@ -47,10 +47,12 @@ SOURCE = "disk-cache"  # the name its reads are counted under, beside the nodes 
 FREE_SHARE = 0.10  # with no --cache-dir-size: evict while the file system has less than this share free
 WRITE_SLOTS = 8  # buffers of fetched windows waiting for the writer: beyond them a write is dropped
 # Records fetched alone (a quarter of a window or less: scan mode's misses) wait in buffers of their own
-# size, as many as fit in what the slots would hold: one slot each would keep 8 of them, and an epoch's
+# size, as many as fit in what the slots would hold (16 MiB at least): one slot each would keep 8, and an epoch's
 # misses come faster than the writer took 8 at a time (an ~8,000-file epoch dropped 1,258 of 6,300).
 SMALL_WRITE = 4  # a write is small when at most slot_bytes / this
+SMALL_QUEUED_MIN = 16 << 20  # small writes may wait up to this many bytes, however small the windows are
 WRITE_BATCH = 64  # queued writes the writer takes at once (one pair of catalogue transactions)
+WRITES = ("put", "own")  # the writer's jobs that write: into a reused window buffer, or a buffer of its own
 FLUSH_EVERY = 2.0  # seconds between writes of the chunks read since (LRU order): not one per read
 EVICT_BATCH = 16  # chunks evicted per catalogue transaction
 BUSY_MS = 10_000  # a writer waits this long for another process's transaction
@@ -195,6 +197,7 @@ class DiskCache:
         self._slots: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._nslots = 0  # buffers made so far (lazily: an idle cache costs no memory)
         self._small_bytes = 0  # bytes of small writes queued (each in a buffer of its own)
+        self._small_bound = max(WRITE_SLOTS * slot_bytes, SMALL_QUEUED_MIN)  # ... at most
         self._small_lock = threading.Lock()
         # (what, chunk, ranges, a buffer to write or the file to drop)
         self._jobs: queue.SimpleQueue[tuple[str, bytes, list[tuple[int, int]], bytearray | str | None]] = \
@@ -343,13 +346,9 @@ class DiskCache:
         if self._closed or n > self.slot_bytes:
             return False
         if n <= self.slot_bytes // SMALL_WRITE:
-            with self._small_lock:
-                room = self._small_bytes + n <= WRITE_SLOTS * self.slot_bytes
-                self._small_bytes += n if room else 0
-            if not room:
-                self.dropped += 1
+            if not self._own(n):
                 return False
-            buf = bytearray(n)
+            kind, buf = "own", bytearray(n)
         else:
             try:
                 buf = self._slots.get_nowait()
@@ -359,18 +358,38 @@ class DiskCache:
                     return False
                 self._nslots += 1
                 buf = bytearray(self.slot_bytes)
+            kind = "put"
         at = 0
         for p in pieces:
             buf[at : at + len(p)] = p
             at += len(p)
         self._start_writer()
-        self._jobs.put(("put", cid, list(ranges), buf))
+        self._jobs.put((kind, cid, list(ranges), buf))
         return True
 
+    def put_record(self, cid: bytes, offset: int, data: bytearray) -> bool:
+        """put() of one record's verified bytes in a buffer of their own, which the writer takes as it is
+        (a record the serving threads fetched: diskreads.py); False if dropped."""
+        if self._closed or not self._own(len(data)):
+            return False
+        self._start_writer()
+        self._jobs.put(("own", cid, [(offset, len(data))], data))
+        return True
+
+    def _own(self, n: int) -> bool:
+        """Room for a write of `n` bytes in a buffer of its own (counted until written), else dropped."""
+        with self._small_lock:
+            room = self._small_bytes + n <= self._small_bound
+            self._small_bytes += n if room else 0
+        if not room:
+            self.dropped += 1
+        return room
+
     def _start_writer(self) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="dlfs-disk-cache-writer", daemon=True)
-            self._writer.start()
+        with self._small_lock:  # (the event loop's puts and the serving threads' keeper's: one writer)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="dlfs-disk-cache-writer", daemon=True)
+                self._writer.start()
 
     def _write_loop(self) -> None:
         last_flush = time.monotonic()
@@ -380,16 +399,17 @@ class DiskCache:
             except queue.Empty:
                 jobs = []
             # Writes queued behind the first go with it: one pair of catalogue transactions for them all.
-            while jobs and jobs[-1][0] == "put" and len(jobs) < WRITE_BATCH:
+            while jobs and jobs[-1][0] in WRITES and len(jobs) < WRITE_BATCH:
                 try:
                     jobs.append(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-            puts = [(cid, ranges, buf) for kind, cid, ranges, buf in jobs if kind == "put"]
+            puts = [(kind, cid, ranges, buf) for kind, cid, ranges, buf in jobs
+                    if kind in WRITES and isinstance(buf, bytearray)]
             kind, cid, _, name = jobs[-1] if jobs else ("", b"", [], None)
             try:
                 if puts:
-                    self.store_many([(cid, ranges, _pieces(buf, ranges)) for cid, ranges, buf in puts])
+                    self.store_many([(cid, ranges, _pieces(buf, ranges)) for _, cid, ranges, buf in puts])
                 if kind == "drop":
                     assert isinstance(name, str)
                     self._drop_chunk(cid, name)
@@ -401,11 +421,10 @@ class DiskCache:
                 self.errors += 1
                 log.warning("disk cache %s: %s", self.root, exc)
             finally:
-                for _, _, buf in puts:  # each taken job's buffer back once (none when the wait timed out)
-                    assert isinstance(buf, bytearray)
-                    if len(buf) == self.slot_bytes:
+                for kind, _, _, buf in puts:  # each taken job's buffer back once (none after an idle wait)
+                    if kind == "put":
                         self._slots.put(buf)
-                    else:
+                    else:  # its own: no longer counted
                         with self._small_lock:
                             self._small_bytes -= len(buf)
             if kind == "stop":

@@ -9,6 +9,7 @@ import platform
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable
@@ -331,8 +332,18 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                      f", files of {human_mib(DIRECT_IO_MIN)} or more past the page cache" if direct_io else "")
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
             # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
-            # TCP (an RDMA client reads through Python, as does a node whose disk cache keeps windows).
-            if (cache.shared is not None and client.rdma is None and cache.fetcher.disk is None
+            # TCP (an RDMA client reads through Python).
+            disk_reads = None
+            if cache.shared is not None and cache.fetcher.disk is not None:
+                # Scan mode's records the disk cache holds read from its files by the serving threads.
+                disk_reads = DiskReads(cache.fetcher.disk, IndexChunkIds(index))
+                try:  # before the first READ: what it holds now
+                    await trio.to_thread.run_sync(disk_reads.refresh)
+                except (OSError, sqlite3.Error) as exc:
+                    log.warning("disk cache %s: %s; the serving threads read it once it answers", opts.cache_dir, exc)
+                cache.threads_read_disk = True
+                nursery.start_soon(disk_reads.keep, name="dlfs-disk-reads")
+            if (cache.shared is not None and client.rdma is None
                     and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
                 # (The last: one data node, and this machine is it: every chunk is read in place.)
                 remote = RemoteReads(client, IndexChunkIds(index), opts.threads + (os.cpu_count() or 1) * uring)
@@ -345,10 +356,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                 mount_stats.remote = remote
                 cache.threads_fetch = True
                 nursery.start_soon(remote.keep, name="dlfs-remote-reads")
-            if cache.shared is not None and cache.fetcher.disk is not None:
-                # Scan mode's records the disk cache holds read from its files by the serving threads.
-                cache.threads_read_disk = True
-                nursery.start_soon(DiskReads(cache.fetcher.disk, IndexChunkIds(index)).keep, name="dlfs-disk-reads")
+                if disk_reads is not None:  # and what they fetch goes to the disk cache too
+                    disk_reads.start_keeping()
+                    stack.callback(disk_reads.close)  # before the index closes: the keeper reads chunk ids
         else:
             log.info("%s: served by Python alone (pyfuse3): the native engine is not available", label)
         nursery.start_soon(cache.drain_consumed, name="dlfs-drain-consumed")
