@@ -697,6 +697,8 @@ static int record_file(const struct dlfs_serve *sv, const struct dlfs_extent *e,
 static int fetch_checked(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
                          struct dlfs_counters *c)
 {
+    if (e->stored_len > DLFS_KEEP_MAX && dlfs_dcache_keeping())
+        return -1; /* the disk cache could not be handed it: Python fetches it, and keeps it there */
     if (dlfs_remote_read(e, id, buf, room, c) < 0)
         return -1;
     if (dlfs_xxh3(buf, e->stored_len) != e->checksum) {

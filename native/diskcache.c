@@ -146,6 +146,11 @@ int dlfs_dcache_keep(void)
     return rc;
 }
 
+int dlfs_dcache_keeping(void)
+{
+    return __atomic_load_n(&D.keeping, __ATOMIC_ACQUIRE);
+}
+
 void dlfs_dcache_offer(const struct dlfs_extent *e, const char *data)
 {
     if (!__atomic_load_n(&D.keeping, __ATOMIC_ACQUIRE) || e->stored_len > DLFS_KEEP_MAX)

@@ -39,6 +39,8 @@ struct dlfs_extent;
 /* Keep from now on (the slots' memory, DLFS_KEEP_SLOTS * DLFS_KEEP_MAX = 16 MiB, allocated now and kept for
  * the process's life). 0, or -1 (ENOMEM; EINVAL: not open). */
 int dlfs_dcache_keep(void);
+/* Whether records are kept so: then one too big for a slot is left to Python, which fetches and keeps it. */
+int dlfs_dcache_keeping(void);
 /* A serving thread's record `e` (its stored bytes `data`, checked) fetched from a data daemon. */
 void dlfs_dcache_offer(const struct dlfs_extent *e, const char *data);
 /* Wait up to `ms` for offered records, then hand each to `take` (its chunk, offset in the chunk, bytes) and

@@ -152,10 +152,9 @@ async def test_what_the_threads_fetch_is_kept_in_the_disk_cache(tmp_path: Path) 
             kind, body, counts = await read(2)  # now from the disk cache's file
             assert kind == "answered" and body == small[0] and counts["disk_cache_reads"] == 1
             assert counts["remote_reads"] == 0
-            kept = native.dcache_keep_stats()["kept"]
-            kind, body, counts = await read(5, 512 << 10)  # a record with block sums (256 KiB or more): not kept
-            assert kind == "answered" and body == small[3] and counts["remote_reads"] == 1
-            assert native.dcache_keep_stats()["kept"] == kept
+            # A record with block sums (256 KiB or more) is too big for a slot: left to Python, which keeps it.
+            kind, _, counts = await read(5, 512 << 10)
+            assert kind == "forward" and counts["remote_reads"] == counts["remote_failures"] == 0
         finally:
             native.set_scan(False)
             native.remote_close()
