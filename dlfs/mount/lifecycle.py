@@ -336,7 +336,12 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             disk_reads = None
             if cache.shared is not None and cache.fetcher.disk is not None:
                 # Scan mode's records the disk cache holds read from its files by the serving threads.
-                disk_reads = DiskReads(cache.fetcher.disk, IndexChunkIds(index))
+                try:
+                    disk_reads = DiskReads(cache.fetcher.disk, IndexChunkIds(index))
+                except OSError as exc:
+                    log.warning("disk cache %s: the serving threads cannot read it (%s): Python does", opts.cache_dir,
+                                exc.strerror or exc)
+            if disk_reads is not None:
                 try:  # before the first READ: what it holds now
                     await trio.to_thread.run_sync(disk_reads.refresh)
                 except (OSError, sqlite3.Error) as exc:
