@@ -293,6 +293,12 @@ def test_full_disk_evicts_and_never_fails(tmp_path: Path) -> None:
             cache.store(cid, [(0, MiB)], [content(cid, 0, MiB)])
         assert cache.full > 0
         assert read(cache, cid_of(11), [(0, MiB)]) == [content(cid_of(11), 0, MiB)]
+        # The writer's batches too (several chunks in one pair of transactions): the disk fills in the middle of
+        # one, which is then stored item by item, each evicting what it needs.
+        full = cache.full
+        batch = [(cid_of(30 + k), [(0, MiB)], [content(cid_of(30 + k), 0, MiB)]) for k in range(4)]
+        assert cache.store_many(batch) > 0 and cache.full > full
+        assert read(cache, cid_of(33), [(0, MiB)]) == [content(cid_of(33), 0, MiB)]
         # Not a byte left, not even for a catalogue (SQLITE_FULL), and nothing of its own to evict: a
         # store gives up, it never raises.
         other = DiskCache(fs / "other", size=64 * MiB)
