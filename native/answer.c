@@ -764,11 +764,11 @@ static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
         return -1;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
     struct dlfs_chunk_ref f;
-    if (sv->local_dir >= 0 && dlfs_chunk_get(sv->files, sv->local_dir, e->chunk, id, 0, 0, &f) == 0) {
+    int cached = record_file(sv, e, id, 0, &f) == 0;
+    if (cached && !dlfs_dcache_ref(&f)) {
         dlfs_chunk_put(&f, 0); /* this machine's: its blocks are read (read_blocks) */
         return -1;
     }
-    int cached = dlfs_dcache_get(e->chunk, id, e->offset, e->stored_len, 0, &f) == 0;
     if (!cached && !dlfs_remote_on())
         return -1;
     int k = big_take();
@@ -891,16 +891,23 @@ int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, u
     return 0;
 }
 
-int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
-                       const struct dlfs_chunk_ref *f, struct dlfs_counters *c)
+/* The reply to READ `unique` of the whole record `e`, its checked bytes at `data`. */
+static int record_reply(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
+                        struct dlfs_counters *c)
 {
-    if (check_record(e, data, f, c) < 0)
-        return DLFS_FORWARD;
     reply_begin(rp, unique);
     add(rp, data, e->raw_len);
     DLFS_COUNT(c, reads, 1);
     DLFS_COUNT(c, read_bytes, e->raw_len);
     return reply_end(rp, c);
+}
+
+int dlfs_record_answer(struct dlfs_reply *rp, uint64_t unique, const struct dlfs_extent *e, const char *data,
+                       const struct dlfs_chunk_ref *f, struct dlfs_counters *c)
+{
+    if (check_record(e, data, f, c) < 0)
+        return DLFS_FORWARD;
+    return record_reply(rp, unique, e, data, c);
 }
 
 int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t unique, uint64_t ext, char *into,
@@ -914,11 +921,7 @@ int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
         return DLFS_RECORD; /* on this machine's disk: read from there */
     if (fetch_checked(&e, id, into, room, c) < 0)
         return DLFS_FORWARD;
-    reply_begin(rp, unique);
-    add(rp, into, e.raw_len);
-    DLFS_COUNT(c, reads, 1);
-    DLFS_COUNT(c, read_bytes, e.raw_len);
-    return reply_end(rp, c);
+    return record_reply(rp, unique, &e, into, c);
 }
 
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,

@@ -73,7 +73,7 @@ out:
     return rc;
 }
 
-int dlfs_dcache_set(uint64_t ci, uint32_t tag)
+int dlfs_dcache_set(uint64_t ci, unsigned tag)
 {
     pthread_mutex_lock(&D.lock); /* Python's writer thread and its event loop both set tags; a close may come */
     int rc = 0;

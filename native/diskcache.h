@@ -18,7 +18,7 @@
 int dlfs_dcache_open(const char *chunk_dir, uint64_t n);
 /* Chunk `ci`'s file in the disk cache is now "<id>.<tag>" (0: it has none). 0, or -1 (EINVAL: out of
  * range or not open). */
-int dlfs_dcache_set(uint64_t ci, uint32_t tag);
+int dlfs_dcache_set(uint64_t ci, unsigned tag);
 /* Whether the threads may read the disk cache. */
 int dlfs_dcache_on(void);
 /* Chunk `ci`'s (`id`) disk cache file, held for reading (O_DIRECT too where `direct`, as dlfs_chunk_get),

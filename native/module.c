@@ -323,15 +323,21 @@ static PyObject *remote_route(PyObject *self, PyObject *arg)
     return rc < 0 ? PyErr_SetFromErrno(PyExc_OSError) : (Py_INCREF(Py_None), Py_None);
 }
 
-static PyObject *remote_route_set(PyObject *self, PyObject *args)
+/* (chunk, value) from `args` given to `set` (one chunk's entry of a per-chunk table): None, or OSError. */
+static PyObject *set_chunk_entry(PyObject *args, int (*set)(uint64_t chunk, unsigned value))
 {
     unsigned long long chunk;
-    unsigned int slot;
-    if (!PyArg_ParseTuple(args, "KI", &chunk, &slot))
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "KI", &chunk, &value))
         return NULL;
-    if (dlfs_remote_route_set(chunk, slot) < 0)
+    if (set(chunk, value) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
+}
+
+static PyObject *remote_route_set(PyObject *self, PyObject *args)
+{
+    return set_chunk_entry(args, dlfs_remote_route_set);
 }
 
 static PyObject *remote_add(PyObject *self, PyObject *args)
@@ -378,13 +384,7 @@ static PyObject *dcache_open(PyObject *self, PyObject *args)
 
 static PyObject *dcache_set(PyObject *self, PyObject *args)
 {
-    unsigned long long chunk;
-    unsigned int tag;
-    if (!PyArg_ParseTuple(args, "KI", &chunk, &tag))
-        return NULL;
-    if (dlfs_dcache_set(chunk, tag) < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
+    return set_chunk_entry(args, dlfs_dcache_set);
 }
 
 static PyObject *dcache_used(PyObject *self, PyObject *unused)
