@@ -230,9 +230,10 @@ class ChunkCache:
         return room
 
     def _reads_in_place(self) -> bool:
-        """Whether most fetches so far read this machine's chunk files (or the disk cache's, where the
-        threads read it), which the serving threads can read themselves in scan mode. Where they came from replicas, each of scan mode's misses is a fetch of
-        its own through Python, and windows are worth their memory (the cold bench's small files through
+        """Whether most of the latest fetches read this machine's chunk files (or the disk cache's, where
+        the threads read it), which the serving threads can read themselves in scan mode. Where they came
+        from replicas, each of scan mode's misses is a fetch of its own through Python, and windows are
+        worth their memory (the cold bench's small files through
         the data daemon, --no-short-circuit: 1,233-1,624 files/s latched against 2,724-2,867 by window in
         the first epoch, 1,445-1,498 against 5,709-5,772 in the second)."""
         # The latest fetches, not all: the epoch that filled the disk cache came from replicas, the next from it.

@@ -198,7 +198,7 @@ class DiskCache:
         self._nslots = 0  # buffers made so far (lazily: an idle cache costs no memory)
         self._small_bytes = 0  # bytes of small writes queued (each in a buffer of its own)
         self._small_bound = max(WRITE_SLOTS * slot_bytes, SMALL_QUEUED_MIN)  # ... at most
-        self._small_lock = threading.Lock()
+        self._lock = threading.Lock()  # those bytes, and the one writer thread's start
         # (what, chunk, ranges, a buffer to write or the file to drop)
         self._jobs: queue.SimpleQueue[tuple[str, bytes, list[tuple[int, int]], bytearray | str | None]] = \
             queue.SimpleQueue()
@@ -378,7 +378,7 @@ class DiskCache:
 
     def _own(self, n: int) -> bool:
         """Room for a write of `n` bytes in a buffer of its own (counted until written), else dropped."""
-        with self._small_lock:
+        with self._lock:
             room = self._small_bytes + n <= self._small_bound
             self._small_bytes += n if room else 0
         if not room:
@@ -386,7 +386,7 @@ class DiskCache:
         return room
 
     def _start_writer(self) -> None:
-        with self._small_lock:  # (the event loop's puts and the serving threads' keeper's: one writer)
+        with self._lock:  # (the event loop's puts and the serving threads' keeper's start one writer)
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="dlfs-disk-cache-writer", daemon=True)
                 self._writer.start()
@@ -425,7 +425,7 @@ class DiskCache:
                     if kind == "put":
                         self._slots.put(buf)
                     else:  # its own: no longer counted
-                        with self._small_lock:
+                        with self._lock:
                             self._small_bytes -= len(buf)
             if kind == "stop":
                 db = getattr(self._local, "db", None)

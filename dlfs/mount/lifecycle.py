@@ -48,7 +48,7 @@ from dlfs.mount.records import (
     read_record,
     write_record,
 )
-from dlfs.mount.remotereads import ROUTE_WORK_MAX, IndexChunkIds, RemoteReads, route_work
+from dlfs.mount.remotereads import ROUTE_WORK_MAX, IndexChunkIds, RemoteReads
 from dlfs.mount.statsfile import SAMPLE_NOW, MountStats, stats_file
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import tighten_home
@@ -333,11 +333,11 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
             # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
             # TCP (an RDMA client reads through Python).
-            disk_reads = None
+            disk_reads, ids = None, IndexChunkIds(index)  # (read from the index as asked)
             if cache.shared is not None and cache.fetcher.disk is not None:
                 # Scan mode's records the disk cache holds read from its files by the serving threads.
                 try:
-                    disk_reads = DiskReads(cache.fetcher.disk, IndexChunkIds(index))
+                    disk_reads = DiskReads(cache.fetcher.disk, ids)
                 except OSError as exc:
                     log.warning("disk cache %s: the serving threads cannot read it (%s): Python does", opts.cache_dir,
                                 exc.strerror or exc)
@@ -351,13 +351,12 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             if (cache.shared is not None and client.rdma is None
                     and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
                 # (The last: one data node, and this machine is it: every chunk is read in place.)
-                remote = RemoteReads(client, IndexChunkIds(index), opts.threads + (os.cpu_count() or 1) * uring)
+                remote = RemoteReads(client, ids, opts.threads + (os.cpu_count() or 1) * uring)
                 if remote.learned:
                     cache.on_alone = remote.learn
                     log.info("%s: the serving threads' route is learned as chunks are read: making it whole for %d "
                              "chunks over %d data nodes would cost %d ranks (at most %d)", label, index.totals.chunks,
-                             len(client.cluster.data_nodes),
-                             route_work(index.totals.chunks, len(client.cluster.data_nodes)), ROUTE_WORK_MAX)
+                             len(client.cluster.data_nodes), remote.work, ROUTE_WORK_MAX)
                 mount_stats.remote = remote
                 cache.threads_fetch = True
                 nursery.start_soon(remote.keep, name="dlfs-remote-reads")

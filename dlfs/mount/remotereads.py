@@ -78,8 +78,8 @@ class RemoteReads:
         self.client = client
         self.chunk_ids = chunk_ids
         # The route made whole, or learned chunk by chunk (learn()) where making it would cost too much.
-        self.learned = route_work(len(chunk_ids), len(client.cluster.data_nodes)) > ROUTE_WORK_MAX \
-            if learned is None else learned
+        self.work = route_work(len(chunk_ids), len(client.cluster.data_nodes))  # ranks of the whole route
+        self.learned = self.work > ROUTE_WORK_MAX if learned is None else learned
         self._known = bytearray()  # learned route: 1 for each chunk whose entry is made
         nodes = client.cluster.data_nodes[: native.WIRE["nodes"]]
         self.slot = {spec.name: i + 1 for i, spec in enumerate(nodes)}

@@ -61,26 +61,25 @@ class MountStats:
         # scan mode) are misses, and fetches from it too.
         blocks = eng.get("block_reads", 0) + eng.get("record_reads", 0)
         block_bytes = eng.get("block_bytes", 0) + eng.get("record_bytes", 0)
-        local = c.fetcher.local.node if c.fetcher.local is not None else None
         fetches_by = dict(c.fetcher.fetches_by_node)
         fetched_by = dict(c.fetcher.fetched_by_node)
-        if local is not None and blocks:
-            fetches_by[local] = fetches_by.get(local, 0) + blocks
-            fetched_by[local] = fetched_by.get(local, 0) + block_bytes
+
+        def fetched(source: str | None, n: int, nbytes: int) -> None:
+            """`n` fetches of `nbytes` by the serving threads, counted under `source` beside Python's."""
+            if source is not None and n:
+                fetches_by[source] = fetches_by.get(source, 0) + n
+                fetched_by[source] = fetched_by.get(source, 0) + nbytes
+
+        fetched(c.fetcher.local.node if c.fetcher.local is not None else None, blocks, block_bytes)
         # Records the serving threads fetched from the data daemons themselves (scan mode): misses too,
         # counted as fetched from their node whether or not they passed their check (as the fetcher's).
-        remote, remote_bytes = 0, 0
         threads = self.remote.stats() if self.remote is not None else {}
         for name, r in threads.items():
-            if r["reads"]:
-                fetches_by[name] = fetches_by.get(name, 0) + r["reads"]
-                fetched_by[name] = fetched_by.get(name, 0) + r["bytes"]
-                remote, remote_bytes = remote + r["reads"], remote_bytes + r["bytes"]
+            fetched(name, r["reads"], r["bytes"])
+        remote, remote_bytes = sum(r["reads"] for r in threads.values()), sum(r["bytes"] for r in threads.values())
         # Records they read from the disk cache's files (scan mode): misses, fetched from the disk cache.
         cached, cached_bytes = eng.get("disk_cache_reads", 0), eng.get("disk_cache_bytes", 0)
-        if cached:
-            fetches_by[DISK_CACHE] = fetches_by.get(DISK_CACHE, 0) + cached
-            fetched_by[DISK_CACHE] = fetched_by.get(DISK_CACHE, 0) + cached_bytes
+        fetched(DISK_CACHE, cached, cached_bytes)
         nodes = sorted(set(fetched_by) | set(fetches_by))
         return {
             "format": STATS_FORMAT, "time": time.time(), "pid": os.getpid(), "started": self.started,
