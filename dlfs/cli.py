@@ -28,7 +28,7 @@ from dlfs.private import UMASK as PRIVATE_UMASK
 from dlfs.private import private_dirs
 from dlfs.procs import give_freed_memory_back
 from dlfs.tasks import leaves, open_nursery
-from dlfs.units import human_bytes, human_duration, iso_time, parse_size
+from dlfs.units import human_bytes, human_duration, human_mib, iso_time, parse_size
 from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 
 if TYPE_CHECKING:
@@ -884,13 +884,27 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             disk.close()
     moved = report.fetched + report.page_cached
     speed = f" at {human_bytes(moved / report.seconds)}/s" if report.seconds > 0 and moved else ""
-    parts = [f"fetched {human_bytes(report.fetched)} into {disk.root}" if disk is not None else "",
+    parts = [f"fetched {human_bytes(report.fetched)} into {disk.root}{_disk_cache_kept(disk)}" if disk is not None
+             else "",
              f"{human_bytes(report.cached)} already there" if report.cached else "",
              f"read {human_bytes(report.page_cached)} of this node's chunks into the page cache" if report.page_cached else "",
              f"left {human_bytes(report.skipped)} held elsewhere (no --cache-dir)" if report.skipped else ""]
     print(f"warmed {report.label}: {report.files} files, {human_bytes(report.bytes)} in {report.windows} windows; "
           f"{', '.join(p for p in parts if p)}; {report.seconds:.1f} s{speed}")
     return 0
+
+
+def _disk_cache_kept(disk: Any) -> str:
+    """What a disk cache that evicted while being warmed kept, and why: a warmup's aim is what stays."""
+    from dlfs.mount.diskcache import FREE_SHARE
+
+    if not disk.evicted_bytes:
+        return ""
+    bound = disk.size_bound()
+    why = (f"to stay under --cache-dir-size {human_mib(bound)}" if bound is not None else
+           f"to keep its file system {FREE_SHARE:.0%} free (free some space, or give --cache-dir-size)")
+    return (f" (which holds {human_bytes(disk.held_bytes())} now: it evicted {human_bytes(disk.evicted_bytes)} "
+            f"{why})")
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import random
+import re
 import sqlite3
 import stat
 import subprocess
@@ -453,6 +454,14 @@ def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str
     assert "already there" in again and "fetched 0 B" in again, again
     sources = mounted_epoch(node, base, cache_dir, files, "w1")
     assert network_bytes(sources) == 0 and sources[SOURCE] >= total
+    # A cache too small for the dataset: the line says what stayed and why, not just what was fetched.
+    small = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", base / "cache-small",
+                     "--cache-dir-size", "8M").stdout
+    assert total > 16 << 20 and "to stay under --cache-dir-size 8 MiB" in small, small
+    said = re.search(r"which holds ([\d.]+) (kB|MB) now", small)
+    kept = consistent_held(base / "cache-small")
+    assert said and 0 < kept <= 8 << 20, small
+    assert abs(float(said[1]) * {"kB": 1e3, "MB": 1e6}[said[2]] - kept) <= 0.05e6, small
     # On the data node itself its chunk files are read into the page cache: no disk cache needed.
     local = node.run("warmup", "imgs").stdout
     assert "of this node's chunks into the page cache" in local and "fetched" not in local, local

@@ -618,6 +618,7 @@ class DiskCache:
         db = getattr(self._local, "db", None)
         if db is not None:
             db.close()
+            self._local.db = None  # what it holds may still be asked (held_bytes), on a new connection
 
     def stats(self) -> dict[str, int]:
         return {"disk_cache_hits": self.hits, "disk_cache_misses": self.misses, "disk_cache_hit_bytes": self.hit_bytes,
