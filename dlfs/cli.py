@@ -987,7 +987,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dlfs.doctor import as_json, failed, render, run_checks, summary
 
     _setup_logging(args, "ERROR")  # the table says it all; the checks' own log lines would repeat it
-    rows = run_checks(home_dir(args.home), args.cluster, args.transport)
+    size = parse_size(args.cache_dir_size) if args.cache_dir_size else None
+    if size is not None and args.cache_dir is None:
+        raise UsageError("--cache-dir-size needs --cache-dir")
+    rows = run_checks(home_dir(args.home), args.cluster, args.transport,
+                      Path(args.cache_dir) if args.cache_dir else None, size)
     if args.json:
         print(json.dumps(as_json(rows), indent=2))
     else:
@@ -1274,9 +1278,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "memory), ingest (ingest speed beside mksquashfs and cp)")
 
     sp = add("doctor", cmd_doctor, "Check this node and its cluster (FUSE, memlock, RDMA and the transport, the "
-             "cluster file and key, every daemon's reachability, key and clock, free space); exits 1 if a check "
+             "cluster file and key, every daemon's reachability, key and clock, free space, disk caches); exits 1 if a check "
              "fails, printing a fix for each.", moves_chunks=True)
     sp.add_argument("--json", action="store_true", help="print the checks as JSON instead of a table")
+    sp.add_argument("--cache-dir", metavar="DIR", help="check this disk cache directory too, before a mount uses it "
+                    "(the disk caches of this machine's mounts are always checked); nothing is made or changed")
+    sp.add_argument("--cache-dir-size", metavar="SIZE", help="the --cache-dir-size the mounts will be given")
 
     sp = add("keygen", cmd_keygen, "Write a new random cluster key (mode 0600).")
     sp.add_argument("file", metavar="FILE")

@@ -3,7 +3,8 @@
 Each check gives one row: pass, warn, FAIL or info, what it found, and for anything short of pass,
 the fix. Checks cost little (no test mount): FUSE (device, fusermount3, kernel), memlock, RDMA
 (pyverbs, devices, ports, the transport a mount would use and why), the cluster file and its key,
-every daemon of the cluster (reachable, authenticated, clock skew), and the state directory.
+every daemon of the cluster (reachable, authenticated, clock skew), the state directory, and the
+disk caches (--cache-dir) of this machine's mounts or the one named.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.util
 import os
 import platform
 import shutil
+import sqlite3
 import stat
 import subprocess
 import tempfile
@@ -26,7 +28,7 @@ import trio
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
 from dlfs.errors import AuthError, DlfsError, KeyExposed, ProtocolError, TransportUnavailable, Unreachable
-from dlfs.units import human_bytes
+from dlfs.units import human_bytes, human_mib
 from dlfs.wire.auth import key_exposure
 
 PASS, WARN, FAIL, INFO = "pass", "warn", "FAIL", "info"
@@ -34,6 +36,7 @@ NODE_TIMEOUT = 3.0  # per daemon: connect, handshake and one request
 SKEW_WARN, SKEW_FAIL = 0.5, 5.0  # seconds
 FREE_FAIL = 1 << 30
 MIN_USEFUL_MEMORY = 512 << 20  # a node, a mount (64 MiB cache and its overhead) and two readers
+MIN_DISK_CACHE = 1 << 30  # a disk cache that can hold less keeps too little of a dataset to matter
 
 
 @dataclass
@@ -418,8 +421,72 @@ def check_state_dir(home: Path) -> Check:
     return Check("state directory", PASS, text)
 
 
+def check_disk_cache(root: Path, size: int | None = None) -> Check:
+    """A disk cache directory (--cache-dir) as a mount would find it: this user's, private, writable,
+    of this dlfs's format, and with room to keep something (`size`: a --cache-dir-size to be given)."""
+    from dlfs.mount.diskcache import FREE_SHARE, SCHEMA, contents, room_left
+    from dlfs.private import OTHERS
+
+    name = f"disk cache {root}"
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.lstat(where)
+        usage = shutil.disk_usage(where)
+        held = contents(root) if where == root else None
+    except (OSError, sqlite3.Error) as exc:
+        return Check(name, FAIL, f"{where}: {getattr(exc, 'strerror', None) or exc}",
+                     f"check the directory, or remove it (rm -r {root}) and let the next mount make it")
+    if where == root and (stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)):
+        return Check(name, FAIL, "not a directory (a symlink is not taken)", "name the directory itself")
+    if where == root and st.st_uid != os.geteuid():
+        return Check(name, FAIL, f"belongs to uid {st.st_uid}: a mount as uid {os.geteuid()} refuses it",
+                     f"chown -R {os.geteuid()} {root}, or name a directory of this user's")
+    if not os.access(where, os.W_OK | os.X_OK):
+        return Check(name, FAIL, f"{where} is not writable by uid {os.geteuid()}", "name a directory this user can write")
+    if held is not None and held.schema not in (None, SCHEMA):
+        return Check(name, FAIL, f"holds a disk cache of another format ({held.schema}; this dlfs reads {SCHEMA})",
+                     f"remove it: rm -r {root}")
+    bound = size if size is not None else held.size if held is not None else None
+    has = (f"holds {human_bytes(held.bytes)} in {held.chunks:,} chunk{'s' * (held.chunks != 1)}"
+           if held is not None and held.chunks else
+           "empty" if where == root else "not made yet (the first mount makes it, mode 0700)")
+    disk = f"{human_bytes(usage.free)} free of {human_bytes(usage.total)} on its file system"
+    if bound is None:
+        room = room_left(where) + (held.bytes if held is not None else 0)
+        if room < MIN_DISK_CACHE:  # what it holds and could still take
+            return Check(name, WARN, f"{has}; {disk}: with no --cache-dir-size it keeps {FREE_SHARE:.0%} of it "
+                         f"free, so it can hold {human_bytes(max(room, 0))} in all",
+                         "free space there, or give the mounts (and dlfs warmup) --cache-dir-size")
+        detail = f"{has}; may grow to {human_bytes(room)} (keeps {FREE_SHARE:.0%} of its file system free); {disk}"
+    else:
+        detail = f"{has}; --cache-dir-size {human_mib(bound)}; {disk}"
+        if bound - (held.bytes if held is not None else 0) > usage.free:
+            return Check(name, WARN, detail + ": the disk fills before the cache does (each write then "
+                         "evicts)", "free space there, or give a smaller --cache-dir-size")
+    if where == root and st.st_mode & OTHERS:
+        return Check(name, WARN, f"{has}, mode {stat.S_IMODE(st.st_mode):04o}: others can read the dataset's "
+                     "bytes until a mount tightens it", f"chmod 700 {root}")
+    return Check(name, PASS, detail)
+
+
+def check_disk_caches(home: Path, extra: Path | None = None, size: int | None = None) -> list[Check]:
+    """The disk caches of this machine's mounts, and `extra` (doctor's --cache-dir)."""
+    from dlfs.mount.records import mount_states
+
+    named: dict[Path, int | None] = {}
+    for m in mount_states(home, clean=False):
+        if m.record.cache_dir:
+            named.setdefault(Path(m.record.cache_dir), None)  # its size is in the catalogue
+    if extra is not None:
+        named[extra.absolute()] = size
+    return [check_disk_cache(root, bound) for root, bound in sorted(named.items())]
+
+
 # --- all of it ---------------------------------------------------------------------------------
-def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> list[Check]:
+def run_checks(home: Path, cluster_file: str | None, transport: str | None, cache_dir: Path | None = None,
+               cache_dir_size: int | None = None) -> list[Check]:
     rows = [check_fuse_device(), check_fusermount(), check_kernel_fuse(), check_native(), check_engine(),
             check_cache_pages(), check_memory()]
     cluster, cluster_rows = load_for_doctor(cluster_file, home)
@@ -429,6 +496,7 @@ def run_checks(home: Path, cluster_file: str | None, transport: str | None) -> l
         rows += trio.run(check_nodes, cluster)
         rows += trio.run(check_etcd, cluster)
     rows.append(check_state_dir(home))
+    rows += check_disk_caches(home, cache_dir, cache_dir_size)
     return rows
 
 

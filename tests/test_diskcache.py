@@ -482,6 +482,10 @@ def test_warmup_of_paths_beside_a_running_mount(dataset: tuple[Node, dict[str, b
         epoch(mnt, chosen)  # the running mount finds what warmup wrote: one catalogue
         sources = wait_stats(node, mnt, sum(map(len, chosen.values())))
         assert network_bytes(sources) == 0, sources
+        # `dlfs doctor` checks the disk caches of this machine's mounts without being told them.
+        rows = {r["check"]: r for r in json.loads(node.run("doctor", "--json", check=False).stdout)["checks"]}
+        row = rows[f"disk cache {cache_dir}"]
+        assert row["status"] == "pass" and "holds" in row["detail"] and "--cache-dir-size 1024 MiB" in row["detail"], row
     finally:
         node.umount(mnt)
     bad = node.run("warmup", "imgs", "nope", "--cache-dir", cache_dir, check=False)

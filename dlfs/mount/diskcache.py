@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from dlfs.errors import NO_ROOM, UsageError
@@ -91,6 +92,41 @@ def check_cache_dir(root: Path) -> Path:
     if not os.access(root, os.W_OK | os.X_OK):
         raise UsageError(f"--cache-dir {root} is not writable")
     return root
+
+
+def room_left(root: Path) -> int:
+    """Bytes a cache with no --cache-dir-size may still take on `root`'s file system before it leaves
+    less than FREE_SHARE of it free (negative: that much over)."""
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize - int(st.f_blocks * st.f_frsize * FREE_SHARE)
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a disk cache directory's catalogue says it holds (`dlfs doctor`)."""
+
+    schema: int | None  # None: no catalogue's tables yet
+    chunks: int
+    bytes: int
+    size: int | None  # --cache-dir-size as last given; None: bounded by the file system's free share
+
+
+def contents(root: Path) -> Contents | None:
+    """What the disk cache in `root` holds, read without writing to it; None where there is no catalogue."""
+    path = root / CATALOGUE
+    if not path.is_file():
+        return None
+    db = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=BUSY_MS / 1000)
+    try:
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        chunks = int(db.execute("SELECT count(*) FROM chunks").fetchone()[0])
+    except sqlite3.OperationalError:  # no tables: made, never written
+        return Contents(None, 0, 0, None)
+    finally:
+        db.close()
+    schema = int(meta["schema"]) if "schema" in meta else None
+    size = int(meta["size"]) if "size" in meta else None
+    return Contents(schema, chunks, int(meta.get("bytes", 0)), size)
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -536,8 +572,7 @@ class DiskCache:
         bound = self.size_bound()
         if bound is not None:
             return self.held_bytes() - bound
-        st = os.statvfs(self.root)
-        excess = int(st.f_blocks * st.f_frsize * FREE_SHARE) - st.f_bavail * st.f_frsize
+        excess = -room_left(self.root)
         if excess > self.held_bytes() and not self._said_full:  # evicting all it holds would not be enough
             self._said_full = True
             log.warning("disk cache %s: its file system has less than %d%% free, so it keeps next to nothing; free "
