@@ -424,7 +424,7 @@ def check_state_dir(home: Path) -> Check:
 def check_disk_cache(root: Path, size: int | None = None) -> Check:
     """A disk cache directory (--cache-dir) as a mount would find it: this user's, private, writable,
     of this dlfs's format, and with room to keep something (`size`: a --cache-dir-size to be given)."""
-    from dlfs.mount.diskcache import FREE_SHARE, SCHEMA, contents, room_left
+    from dlfs.mount.diskcache import FREE_SHARE, SCHEMA, contents, damaged, room_left
     from dlfs.private import OTHERS
 
     name = f"disk cache {root}"
@@ -436,6 +436,9 @@ def check_disk_cache(root: Path, size: int | None = None) -> Check:
         usage = shutil.disk_usage(where)
         held = contents(root) if where == root else None
     except (OSError, sqlite3.Error) as exc:
+        if isinstance(exc, sqlite3.DatabaseError) and damaged(exc):
+            return Check(name, WARN, f"its catalogue is damaged ({exc}): the next mount or warmup sets it aside "
+                         "and starts empty", f"nothing to do; or rm -r {root} now")
         return Check(name, FAIL, f"{where}: {getattr(exc, 'strerror', None) or exc}",
                      f"check the directory, or remove it (rm -r {root}) and let the next mount make it")
     if where == root and (stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)):

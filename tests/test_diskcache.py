@@ -281,6 +281,32 @@ def test_drop_forgets_a_chunk_at_once(tmp_path: Path) -> None:
     assert consistent(cache.root) == 10_000
 
 
+@pytest.mark.parametrize("harm", ["garbage", "torn"])
+def test_a_damaged_catalogue_is_set_aside_and_the_cache_starts_empty(tmp_path: Path, harm: str,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A catalogue SQLite cannot read (garbage over it, or torn: its first page overwritten) made every
+    mount and warmup of the directory die with a traceback; now it is kept aside for a look, the chunk
+    files it listed go (nothing says which of their bytes are whole), and the cache works again."""
+    cache = bounded(tmp_path / "c")
+    for i in range(3):
+        cache.store(cid_of(i), [(0, 50_000)], [content(cid_of(i), 0, 50_000)])
+    cache.close()
+    db_path = tmp_path / "c" / CATALOGUE
+    size = db_path.stat().st_size
+    with open(db_path, "r+b") as f:
+        f.write(os.urandom(size if harm == "garbage" else 4096))
+    cache = bounded(tmp_path / "c")
+    assert "its catalogue is damaged" in caplog.text and "3 chunk files removed; starting empty" in caplog.text
+    assert not list((tmp_path / "c" / "chunks").glob("*/*"))
+    aside = tmp_path / "c" / f"{CATALOGUE}.damaged"
+    assert aside.stat().st_size == size and stat.S_IMODE(aside.stat().st_mode) == 0o600
+    assert read(cache, cid_of(0), [(0, 10)]) is None
+    cache.store(cid_of(0), [(0, 50_000)], [content(cid_of(0), 0, 50_000)])
+    assert read(cache, cid_of(0), [(0, 50_000)]) == [content(cid_of(0), 0, 50_000)]
+    cache.close()
+    assert consistent(tmp_path / "c") == 50_000
+
+
 def test_full_disk_evicts_and_never_fails(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

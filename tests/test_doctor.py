@@ -309,6 +309,9 @@ def test_disk_cache_check_says_what_a_mount_would_find(tmp_path: Path) -> None:
     db.close()
     row = doctor.check_disk_cache(root)
     assert row.status == "FAIL" and "another format (99" in row.detail and row.fix.endswith(f"rm -r {root}"), row
+    (root / "catalogue.db").write_bytes(os.urandom(8192))  # damaged: a mount sets it aside and starts over
+    row = doctor.check_disk_cache(root)
+    assert row.status == "warn" and "catalogue is damaged" in row.detail and "starts empty" in row.detail, row
     (tmp_path / "file").write_text("x")
     assert doctor.check_disk_cache(tmp_path / "file").status == "FAIL"
 

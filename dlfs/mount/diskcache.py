@@ -129,6 +129,11 @@ def contents(root: Path) -> Contents | None:
     return Contents(schema, chunks, int(meta.get("bytes", 0)), size)
 
 
+def damaged(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite's word that a catalogue is not a database, or is one no longer whole."""
+    return getattr(exc, "sqlite_errorcode", None) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
 def _disk_full(exc: BaseException) -> bool:
     """ENOSPC or EDQUOT on a chunk file, or SQLITE_FULL on the catalogue: no room, not a fault."""
     if isinstance(exc, sqlite3.OperationalError):
@@ -215,20 +220,14 @@ class DiskCache:
         self.root = check_cache_dir(root)
         self.chunk_dir = private_dirs(root / "chunks")
         self.db_path = root / CATALOGUE
-        # Made 0600 before SQLite opens it: its -wal and -shm files take the database's mode.
-        os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
         self._local = threading.local()  # one connection per thread (SQLite's rule)
-        with self._txn() as db:
-            found = self._schema(db)
-            if found is None:
-                for statement in filter(str.strip, _TABLES.split(";")):
-                    db.execute(statement)
-                db.execute("INSERT INTO meta VALUES ('schema', ?), ('bytes', 0)", (SCHEMA,))
-            elif found != SCHEMA:
-                raise UsageError(f"--cache-dir {root} holds a disk cache of another format ({found}, this dlfs "
-                                 f"reads {SCHEMA}): remove it (`rm -r {root}`) or name another")
-            if size is not None:  # the last size given holds for every process using the directory
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('size', ?)", (size,))
+        try:
+            self._open_catalogue(size)
+        except sqlite3.DatabaseError as exc:
+            if not damaged(exc):
+                raise
+            self._start_over(exc)
+            self._open_catalogue(size)
         self.slot_bytes = slot_bytes
         self._slots: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._nslots = 0  # buffers made so far (lazily: an idle cache costs no memory)
@@ -253,6 +252,42 @@ class DiskCache:
         self.dropped = self.evicted = self.evicted_bytes = self.corrupt = self.full = self.errors = 0
 
     # --- the catalogue ---
+
+    def _open_catalogue(self, size: int | None) -> None:
+        """The catalogue opened (made with its tables where new); `size` noted as the bound."""
+        # Made 0600 before SQLite opens it: its -wal and -shm files take the database's mode.
+        os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
+        with self._txn() as db:
+            found = self._schema(db)
+            if found is None:
+                for statement in filter(str.strip, _TABLES.split(";")):
+                    db.execute(statement)
+                db.execute("INSERT INTO meta VALUES ('schema', ?), ('bytes', 0)", (SCHEMA,))
+            elif found != SCHEMA:
+                raise UsageError(f"--cache-dir {self.root} holds a disk cache of another format ({found}, this dlfs "
+                                 f"reads {SCHEMA}): remove it (`rm -r {self.root}`) or name another")
+            if size is not None:  # the last size given holds for every process using the directory
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('size', ?)", (size,))
+
+    def _start_over(self, exc: sqlite3.DatabaseError) -> None:
+        """A damaged catalogue set aside (kept as catalogue.db.damaged, for a look), the chunk files it
+        listed removed (nothing can say which bytes in them were written whole), the cache empty."""
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                os.replace(f"{self.db_path}{suffix}", f"{self.db_path}.damaged{suffix}")
+            except FileNotFoundError:
+                pass  # (another process of this directory's got there first)
+        removed = 0
+        for sub in list(self.chunk_dir.iterdir()):
+            for f in list(sub.iterdir()) if sub.is_dir() else [sub]:
+                f.unlink(missing_ok=True)
+                removed += 1
+        log.warning("disk cache %s: its catalogue is damaged (%s): set aside as %s.damaged, its %d chunk files "
+                    "removed; starting empty", self.root, exc, CATALOGUE, removed)
 
     def _db(self, busy_ms: int = BUSY_MS) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
