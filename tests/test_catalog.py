@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import DLFS, REPO, dlfs_env, needs_fuse, wait_for_node
@@ -159,3 +160,36 @@ def test_the_one_node_default_needs_no_etcd(tmp_path: Path) -> None:
         node.terminate()
         out = node.communicate(timeout=20)[0].decode(errors="replace")
     assert "etcd" not in out, out
+
+
+def test_collections_of_one_datasets_versions_at_once_and_a_commit_beside_them(tmp_path: Path) -> None:
+    """Two versions' collections ending at once (the follower's and the etcd engine's threads) both
+    found their dataset's directory empty and both removed it: FileNotFoundError took the daemon's task
+    down (seen in CI). And a commit's rename must not find its directory removed under it."""
+    store = MetaStore(tmp_path / "meta")
+    errors: list[BaseException] = []
+    for round_ in range(300):
+        store.index_path("x", 1).parent.mkdir(exist_ok=True)
+        for v in (1, 2):
+            store.index_path("x", v).write_bytes(b"i")
+        staged = tmp_path / "staged"
+        staged.write_bytes(b"i")
+        gate = threading.Barrier(3)
+
+        def run(fn: Any, *args: Any) -> None:
+            gate.wait()
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the test reports whatever the race raised
+                errors.append(exc)
+
+        work = [threading.Thread(target=run, args=(store.drop_index, "x", v)) for v in (1, 2)]
+        work.append(threading.Thread(target=run, args=(store._put_in_place, staged, "x", 3, 0.0, "commit")))
+        for t in work:
+            t.start()
+        for t in work:
+            t.join()
+        assert not errors, (round_, errors)
+        assert store.index_path("x", 3).read_bytes() == b"i"  # the commit's file survived the collections
+        store.drop_index("x", 3)
+        assert not (store.index_dir / "x").exists()

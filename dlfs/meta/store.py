@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -42,6 +43,9 @@ class MetaStore:
         self.root = root
         self.index_dir = root / "index"
         private_dirs(self.index_dir)
+        # A dataset's index directory is made by a commit and removed, once empty, by a collection: from
+        # threads of their own, so one must not remove it between the other's mkdir and its rename.
+        self._dirs = threading.Lock()
         self.catalog = self._open_catalog()
         self.ingests = IngestSessions(root / "staging")
         self._learn_chunk_sets()
@@ -147,11 +151,12 @@ class MetaStore:
         synced), stamped with the version's commit time; returns where it went."""
         dest = self.index_path(name, version)
         try:
-            dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             _stamp(src, created)
             with open(src, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(src, dest)
+            with self._dirs:
+                dest.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+                os.replace(src, dest)
             _fsync_dir(dest.parent)
         except OSError as exc:
             raise os_error(exc, what) from None
@@ -251,8 +256,9 @@ class MetaStore:
         self.index_path(name, version).unlink(missing_ok=True)
         self.catalog.forget_chunks(name, version)
         d = self.index_dir / name
-        if d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
+        with self._dirs:  # (two collections of one dataset's versions may end at once: one removes it)
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
 
     def has_index(self, name: str, version: int) -> bool:
         return self.index_path(name, version).exists()
@@ -286,7 +292,8 @@ class MetaStore:
         for number in versions:
             self.index_path(name, number).unlink(missing_ok=True)
         if all(v.removed for v in self.catalog.versions(name)):
-            shutil.rmtree(self.index_dir / name, ignore_errors=True)
+            with self._dirs:
+                shutil.rmtree(self.index_dir / name, ignore_errors=True)
 
     def apply_peer(self, info: VersionInfo, fetched: Path | None) -> bool:
         """Take a version a peer has: its tombstone, or (with its fetched index) the version itself.
