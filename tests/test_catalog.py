@@ -176,7 +176,7 @@ def test_collections_of_one_datasets_versions_at_once_and_a_commit_beside_them(t
         staged.write_bytes(b"i")
         gate = threading.Barrier(3)
 
-        def run(fn: Any, *args: Any) -> None:
+        def run(fn: Any, *args: Any, gate: threading.Barrier = gate) -> None:
             gate.wait()
             try:
                 fn(*args)
