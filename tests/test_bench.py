@@ -201,6 +201,8 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
         assert [p["files"] for p in points] == [2000, 5000]
         assert all(p["mount_s"] > 0 and p["remount_s"] > 0 and p["rss_stat"] > 0 for p in points)
         assert out["scale"]["rss_bytes_per_file"] is not None
+        idx = [p["index_bytes"] for p in points]  # its slope: what the pinned index adds to each file
+        assert out["scale"]["index_bytes_per_file"] == (idx[1] - idx[0]) / 3000 > 0
         assert out["targets"] and all(t["met"] in (True, False, None) for t in out["targets"])
         total = out["dataset"]["bytes"]
         for kind, modes in (("cold", ("local", "batched")), ("warm", ("local", "single", "batched")),

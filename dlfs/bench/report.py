@@ -344,6 +344,9 @@ def format_scale(out: dict[str, Any]) -> list[str]:
         lines.append(f"  resident memory per file beyond a fixed base, after the stat: "
                      f"{sc['rss_bytes_per_file']:.0f} B (first mount), "
                      f"{sc['rss_bytes_per_file_remount']:.0f} B (remount)")
+        if sc.get("index_bytes_per_file") is not None:
+            lines.append(f"  of which the index file, pinned in memory (mlock: no LOOKUP waits for the disk): "
+                         f"{sc['index_bytes_per_file']:.0f} B a file, its own size")
     lines.append("  mount: the first, which also fetches the index from the node; remount: the index is cached locally")
     return lines
 

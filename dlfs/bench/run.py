@@ -242,7 +242,8 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
             points.append(scale.measure(node, mnt_base / "scale", n, chunk))
         out["scale"] = {"per_dir": scale.PER_DIR, "points": [p.to_json() for p in points],
                         "rss_bytes_per_file": scale.bytes_per_file(points),
-                        "rss_bytes_per_file_remount": scale.bytes_per_file(points, remount=True)}
+                        "rss_bytes_per_file_remount": scale.bytes_per_file(points, remount=True),
+                        "index_bytes_per_file": scale.index_bytes_per_file(points)}
     with _sigterm_as_interrupt():  # its own node, after the main one is gone
         out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport, opts.io_uring)
     if opts.memory:  # after the main node is gone: nothing else runs beside the group

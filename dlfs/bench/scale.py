@@ -148,6 +148,13 @@ def _rss_around_stat(node: DlfsNode, mountpoint: Path, n_files: int, chunk: Fake
     return before, rss_bytes(pid)
 
 
+def index_bytes_per_file(points: list[ScalePoint]) -> float | None:
+    """The index file's own size per file, by the same slope: the mount pins it in memory (mlock, so
+    no LOOKUP waits for the disk), so it is part of what bytes_per_file counts."""
+    lo, hi = min(points, key=lambda p: p.files), max(points, key=lambda p: p.files)
+    return None if hi.files == lo.files else (hi.index_bytes - lo.index_bytes) / (hi.files - lo.files)
+
+
 def bytes_per_file(points: list[ScalePoint], remount: bool = False) -> float | None:
     """Resident memory per file beyond a fixed base: the slope of VmRSS after the stat between the
     smallest and the largest index (of the first mounts, or of the remounts); None with one size."""
