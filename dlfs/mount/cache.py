@@ -214,6 +214,10 @@ class ChunkCache:
             shuffled = self.held.partial > self._latch_partial and 2 * self.held.partial_read < 3 * self.held.partial
             # Through a daemon, a random order alone keeps the windows (a dataset that fits is read from
             # the cache the next epoch); one bigger than read-ahead is scan mode's once the threads fetch.
+            # Latching a random order there too (tried 2026-12-06, the threads fetching): on loopback the
+            # first epoch ran 4,454-4,805 files/s against 2,641-3,417 by window, the second 4,347-4,935
+            # against 6,146-6,964; across a 10 Gbit netns link 0.87-0.96 s against 0.80 s an epoch (and
+            # 1.19-1.79 s against 0.96-1.44 s with a disk cache to fill), at 1 Gbit 2.6 s against 2.8 s.
             full, in_place = self._bigger and not room, self._reads_in_place()
             if (shuffled and in_place) or (full and (in_place or self.threads_fetch)):
                 room, self.scan_latched = False, True
@@ -233,9 +237,9 @@ class ChunkCache:
         """Whether most of the latest fetches read this machine's chunk files (or the disk cache's, where
         the threads read it), which the serving threads can read themselves in scan mode. Where they came
         from replicas, each of scan mode's misses is a fetch of its own through Python, and windows are
-        worth their memory (the cold bench's small files through
-        the data daemon, --no-short-circuit: 1,233-1,624 files/s latched against 2,724-2,867 by window in
-        the first epoch, 1,445-1,498 against 5,709-5,772 in the second)."""
+        worth their memory (the cold bench's small files through the data daemon, --no-short-circuit,
+        before the threads fetched: 1,233-1,624 files/s latched against 2,724-2,867 by window in the first
+        epoch, 1,445-1,498 against 5,709-5,772 in the second; see _readahead_room for since)."""
         # The latest fetches, not all: the epoch that filled the disk cache came from replicas, the next from it.
         on_disk = {self.fetcher.local.node if self.fetcher.local is not None else None,
                    DISK_CACHE if self.threads_read_disk else None} - {None}
