@@ -47,10 +47,14 @@ def _pick(by: dict[str, Any] | None, name: str, key: str) -> float | None:
 
 
 def epoch_targets(epoch: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 12's epoch targets, the framework way of reading (open(p, "rb"), default buffering)."""
-    warm2 = epoch["warm"].get("2")
+    """Issue 12's epoch targets, the framework way of reading (open(p, "rb"), default buffering), and
+    issue 21's warm one under `dlfs run`."""
+    warm2, run2 = epoch["warm"].get("2"), epoch.get("warm_run", {}).get("2")
     rows = [target('warm epoch, open(p, "rb"), 2 readers: dlfs / local disk (hot page cache)',
-                   _ratio(_pick(warm2, "dlfs", "files_per_s"), _pick(warm2, "local", "files_per_s")), 0.8, "x")]
+                   _ratio(_pick(warm2, "dlfs", "files_per_s"), _pick(warm2, "local", "files_per_s")), 0.8, "x"),
+            # Issue 21's: both sides' readers under `dlfs run` (the preload library answers isatty()).
+            target('warm epoch under dlfs run, open(p, "rb"), 2 readers: dlfs / local disk (hot page cache)',
+                   _ratio(_pick(run2, "dlfs", "files_per_s"), _pick(run2, "local", "files_per_s")), 1.0, "x")]
     for n in ("2", "4"):
         cold = epoch["cold"].get(n)
         rows.append(target(f"cold epoch, {n} readers: dlfs / squashfuse_ll",
