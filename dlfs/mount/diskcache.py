@@ -276,6 +276,12 @@ class DiskCache:
         if db is not None:
             db.close()
             self._local.db = None
+        try:
+            contents(self.root)
+            return  # whole now: another process of this directory's started it over meanwhile
+        except sqlite3.DatabaseError as again:
+            if not damaged(again):
+                raise
         for suffix in ("", "-wal", "-shm"):
             try:
                 os.replace(f"{self.db_path}{suffix}", f"{self.db_path}.damaged{suffix}")
