@@ -18,6 +18,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -303,6 +304,12 @@ def test_a_damaged_catalogue_is_set_aside_and_the_cache_starts_empty(tmp_path: P
     assert read(cache, cid_of(0), [(0, 10)]) is None
     cache.store(cid_of(0), [(0, 50_000)], [content(cid_of(0), 0, 50_000)])
     assert read(cache, cid_of(0), [(0, 50_000)]) == [content(cid_of(0), 0, 50_000)]
+    # Another process that found the same damage a moment later finds the catalogue whole again: it
+    # leaves it, and what this one kept since, alone.
+    late = DiskCache.__new__(DiskCache)
+    late.root, late.db_path, late.chunk_dir = cache.root, cache.db_path, cache.chunk_dir
+    late._local = threading.local()
+    late._start_over(sqlite3.DatabaseError("file is not a database"))
     cache.close()
     assert consistent(tmp_path / "c") == 50_000
 
