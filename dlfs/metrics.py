@@ -217,6 +217,20 @@ class MountCollector:
         yield counter("dlfs_checksum_failures", "Fetched records that failed their checksum", s["checksum_failures"])
         yield _labelled(GaugeMetricFamily("dlfs_nodes_failing", "Nodes this mount reads last after a failure",
                                           labels=["dataset"]), ds, len(s["failing_nodes"]))
+        dc = s.get("disk_cache")
+        if dc:  # --cache-dir
+            if dc["held_bytes"] is not None:
+                yield _labelled(GaugeMetricFamily("dlfs_disk_cache_bytes", "Bytes the disk cache holds (all its users')",
+                                                  labels=["dataset"]), ds, dc["held_bytes"])
+            if dc["size_bytes"] is not None:
+                yield _labelled(GaugeMetricFamily("dlfs_disk_cache_size_bytes", "The disk cache's --cache-dir-size",
+                                                  labels=["dataset"]), ds, dc["size_bytes"])
+            yield counter("dlfs_disk_cache_written_bytes", "Bytes this mount wrote to the disk cache",
+                          dc["written_bytes"])
+            yield counter("dlfs_disk_cache_evicted_bytes", "Bytes this mount evicted from the disk cache",
+                          dc["evicted_bytes"])
+            yield counter("dlfs_disk_cache_dropped_writes", "Fetched ranges not kept in the disk cache: its writer "
+                          "was behind", dc["dropped_writes"])
 
 
 def _labelled(family: Any, values: list[str], value: float) -> Any:

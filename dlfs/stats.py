@@ -109,6 +109,21 @@ def _mbs(x: float) -> str:
     return f"{x / 1e6:.1f} MB/s"
 
 
+def disk_cache_line(dc: dict[str, Any]) -> str:
+    """The disk cache's row: held against its bound, and this mount's writes and evictions."""
+    held = "?" if dc["held_bytes"] is None else human_bytes(dc["held_bytes"])
+    if dc["size_bytes"] is not None:
+        bound = f"{held} held of its --cache-dir-size {human_mib(dc['size_bytes'])}"
+    elif dc["room_bytes"] is not None and dc["room_bytes"] < 0:
+        bound = (f"{held} held; its file system is under {dc['free_share']:.0%} free, so it keeps next to "
+                 "nothing (free space there, or give --cache-dir-size)")
+    else:
+        room = "?" if dc["room_bytes"] is None else human_bytes(dc["room_bytes"])
+        bound = f"{held} held, room for {room} more (it keeps {dc['free_share']:.0%} of its file system free)"
+    return (f"{bound}; this mount wrote {human_bytes(dc['written_bytes'])}, evicted {dc['evicted_chunks']:,} "
+            f"chunks, left {dc['dropped_writes']:,} writes unkept (the disk behind)")
+
+
 def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     """The view of one interval: a header line, the mount's figures, and bytes fetched by node."""
     from rich.console import Group
@@ -160,6 +175,10 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     t.add_row("cache held", "", f"{human_bytes(cur['cache_bytes'])} of {human_bytes(cur['cache_capacity'])}")
     t.add_row("fetched", _mbs(r.fetched_bytes), f"{human_bytes(cur['fetched_bytes'])} in {cur['fetches']:,} fetches, "
               f"{human_bytes(cur.get('in_place_bytes', 0))} read in place")
+    dc = cur.get("disk_cache")
+    if dc:  # --cache-dir: what it holds, what bounds it, what this mount wrote and evicted
+        t.add_row("disk cache", _mbs((dc["written_bytes"] - ((prev.get("disk_cache") or {}).get("written_bytes", 0)))
+                                     / r.seconds) + " written" if r.seconds else "", disk_cache_line(dc))
     t.add_row("read errors", f"{r.errors:,}", f"{cur['read_errors']:,}")
     t.add_row("failovers", f"{r.failovers:,}", f"{cur['failovers']:,}")
     t.add_row("checksum failures", f"{r.checksum_failures:,}", f"{cur['checksum_failures']:,}")
@@ -254,6 +273,23 @@ class DirectFigures(Struct, frozen=True):
     files_fetched: int
 
 
+class DiskCacheFigures(Struct, frozen=True):
+    """The mount's disk cache (--cache-dir): what it holds now (every process of the directory's), what
+    bounds it, and what this mount wrote to it and evicted from it."""
+
+    dir: str
+    held_bytes: int | None  # None: the catalogue did not answer this instant
+    size_bytes: int | None  # --cache-dir-size; None: bounded by its file system's free share instead
+    room_bytes: int | None  # with no size: what it may still take (negative: over, it keeps next to nothing)
+    written: int
+    written_bytes: int
+    evicted_chunks: int
+    evicted_bytes: int
+    dropped_writes: int  # fetched bytes not kept: the writer was behind
+    full: int  # writes that found the disk full (each evicts and tries again)
+    errors: int
+
+
 class NodeFigures(Struct, frozen=True):
     """Bytes fetched from one node (`local`: this machine's chunk files)."""
 
@@ -283,6 +319,7 @@ class StatsView(Struct, frozen=True):
     failing_nodes: list[str]
     nodes: list[NodeFigures]  # most bytes first
     thread_connections: dict[str, int] = {}  # the serving threads' connections to each data node
+    disk_cache: DiskCacheFigures | None = None  # None: the mount has no --cache-dir
 
 
 def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
@@ -317,6 +354,8 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
         failing_nodes=list(cur["failing_nodes"]), thread_connections=dict(cur.get("thread_connections", {})),
+        disk_cache=msgspec.convert({k: v for k, v in cur["disk_cache"].items() if k != "free_share"},
+                                   DiskCacheFigures) if cur.get("disk_cache") else None,
         nodes=[NodeFigures(name, r.node_bytes.get(name, 0.0), n["bytes"], n["fetches"], n["bytes"] / total)
                for name, n in sorted(cur["by_node"].items(), key=lambda kv: -kv[1]["bytes"])])
 

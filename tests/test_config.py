@@ -261,7 +261,8 @@ def test_datasets_and_stats_as_json(node: Node, tmp_path: Path) -> None:
     view = json.loads(proc.stdout)
     assert list(view) == ["dataset", "mountpoint", "pid", "started", "started_unix", "time", "time_unix",
                           "uptime_seconds", "metrics", "interval", "total", "engine", "direct", "failing_nodes",
-                          "nodes", "thread_connections"]
+                          "nodes", "thread_connections", "disk_cache"]
+    assert view["disk_cache"] is None  # no --cache-dir (test_diskcache.py has one)
     assert view["dataset"] == "pics@2" and view["mountpoint"] == str(mnt) and view["metrics"] is None
     assert abs(_unix(view["time"]) - view["time_unix"]) < 1 and abs(_unix(view["started"]) - view["started_unix"]) < 1
     assert view["uptime_seconds"] == pytest.approx(view["time_unix"] - view["started_unix"], abs=0.01)

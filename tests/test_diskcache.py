@@ -515,6 +515,12 @@ def test_warmup_of_paths_beside_a_running_mount(dataset: tuple[Node, dict[str, b
         epoch(mnt, chosen)  # the running mount finds what warmup wrote: one catalogue
         sources = wait_stats(node, mnt, sum(map(len, chosen.values())))
         assert network_bytes(sources) == 0, sources
+        # `dlfs stats` shows the disk cache: what it holds (warmup's writes too), its bound, this mount's part.
+        view = json.loads(node.run("stats", mnt, "--json").stdout)["disk_cache"]
+        assert view["dir"] == str(cache_dir) and view["size_bytes"] == 1 << 30 and view["room_bytes"] is None
+        assert view["held_bytes"] >= sum(map(len, chosen.values())) and view["dropped_writes"] == 0, view
+        table = node.run("stats", mnt).stdout
+        assert "disk cache" in table and "held of its --cache-dir-size 1024 MiB" in table, table
         # `dlfs doctor` checks the disk caches of this machine's mounts without being told them.
         rows = {r["check"]: r for r in json.loads(node.run("doctor", "--json", check=False).stdout)["checks"]}
         row = rows[f"disk cache {cache_dir}"]

@@ -113,3 +113,26 @@ def test_stats_of_a_real_mount(node: Node, tmp_path: Path) -> None:
 def test_stats_usage_errors(tmp_path: Path) -> None:
     bad = run_dlfs(tmp_path, "stats", tmp_path, "--interval", "0", check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "dlfs: error: --interval must be more than 0 seconds"
+
+
+def test_the_disk_cache_row_says_what_bounds_it() -> None:
+    from dlfs.metrics import MountCollector
+    from dlfs.stats import disk_cache_line
+
+    dc = {"dir": "/c", "held_bytes": 2_000_000, "size_bytes": 64 << 20, "room_bytes": None, "free_share": 0.1,
+          "written": 3, "written_bytes": 1_500_000, "evicted_chunks": 2, "evicted_bytes": 9, "dropped_writes": 1,
+          "full": 0, "errors": 0}
+    assert disk_cache_line(dc).startswith("2.0 MB held of its --cache-dir-size 64 MiB; this mount wrote 1.5 MB, "
+                                          "evicted 2 chunks, left 1 writes unkept")
+    free = dict(dc, size_bytes=None, room_bytes=5_000_000_000)
+    assert "room for 5.0 GB more (it keeps 10% of its file system free)" in disk_cache_line(free)
+    # With no size, a file system under its free share keeps nothing: the row says so, and what to do.
+    full = dict(dc, size_bytes=None, room_bytes=-1)
+    assert "under 10% free, so it keeps next to nothing (free space there, or give --cache-dir-size)" in \
+        disk_cache_line(full)
+    snap = _sample(dataset="d@1", fetch_seconds={"counts": [0], "sum": 0.0}, cache_bytes=0, cache_capacity=1,
+                   failing_nodes=[], disk_cache=dc)
+    names = {s.name: s.value for m in MountCollector(lambda: snap).collect() for s in m.samples}
+    assert names["dlfs_disk_cache_bytes"] == 2_000_000 and names["dlfs_disk_cache_size_bytes"] == 64 << 20
+    assert names["dlfs_disk_cache_written_bytes_total"] == 1_500_000
+    assert names["dlfs_disk_cache_dropped_writes_total"] == 1

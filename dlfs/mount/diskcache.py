@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dlfs.errors import NO_ROOM, UsageError
 from dlfs.mount.localchunks import DIRECT_ALIGN, DiskQueue, _pread_uncached, _read_window, direct_span
@@ -695,6 +696,19 @@ class DiskCache:
         if db is not None:
             db.close()
             self._local.db = None  # what it holds may still be asked (held_bytes), on a new connection
+
+    def status(self) -> dict[str, Any]:
+        """What the cache holds now and what bounds it, with this process's counts (`dlfs stats`): the
+        catalogue's figures (a read: no writer waits for it) and, with no size, the file system's room."""
+        try:
+            held, bound = self.held_bytes(), self.size_bound()
+        except sqlite3.Error:
+            held, bound = None, None  # (busy or broken this instant: the next sample says)
+        return {"dir": str(self.root), "held_bytes": held, "size_bytes": bound,
+                "room_bytes": room_left(self.root) if bound is None else None, "free_share": FREE_SHARE,
+                "written": self.written, "written_bytes": self.written_bytes, "evicted_chunks": self.evicted,
+                "evicted_bytes": self.evicted_bytes, "dropped_writes": self.dropped, "full": self.full,
+                "errors": self.errors}
 
     def stats(self) -> dict[str, int]:
         return {"disk_cache_hits": self.hits, "disk_cache_misses": self.misses, "disk_cache_hit_bytes": self.hit_bytes,

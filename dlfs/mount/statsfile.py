@@ -104,6 +104,7 @@ class MountStats:
             # the serving threads' connections to each data node (scan mode's fetches), where they fetch
             "thread_connections": {n: r["open"] for n, r in threads.items() if r["open"]},
             "failovers": c.fetcher.failovers, "checksum_failures": c.fetcher.corrupt,
+            "disk_cache": c.fetcher.disk.status() if c.fetcher.disk is not None else None,
             "failing_nodes": sorted(self.client.health),
             **(self.control.stats() if self.control is not None else {}),
         }
