@@ -700,8 +700,10 @@ class DiskCache:
     def status(self) -> dict[str, Any]:
         """What the cache holds now and what bounds it, with this process's counts (`dlfs stats`): the
         catalogue's figures (a read: no writer waits for it) and, with no size, the file system's room."""
-        try:
-            held, bound = self.held_bytes(), self.size_bound()
+        try:  # (on the event loop: a lookup's short wait, not a writer's)
+            db = self._db(LOOKUP_BUSY_MS)
+            meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('bytes', 'size')").fetchall())
+            held, bound = int(meta["bytes"]), (int(meta["size"]) if "size" in meta else None)
         except sqlite3.Error:
             held, bound = None, None  # (busy or broken this instant: the next sample says)
         return {"dir": str(self.root), "held_bytes": held, "size_bytes": bound,
