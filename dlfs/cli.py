@@ -1067,8 +1067,9 @@ def cmd_csi(args: argparse.Namespace) -> int:
     _setup_logging(args, "INFO")
     home = home_dir(args.home)
     state = Path(args.state) if args.state else home / "csi"
+    cache_dir, cache_dir_size = _cache_dir_options(args)
     run_plugin(home, args.cluster or os.environ.get("DLFS_CLUSTER"), args.endpoint, args.node_id or socket.gethostname(),
-               state.absolute(), args.mount_timeout)
+               state.absolute(), args.mount_timeout, cache_dir, cache_dir_size)
     return 0
 
 
@@ -1308,6 +1309,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the shared mounts go, one per dataset version (default $DLFS_HOME/csi)")
     sp.add_argument("--mount-timeout", type=float, default=120.0, metavar="SECONDS",
                     help="how long a new mount may take to be ready (default 120)")
+    sp.add_argument("--cache-dir", metavar="DIR", help="a disk cache on this node's local disk for every mount "
+                    "the plugin makes (dlfs mount --cache-dir): the node's setting, not a volume's")
+    sp.add_argument("--cache-dir-size", metavar="SIZE", help="the most the disk cache holds (default: it keeps "
+                    "10%% of its file system free)")
     return p
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import DLFS, REPO, dlfs_env, force_unmount, needs_fuse, pid_alive, running_node
+from conftest import DLFS, REPO, dlfs_env, force_unmount, needs_fuse, pid_alive, run_dlfs, running_node
 
 from dlfs.csi import DRIVER_NAME
 from dlfs.csi import csi_pb2 as pb
@@ -69,10 +70,10 @@ class Plugin:
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([*DLFS, "csi", "--endpoint", f"unix://{self.socket}", "--node-id", "worker-1",
-                                          "--state", str(self.state)], env=dlfs_env(self.home), stdout=log,
+                                          "--state", str(self.state), *extra], env=dlfs_env(self.home), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
         self.channel = grpc.insecure_channel(f"unix://{self.socket}")
         self.identity = pb_grpc.IdentityStub(self.channel)
@@ -364,3 +365,28 @@ def test_a_mount_whose_process_died_is_replaced(cluster: Cluster, plugin: Plugin
     for t in (t3, t1, t2):
         plugin.unpublish(t)
     assert shown("csi-imgs@1") == {} and not staging.exists()
+
+
+def test_the_nodes_disk_cache_goes_to_every_mount_the_plugin_makes(cluster: Cluster, tmp_path: Path) -> None:
+    """`dlfs csi --cache-dir` (a node's local disk, the admin's flag, not a volume attribute): each mount
+    the plugin makes gets it; a directory a mount would refuse stops the plugin in one line at start."""
+    cache = tmp_path / "disk-cache"
+    p = Plugin(cluster.node.home, tmp_path)
+    p.start("--cache-dir", str(cache), "--cache-dir-size", "1G")
+    try:
+        target = pod_target(tmp_path, "pod-cached")
+        p.publish(target, {"dataset": "csi-imgs"})
+        assert reads_source(target, cluster.src)
+        mounts = json.loads(run_dlfs(cluster.node.home, "mounts", "--json").stdout)["mounts"]
+        made = [m for m in mounts if m["mountpoint"].startswith(str(p.state))]
+        assert made and all(m["cache_dir"] == str(cache) and m["cache_dir_size"] == 1 << 30 for m in made), mounts
+        assert (cache / "catalogue.db").is_file() and stat.S_IMODE(cache.stat().st_mode) == 0o700
+        p.unpublish(target)
+    finally:
+        rc = p.stop()
+        left = force_unmount(tmp_path)
+        assert rc == 0 and not left, (rc, left, p.log.read_text()[-3000:])
+    (tmp_path / "a-file").write_text("x")
+    bad = run_dlfs(cluster.node.home, "csi", "--endpoint", f"unix://{tmp_path / 'b.sock'}", "--state",
+                   str(tmp_path / "state-b"), "--cache-dir", str(tmp_path / "a-file"), check=False, timeout=30)
+    assert bad.returncode == 2 and "is not a directory" in bad.stderr, bad

@@ -43,12 +43,13 @@ def lock_state(state: Path) -> int:
 
 
 def run_plugin(home: Path, cluster_file: str | None, endpoint: str, node_id: str, state: Path,
-               mount_timeout: float) -> None:
-    """Serve the Identity and Node services at `endpoint` until SIGTERM or SIGINT."""
+               mount_timeout: float, cache_dir: Path | None = None, cache_dir_size: int | None = None) -> None:
+    """Serve the Identity and Node services at `endpoint` until SIGTERM or SIGINT; the mounts made get
+    `cache_dir` (and its size) as their disk cache, where given."""
     path = socket_path(endpoint)
     lock_fd = lock_state(state)
     try:
-        volumes = NodeVolumes(home, state, cluster_file, mount_timeout)
+        volumes = NodeVolumes(home, state, cluster_file, mount_timeout, cache_dir, cache_dir_size)
         volumes.sweep()  # staging mounts a stopped plugin left with no pod on them
         problem = node_problem()
         if problem is not None:
@@ -69,8 +70,8 @@ def run_plugin(home: Path, cluster_file: str | None, endpoint: str, node_id: str
         if bound == 0:
             raise UsageError(f"cannot listen on {path} (a Unix socket path is at most 107 bytes)")
         server.start()
-        log.info("%s: node %s, serving CSI on %s (mounts under %s)", DRIVER_NAME, node_id, path,
-                 volumes.staging_root)
+        log.info("%s: node %s, serving CSI on %s (mounts under %s%s)", DRIVER_NAME, node_id, path,
+                 volumes.staging_root, f", disk cache {cache_dir}" if cache_dir is not None else "")
         # In slices: a signal the kernel hands to a gRPC thread runs its handler only when this thread
         # next runs Python, which a wait with no end never does.
         while not signalled:

@@ -133,8 +133,12 @@ class NodeVolumes:
     """Publish and unpublish on this node. One lock per target path and one per dataset version
     (always taken in that order): concurrent calls for one target or one version run one at a time."""
 
-    def __init__(self, home: Path, state: Path, cluster_file: str | None, mount_timeout: float = MOUNT_TIMEOUT) -> None:
+    def __init__(self, home: Path, state: Path, cluster_file: str | None, mount_timeout: float = MOUNT_TIMEOUT,
+                 cache_dir: Path | None = None, cache_dir_size: int | None = None) -> None:
         self.home, self.cluster_file, self.mount_timeout = home, cluster_file, mount_timeout
+        # The node's disk cache, shared by every mount made here (a plugin flag: a volume's attributes,
+        # which any PersistentVolume's author writes, must not choose a path in this privileged container).
+        self.cache_dir, self.cache_dir_size = cache_dir, cache_dir_size
         self.staging_root = private_dirs(state / "mounts")
         self.targets = KeyedLocks("target", mount_timeout + CATALOG_TIMEOUT + 30)
         self.versions = KeyedLocks("dataset", mount_timeout + 30)
@@ -235,7 +239,12 @@ class NodeVolumes:
         cmd = [sys.executable, "-m", "dlfs", "--home", str(self.home)]
         if self.cluster_file:
             cmd += ["--cluster", self.cluster_file]
-        cmd += ["mount", "--cache-size", spec.cache_size, "--readahead", spec.readahead, label, str(staging)]
+        cmd += ["mount", "--cache-size", spec.cache_size, "--readahead", spec.readahead]
+        if self.cache_dir is not None:
+            cmd += ["--cache-dir", str(self.cache_dir)]
+            if self.cache_dir_size is not None:
+                cmd += ["--cache-dir-size", str(self.cache_dir_size)]
+        cmd += [label, str(staging)]
         try:
             proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=self.mount_timeout)
