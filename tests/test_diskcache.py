@@ -314,6 +314,32 @@ def test_a_damaged_catalogue_is_set_aside_and_the_cache_starts_empty(tmp_path: P
     assert consistent(tmp_path / "c") == 50_000
 
 
+def test_a_catalogue_damaged_under_a_running_cache_stops_its_use_in_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Damaged while this process uses it (not at open): each write batch logged a warning and each lookup
+    counted an error, for the mount's life. Now the first says so once and the cache is let be; the next
+    process to open it starts it over."""
+    cache = bounded(tmp_path / "c")
+    for i in range(5):
+        cache.store(cid_of(i), [(0, 50_000)], [content(cid_of(i), 0, 50_000)])
+    db_path = tmp_path / "c" / CATALOGUE
+    with closing(sqlite3.connect(db_path)) as other:  # its pages in the main file, none left in the WAL
+        other.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db_path.write_bytes(os.urandom(db_path.stat().st_size))
+    for i in range(5):
+        assert read(cache, cid_of(i), [(0, 10)]) is None
+        assert not cache.put(cid_of(10 + i), [(0, 10_000)], [content(cid_of(10 + i), 0, 10_000)])
+    assert cache.broken == "file is not a database"
+    assert caplog.text.count("its catalogue is damaged") == 1, caplog.text
+    assert cache.status()["broken"] == "file is not a database"
+    cache.close()
+    again = bounded(tmp_path / "c")  # the next process: set aside, empty, working
+    assert "set aside as catalogue.db.damaged" in caplog.text
+    again.store(cid_of(1), [(0, 50_000)], [content(cid_of(1), 0, 50_000)])
+    assert read(again, cid_of(1), [(0, 50_000)]) == [content(cid_of(1), 0, 50_000)]
+    again.close()
+
+
 def test_full_disk_evicts_and_never_fails(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

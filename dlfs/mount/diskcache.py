@@ -244,6 +244,9 @@ class DiskCache:
         self._writer: threading.Thread | None = None
         self._closed = False
         self._said_full = False
+        # Why the catalogue stopped answering while this process used it (damaged under it): from then
+        # on this process neither reads nor writes the cache; the next one to open it starts it over.
+        self.broken: str | None = None
         self.disk = DiskQueue()
         # Told (chunk, its file's name, or None: none now) whenever this process writes, evicts or drops a
         # chunk's file: the mount's serving threads read files by name (diskreads.py). From the writer
@@ -269,6 +272,17 @@ class DiskCache:
                                  f"reads {SCHEMA}): remove it (`rm -r {self.root}`) or name another")
             if size is not None:  # the last size given holds for every process using the directory
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('size', ?)", (size,))
+
+    def note_damage(self, exc: BaseException) -> bool:
+        """Whether `exc` says the catalogue is damaged; the first time, this process stops using the cache
+        (one warning line, not one per write)."""
+        if not (isinstance(exc, sqlite3.DatabaseError) and damaged(exc)):
+            return False
+        if self.broken is None:
+            self.broken = str(exc)
+            log.warning("disk cache %s: its catalogue is damaged (%s): this process stops using it; the next mount "
+                        "or warmup sets it aside and starts over", self.root, exc)
+        return True
 
     def _start_over(self, exc: sqlite3.DatabaseError) -> None:
         """A damaged catalogue set aside (kept as catalogue.db.damaged, for a look), the chunk files it
@@ -374,13 +388,14 @@ class DiskCache:
                    urgent: bool = True, order: int | None = None) -> list[memoryview] | None:
         """The ranges of chunk `cid` (the first into `into` when given), unchecked (the caller checks
         them, and calls drop() if they are bad), if this cache holds them all; None otherwise."""
-        if self._closed:
+        if self._closed or self.broken:
             return None
         try:
             path = self.lookup(cid, ranges)
         except sqlite3.Error as exc:
             self.errors += 1
-            log.debug("disk cache lookup of chunk %s: %s", cid.hex(), exc)
+            if not self.note_damage(exc):
+                log.debug("disk cache lookup of chunk %s: %s", cid.hex(), exc)
             return None
         if path is None or path.name in self._bad:
             self.misses += 1
@@ -421,7 +436,7 @@ class DiskCache:
         a free buffer (a small write: one of its own size); never waits: False (dropped) when every buffer
         is taken (small writes: when they fill what the buffers would hold) or they do not fit."""
         n = sum(len(p) for p in pieces)
-        if self._closed or n > self.slot_bytes:
+        if self._closed or self.broken or n > self.slot_bytes:
             return False
         if n <= self.slot_bytes // SMALL_WRITE:
             if not self._own(n):
@@ -448,7 +463,7 @@ class DiskCache:
     def put_record(self, cid: bytes, offset: int, data: bytearray) -> bool:
         """put() of one record's verified bytes in a buffer of their own, which the writer takes as it is
         (a record the serving threads fetched: diskreads.py); False if dropped."""
-        if self._closed or not self._own(len(data)):
+        if self._closed or self.broken or not self._own(len(data)):
             return False
         self._start_writer()
         self._jobs.put(("own", cid, [(offset, len(data))], data))
@@ -486,18 +501,21 @@ class DiskCache:
                     if kind in WRITES and isinstance(buf, bytearray)]
             kind, cid, _, name = jobs[-1] if jobs else ("", b"", [], None)
             try:
-                if puts:
+                if self.broken:
+                    pass  # (what was queued before it broke is let go: the buffers go back below)
+                elif puts:
                     self.store_many([(cid, ranges, _pieces(buf, ranges)) for _, cid, ranges, buf in puts])
-                if kind == "drop":
+                if kind == "drop" and not self.broken:
                     assert isinstance(name, str)
                     self._drop_chunk(cid, name)
                     self._bad.discard(name)
-                if kind in ("", "stop") or time.monotonic() - last_flush >= FLUSH_EVERY:
+                if not self.broken and (kind in ("", "stop") or time.monotonic() - last_flush >= FLUSH_EVERY):
                     self._flush_used()
                     last_flush = time.monotonic()
             except (OSError, sqlite3.Error) as exc:
                 self.errors += 1
-                log.warning("disk cache %s: %s", self.root, exc)
+                if not self.note_damage(exc):
+                    log.warning("disk cache %s: %s", self.root, exc)
             finally:
                 for kind, _, _, buf in puts:  # each taken job's buffer back once (none after an idle wait)
                     if kind == "put":
@@ -686,11 +704,12 @@ class DiskCache:
             self._writer.join(CLOSE_TIMEOUT)
             if self._writer.is_alive():
                 log.warning("disk cache %s: writes still queued after %g s; left unwritten", self.root, CLOSE_TIMEOUT)
-        else:
+        elif not self.broken:
             try:
                 self._flush_used()
             except sqlite3.Error as exc:
-                log.warning("disk cache %s: %s", self.root, exc)
+                if not self.note_damage(exc):
+                    log.warning("disk cache %s: %s", self.root, exc)
         self.disk.close()
         db = getattr(self._local, "db", None)
         if db is not None:
@@ -701,12 +720,15 @@ class DiskCache:
         """What the cache holds now and what bounds it, with this process's counts (`dlfs stats`): the
         catalogue's figures (a read: no writer waits for it) and, with no size, the file system's room."""
         try:  # (on the event loop: a lookup's short wait, not a writer's)
+            if self.broken:
+                raise sqlite3.DatabaseError(self.broken)  # (asked no more)
             db = self._db(LOOKUP_BUSY_MS)
             meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('bytes', 'size')").fetchall())
             held, bound = int(meta["bytes"]), (int(meta["size"]) if "size" in meta else None)
-        except sqlite3.Error:
+        except sqlite3.Error as exc:
+            self.note_damage(exc)
             held, bound = None, None  # (busy or broken this instant: the next sample says)
-        return {"dir": str(self.root), "held_bytes": held, "size_bytes": bound,
+        return {"dir": str(self.root), "broken": self.broken, "held_bytes": held, "size_bytes": bound,
                 "room_bytes": room_left(self.root) if bound is None else None, "free_share": FREE_SHARE,
                 "written": self.written, "written_bytes": self.written_bytes, "evicted_chunks": self.evicted,
                 "evicted_bytes": self.evicted_bytes, "dropped_writes": self.dropped, "full": self.full,

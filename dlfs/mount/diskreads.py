@@ -81,6 +81,17 @@ class DiskReads:
                     self._told[ci] = tag
         return len(held)
 
+    def forget_all(self) -> None:
+        """Tell the threads to read none of the cache's files any more."""
+        assert native is not None
+        with self._lock:
+            try:
+                for ci in self._told:
+                    native.dcache_set(ci, 0)
+            except OSError:
+                return  # (closed with the engine: nothing reads it anyway)
+            self._told.clear()
+
     def start_keeping(self) -> None:
         """The serving threads fetch from the data daemons too (remotereads.py): what they fetch is offered
         here and written to the disk cache by a thread of its own, as Python's own fetches are."""
@@ -113,11 +124,15 @@ class DiskReads:
         assert native is not None
         while native.engine_running():
             await trio.sleep(REFRESH_EVERY)
+            if self.disk.broken:  # damaged under this mount (diskcache.py said so once): nothing more read
+                self.forget_all()
+                continue
             try:
                 told = await trio.to_thread.run_sync(self.refresh)
             except Exception as exc:  # a busy or broken catalogue: the threads keep what they were told
-                log.warning("disk cache %s: %s; the serving threads keep reading what they knew of it",
-                            self.disk.root, exc)
+                if not self.disk.note_damage(exc):
+                    log.warning("disk cache %s: %s; the serving threads keep reading what they knew of it",
+                                self.disk.root, exc)
             else:
                 log.debug("disk cache %s: the serving threads may read %d chunk files", self.disk.root, told)
             used = native.dcache_used()
