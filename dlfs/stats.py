@@ -113,8 +113,8 @@ def disk_cache_line(dc: dict[str, Any]) -> str:
     """The disk cache's row: held against its bound, and this mount's writes and evictions."""
     held = "?" if dc["held_bytes"] is None else human_bytes(dc["held_bytes"])
     if dc.get("broken"):
-        return (f"not used since its catalogue was damaged ({dc['broken']}): the next mount or warmup starts it "
-                f"over; this mount wrote {human_bytes(dc['written_bytes'])} before")
+        return (f"not used since {dc['broken']}: the next mount or warmup starts it over; this mount wrote "
+                f"{human_bytes(dc['written_bytes'])} before")
     if dc["size_bytes"] is not None:
         bound = f"{held} held of its --cache-dir-size {human_mib(dc['size_bytes'])}"
     elif dc["room_bytes"] is not None and dc["room_bytes"] < 0:
@@ -291,7 +291,7 @@ class DiskCacheFigures(Struct, frozen=True):
     dropped_writes: int  # fetched bytes not kept: the writer was behind
     full: int  # writes that found the disk full (each evicts and tries again)
     errors: int
-    broken: str | None = None  # why this mount stopped using it (its catalogue damaged under it); None: in use
+    broken: str | None = None  # why this mount stopped using it (its catalogue damaged or removed under it)
 
 
 class NodeFigures(Struct, frozen=True):

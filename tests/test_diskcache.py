@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import mmap
 import os
 import random
 import re
+import shutil
 import sqlite3
 import stat
 import subprocess
@@ -329,15 +331,51 @@ def test_a_catalogue_damaged_under_a_running_cache_stops_its_use_in_one_line(
     for i in range(5):
         assert read(cache, cid_of(i), [(0, 10)]) is None
         assert not cache.put(cid_of(10 + i), [(0, 10_000)], [content(cid_of(10 + i), 0, 10_000)])
-    assert cache.broken == "file is not a database"
+    assert cache.broken == "its catalogue was damaged (file is not a database)"
     assert caplog.text.count("its catalogue is damaged") == 1, caplog.text
-    assert cache.status()["broken"] == "file is not a database"
+    assert cache.status()["broken"] == cache.broken
     cache.close()
     again = bounded(tmp_path / "c")  # the next process: set aside, empty, working
     assert "set aside as catalogue.db.damaged" in caplog.text
     again.store(cid_of(1), [(0, 50_000)], [content(cid_of(1), 0, 50_000)])
     assert read(again, cid_of(1), [(0, 50_000)]) == [content(cid_of(1), 0, 50_000)]
     again.close()
+
+
+def test_files_no_entry_lists_are_swept_and_a_removed_directory_is_not_written_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`rm -r` of a disk cache under a running mount: its writer made the directory again and wrote on,
+    listing each file in the removed catalogue, so the new directory filled with files no entry listed
+    (505 MB of them after an epoch, by hand), which nothing ever freed."""
+    caplog.set_level(logging.INFO, logger="dlfs.mount.diskcache")
+    cache = bounded(tmp_path / "c")
+    for i in range(3):
+        cache.store(cid_of(i), [(0, 20_000)], [content(cid_of(i), 0, 20_000)])
+    cache.close()
+    listed = sorted(p.name for p in (tmp_path / "c" / "chunks").glob("*/*"))
+    stray = tmp_path / "c" / "chunks" / "ab" / "ab00.feedbeef"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"x" * 50_000)  # what an eviction cut short, or such a writer, leaves
+    cache = bounded(tmp_path / "c")  # the next process sweeps them
+    deadline = time.monotonic() + 10
+    while stray.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stray.exists() and sorted(p.name for p in (tmp_path / "c" / "chunks").glob("*/*")) == listed
+    assert "removed 1 chunk files no catalogue entry lists" in caplog.text
+    # The directory removed under it: the writer stops (one line) instead of making it again.
+    shutil.rmtree(tmp_path / "c")
+    for i in range(3, 8):
+        cache.put(cid_of(i), [(0, 20_000)], [content(cid_of(i), 0, 20_000)])
+    deadline = time.monotonic() + 10
+    while cache.broken is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache.broken == "its directory was removed or its catalogue replaced", cache.broken
+    # Its figures still come (`dlfs stats` samples them every second: the file system's room of a removed
+    # directory raised, and the mount's stats file was never written again).
+    assert cache.status()["broken"] == cache.broken and cache.status()["room_bytes"] is None
+    cache.close()
+    assert not (tmp_path / "c").exists()
+    assert caplog.text.count("this process stops using it") == 1
 
 
 def test_full_disk_evicts_and_never_fails(tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ def test_the_disk_cache_row_says_what_bounds_it() -> None:
     full = dict(dc, size_bytes=None, room_bytes=-1)
     assert "under 10% free, so it keeps next to nothing (free space there, or give --cache-dir-size)" in \
         disk_cache_line(full)
-    broken = dict(dc, broken="file is not a database", held_bytes=None)
+    broken = dict(dc, broken="its catalogue was damaged (file is not a database)", held_bytes=None)
     assert disk_cache_line(broken).startswith("not used since its catalogue was damaged (file is not a database): "
                                               "the next mount or warmup starts it over")
     snap = _sample(dataset="d@1", fetch_seconds={"counts": [0], "sum": 0.0}, cache_bytes=0, cache_capacity=1,

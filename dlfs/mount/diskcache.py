@@ -229,6 +229,8 @@ class DiskCache:
                 raise
             self._start_over(exc)
             self._open_catalogue(size)
+        st = os.stat(self.db_path)
+        self._ident = (st.st_dev, st.st_ino)  # the catalogue this process opened (see _gone)
         self.slot_bytes = slot_bytes
         self._slots: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._nslots = 0  # buffers made so far (lazily: an idle cache costs no memory)
@@ -252,6 +254,7 @@ class DiskCache:
         # chunk's file: the mount's serving threads read files by name (diskreads.py). From the writer
         # thread and the event loop both.
         self.on_file: Callable[[bytes, str | None], None] | None = None
+        threading.Thread(target=self._sweep, name="dlfs-disk-cache-sweep", daemon=True).start()
         self.hits = self.misses = self.hit_bytes = self.written = self.written_bytes = 0
         self.dropped = self.evicted = self.evicted_bytes = self.corrupt = self.full = self.errors = 0
 
@@ -278,11 +281,52 @@ class DiskCache:
         (one warning line, not one per write)."""
         if not (isinstance(exc, sqlite3.DatabaseError) and damaged(exc)):
             return False
-        if self.broken is None:
-            self.broken = str(exc)
-            log.warning("disk cache %s: its catalogue is damaged (%s): this process stops using it; the next mount "
-                        "or warmup sets it aside and starts over", self.root, exc)
+        self._stop_using(f"its catalogue was damaged ({exc})", f"its catalogue is damaged ({exc})",
+                         "sets it aside and starts over")
         return True
+
+    def _stop_using(self, why: str, said: str, next_one: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            log.warning("disk cache %s: %s: this process stops using it; the next mount or warmup %s", self.root,
+                        said, next_one)
+
+    def _gone(self) -> bool:
+        """Whether the catalogue this process opened is no longer the directory's (removed, or replaced:
+        set aside by another process): its writes would then list bytes in a file no one reads."""
+        try:
+            st = os.stat(self.db_path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._ident
+
+    def _sweep(self) -> None:
+        """Remove the chunk files the catalogue does not list (an eviction cut short, or a process that
+        wrote on under a directory removed and made again): nothing else would ever free them. A file is
+        listed before it is written, so one the catalogue read after the listing lacks is no one's."""
+        try:
+            on_disk = [entry for sub in os.scandir(self.chunk_dir) if sub.is_dir()
+                       for entry in os.scandir(sub.path) if entry.is_file(follow_symlinks=False)]
+            if not on_disk:
+                return
+            listed = {name for name, in self._db().execute("SELECT file FROM chunks")}
+            if self._gone():
+                return  # (started over by another process meanwhile: these names are not the directory's)
+            gone = freed = 0
+            for entry in on_disk:
+                if entry.name not in listed:
+                    freed += entry.stat(follow_symlinks=False).st_blocks * 512
+                    os.unlink(entry.path)
+                    gone += 1
+            if gone:
+                log.info("disk cache %s: removed %d chunk files no catalogue entry lists (%s)", self.root, gone,
+                         human_bytes(freed))
+        except (OSError, sqlite3.Error) as exc:
+            log.debug("disk cache %s: sweep: %s", self.root, exc)
+        finally:
+            db = getattr(self._local, "db", None)
+            if db is not None:
+                db.close()
 
     def _start_over(self, exc: sqlite3.DatabaseError) -> None:
         """A damaged catalogue set aside (kept as catalogue.db.damaged, for a look), the chunk files it
@@ -501,6 +545,10 @@ class DiskCache:
                     if kind in WRITES and isinstance(buf, bytearray)]
             kind, cid, _, name = jobs[-1] if jobs else ("", b"", [], None)
             try:
+                if puts and not self.broken and self._gone():
+                    self._stop_using("its directory was removed or its catalogue replaced",
+                                     "its directory was removed or its catalogue replaced under it",
+                                     "makes it again")
                 if self.broken:
                     pass  # (what was queued before it broke is let go: the buffers go back below)
                 elif puts:
@@ -728,8 +776,14 @@ class DiskCache:
         except sqlite3.Error as exc:
             self.note_damage(exc)
             held, bound = None, None  # (busy or broken this instant: the next sample says)
+        room = None
+        if bound is None and not self.broken:
+            try:
+                room = room_left(self.root)
+            except OSError:
+                pass  # (removed under it: the writer says so once)
         return {"dir": str(self.root), "broken": self.broken, "held_bytes": held, "size_bytes": bound,
-                "room_bytes": room_left(self.root) if bound is None else None, "free_share": FREE_SHARE,
+                "room_bytes": room, "free_share": FREE_SHARE,
                 "written": self.written, "written_bytes": self.written_bytes, "evicted_chunks": self.evicted,
                 "evicted_bytes": self.evicted_bytes, "dropped_writes": self.dropped, "full": self.full,
                 "errors": self.errors}

@@ -122,7 +122,7 @@ class MountStats:
 
     async def write_every(self, path: Path, interval: float = WRITE_INTERVAL) -> None:
         private_dirs(path.parent)
-        warned = False
+        warned = sampled_badly = False
         asked = trio.Event()
 
         async def on_signal(signals: Any) -> None:
@@ -136,11 +136,18 @@ class MountStats:
                     nursery.start_soon(on_signal, signals)
                     while True:
                         try:
-                            await trio.to_thread.run_sync(_write_atomic, path, json.dumps(self.snapshot()))
-                        except OSError as exc:
-                            if not warned:  # a full disk must not take the mount down, nor fill its log
-                                log.warning("%s: cannot write %s: %s", self.label, path, exc.strerror or exc)
-                                warned = True
+                            text = json.dumps(self.snapshot())
+                        except Exception:  # a figure that cannot be read must not stop the others, nor say so often
+                            if not sampled_badly:
+                                log.exception("%s: cannot take the mount's figures for %s", self.label, path)
+                                sampled_badly = True
+                        else:
+                            try:
+                                await trio.to_thread.run_sync(_write_atomic, path, text)
+                            except OSError as exc:
+                                if not warned:  # a full disk must not take the mount down, nor fill its log
+                                    log.warning("%s: cannot write %s: %s", self.label, path, exc.strerror or exc)
+                                    warned = True
                         with trio.move_on_after(interval):
                             await asked.wait()
                         asked = trio.Event()
