@@ -898,6 +898,8 @@ def _disk_cache_kept(disk: Any) -> str:
     """What a disk cache that evicted while being warmed kept, and why: a warmup's aim is what stays."""
     from dlfs.mount.diskcache import FREE_SHARE
 
+    if disk.broken:
+        return f" (not kept there: {disk.broken} while it ran; the next mount or warmup starts it over)"
     if not disk.evicted_bytes:
         return ""
     bound = disk.size_bound()

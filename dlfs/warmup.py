@@ -28,7 +28,7 @@ import trio
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.data.store import chunk_path
-from dlfs.errors import CorruptData, NotFound, Unreachable, UsageError
+from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable, UsageError
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import ROOT_INO, Extent, Index
 from dlfs.mount.diskcache import DiskCache
@@ -246,8 +246,11 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
                     report.page_cached += await trio.to_thread.run_sync(_read_local, held, w.offset, w.length)
                 elif disk is None:
                     report.skipped += w.length
-                elif disk.lookup(cid, [(w.offset, w.length)]) is not None:
+                elif disk.holds(cid, [(w.offset, w.length)]):
                     report.cached += w.length
+                elif disk.broken:  # (it said so in a warning line): fetching on would keep nothing
+                    raise DlfsError(f"disk cache {disk.root}: {disk.broken}, so nothing more is kept there; the next "
+                                    "mount or warmup starts it over")
                 else:
                     await bucket.take(w.length)
                     await fetch(w, cid)

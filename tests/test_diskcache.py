@@ -332,6 +332,9 @@ def test_a_catalogue_damaged_under_a_running_cache_stops_its_use_in_one_line(
         assert read(cache, cid_of(i), [(0, 10)]) is None
         assert not cache.put(cid_of(10 + i), [(0, 10_000)], [content(cid_of(10 + i), 0, 10_000)])
     assert cache.broken == "its catalogue was damaged (file is not a database)"
+    # warmup's own calls (store, holds) keep nothing and ask nothing more (warmup then stops in one line)
+    assert cache.store(cid_of(20), [(0, 10_000)], [content(cid_of(20), 0, 10_000)]) == 0
+    assert not cache.holds(cid_of(1), [(0, 10)])
     assert caplog.text.count("its catalogue is damaged") == 1, caplog.text
     assert cache.status()["broken"] == cache.broken
     cache.close()
@@ -370,6 +373,7 @@ def test_files_no_entry_lists_are_swept_and_a_removed_directory_is_not_written_a
     while cache.broken is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cache.broken == "its directory was removed or its catalogue replaced", cache.broken
+    assert cache.store(cid_of(9), [(0, 20_000)], [content(cid_of(9), 0, 20_000)]) == 0
     # Its figures still come (`dlfs stats` samples them every second: the file system's room of a removed
     # directory raised, and the mount's stats file was never written again).
     assert cache.status()["broken"] == cache.broken and cache.status()["room_bytes"] is None

@@ -291,6 +291,14 @@ class DiskCache:
             log.warning("disk cache %s: %s: this process stops using it; the next mount or warmup %s", self.root,
                         said, next_one)
 
+    def _check_gone(self) -> bool:
+        """_gone(), and if so this process stops using the cache (one line)."""
+        if not self._gone():
+            return False
+        self._stop_using("its directory was removed or its catalogue replaced",
+                         "its directory was removed or its catalogue replaced under it", "makes it again")
+        return True
+
     def _gone(self) -> bool:
         """Whether the catalogue this process opened is no longer the directory's (removed, or replaced:
         set aside by another process): its writes would then list bytes in a file no one reads."""
@@ -545,10 +553,8 @@ class DiskCache:
                     if kind in WRITES and isinstance(buf, bytearray)]
             kind, cid, _, name = jobs[-1] if jobs else ("", b"", [], None)
             try:
-                if puts and not self.broken and self._gone():
-                    self._stop_using("its directory was removed or its catalogue replaced",
-                                     "its directory was removed or its catalogue replaced under it",
-                                     "makes it again")
+                if puts and not self.broken:
+                    self._check_gone()
                 if self.broken:
                     pass  # (what was queued before it broke is let go: the buffers go back below)
                 elif puts:
@@ -598,7 +604,28 @@ class DiskCache:
     def store(self, cid: bytes, ranges: Sequence[tuple[int, int]], pieces: Sequence[Buffer]) -> int:
         """Write verified bytes of chunk `cid` here and list them (blocking: a writer thread's, or
         warmup's); bytes newly held. A full disk (the chunk file's write, or the catalogue's) evicts and
-        tries once more, then gives up (0)."""
+        tries once more, then gives up (0); so does a cache this process stopped using (0)."""
+        if self.broken or self._check_gone():
+            return 0
+        try:
+            return self._store(cid, ranges, pieces)
+        except sqlite3.DatabaseError as exc:
+            if not self.note_damage(exc):
+                raise
+            return 0
+
+    def holds(self, cid: bytes, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether the cache holds all of `ranges` of chunk `cid` (False once this process stopped using it)."""
+        if self.broken:
+            return False
+        try:
+            return self.lookup(cid, ranges) is not None
+        except sqlite3.Error as exc:
+            if not self.note_damage(exc):
+                raise
+            return False
+
+    def _store(self, cid: bytes, ranges: Sequence[tuple[int, int]], pieces: Sequence[Buffer]) -> int:
         db = self._db()
         if self._covered(db, cid, ranges):
             return 0
