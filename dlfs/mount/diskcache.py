@@ -323,8 +323,11 @@ class DiskCache:
             gone = freed = 0
             for entry in on_disk:
                 if entry.name not in listed:
-                    freed += entry.stat(follow_symlinks=False).st_blocks * 512
-                    os.unlink(entry.path)
+                    try:
+                        freed += entry.stat(follow_symlinks=False).st_blocks * 512
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        continue  # (its eviction finished meanwhile)
                     gone += 1
             if gone:
                 log.info("disk cache %s: removed %d chunk files no catalogue entry lists (%s)", self.root, gone,
