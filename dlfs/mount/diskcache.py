@@ -313,8 +313,7 @@ class DiskCache:
         wrote on under a directory removed and made again): nothing else would ever free them. A file is
         listed before it is written, so one the catalogue read after the listing lacks is no one's."""
         try:
-            on_disk = [entry for sub in os.scandir(self.chunk_dir) if sub.is_dir()
-                       for entry in os.scandir(sub.path) if entry.is_file(follow_symlinks=False)]
+            on_disk = self._chunk_files()
             if not on_disk:
                 return
             listed = {name for name, in self._db().execute("SELECT file FROM chunks")}
@@ -339,6 +338,11 @@ class DiskCache:
             if db is not None:
                 db.close()
 
+    def _chunk_files(self) -> list[os.DirEntry[str]]:
+        """The files under chunks/ab/, listed or not."""
+        return [entry for sub in os.scandir(self.chunk_dir) if sub.is_dir(follow_symlinks=False)
+                for entry in os.scandir(sub.path) if entry.is_file(follow_symlinks=False)]
+
     def _start_over(self, exc: sqlite3.DatabaseError) -> None:
         """A damaged catalogue set aside (kept as catalogue.db.damaged, for a look), the chunk files it
         listed removed (nothing can say which bytes in them were written whole), the cache empty."""
@@ -358,10 +362,9 @@ class DiskCache:
             except FileNotFoundError:
                 pass  # (another process of this directory's got there first)
         removed = 0
-        for sub in list(self.chunk_dir.iterdir()):
-            for f in list(sub.iterdir()) if sub.is_dir() else [sub]:
-                f.unlink(missing_ok=True)
-                removed += 1
+        for entry in self._chunk_files():
+            Path(entry.path).unlink(missing_ok=True)
+            removed += 1
         log.warning("disk cache %s: its catalogue is damaged (%s): set aside as %s.damaged, its %d chunk files "
                     "removed; starting empty", self.root, exc, CATALOGUE, removed)
 
@@ -556,11 +559,8 @@ class DiskCache:
                     if kind in WRITES and isinstance(buf, bytearray)]
             kind, cid, _, name = jobs[-1] if jobs else ("", b"", [], None)
             try:
-                if puts and not self.broken:
-                    self._check_gone()
-                if self.broken:
-                    pass  # (what was queued before it broke is let go: the buffers go back below)
-                elif puts:
+                # (Once it is not used any more, what was queued is let go: the buffers go back below.)
+                if puts and not self.broken and not self._check_gone():
                     self.store_many([(cid, ranges, _pieces(buf, ranges)) for _, cid, ranges, buf in puts])
                 if kind == "drop" and not self.broken:
                     assert isinstance(name, str)
@@ -797,15 +797,14 @@ class DiskCache:
     def status(self) -> dict[str, Any]:
         """What the cache holds now and what bounds it, with this process's counts (`dlfs stats`): the
         catalogue's figures (a read: no writer waits for it) and, with no size, the file system's room."""
-        try:  # (on the event loop: a lookup's short wait, not a writer's)
-            if self.broken:
-                raise sqlite3.DatabaseError(self.broken)  # (asked no more)
-            db = self._db(LOOKUP_BUSY_MS)
-            meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('bytes', 'size')").fetchall())
-            held, bound = int(meta["bytes"]), (int(meta["size"]) if "size" in meta else None)
-        except sqlite3.Error as exc:
-            self.note_damage(exc)
-            held, bound = None, None  # (busy or broken this instant: the next sample says)
+        held = bound = None  # (not used any more, or busy this instant: the next sample says)
+        if not self.broken:  # (asked no more once it is not)
+            try:  # (on the event loop: a lookup's short wait, not a writer's)
+                db = self._db(LOOKUP_BUSY_MS)
+                meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('bytes', 'size')").fetchall())
+                held, bound = int(meta["bytes"]), (int(meta["size"]) if "size" in meta else None)
+            except sqlite3.Error as exc:
+                self.note_damage(exc)
         room = None
         if bound is None and not self.broken:
             try:
