@@ -424,7 +424,7 @@ def check_state_dir(home: Path) -> Check:
 def check_disk_cache(root: Path, size: int | None = None) -> Check:
     """A disk cache directory (--cache-dir) as a mount would find it: this user's, private, writable,
     of this dlfs's format, and with room to keep something (`size`: a --cache-dir-size to be given)."""
-    from dlfs.mount.diskcache import FREE_SHARE, SCHEMA, contents, damaged, room_left
+    from dlfs.mount.diskcache import FREE_SHARE, SCHEMA, contents, damaged, refusal, room_left
     from dlfs.private import OTHERS
 
     name = f"disk cache {root}"
@@ -434,20 +434,18 @@ def check_disk_cache(root: Path, size: int | None = None) -> Check:
     try:
         st = os.lstat(where)
         usage = shutil.disk_usage(where)
-        held = contents(root) if where == root else None
+        why = refusal(root) if where == root else None
+        held = contents(root) if where == root and why is None else None
     except (OSError, sqlite3.Error) as exc:
         if isinstance(exc, sqlite3.DatabaseError) and damaged(exc):
             return Check(name, WARN, f"its catalogue is damaged ({exc}): the next mount or warmup sets it aside "
                          "and starts empty", f"nothing to do; or rm -r {root} now")
         return Check(name, FAIL, f"{where}: {getattr(exc, 'strerror', None) or exc}",
                      f"check the directory, or remove it (rm -r {root}) and let the next mount make it")
-    if where == root and (stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)):
-        return Check(name, FAIL, "not a directory (a symlink is not taken)", "name the directory itself")
-    if where == root and st.st_uid != os.geteuid():
-        return Check(name, FAIL, f"belongs to uid {st.st_uid}: a mount as uid {os.geteuid()} refuses it",
-                     f"chown -R {os.geteuid()} {root}, or name a directory of this user's")
-    if not os.access(where, os.W_OK | os.X_OK):
-        return Check(name, FAIL, f"{where} is not writable by uid {os.geteuid()}", "name a directory this user can write")
+    if why is not None:  # as a mount would refuse it
+        return Check(name, FAIL, why[0], why[1])
+    if not os.access(where, os.W_OK | os.X_OK):  # not made yet: the directory it would be made in
+        return Check(name, FAIL, f"{where} is not writable by uid {os.getuid()}", "name a directory this user can write")
     if held is not None and held.schema not in (None, SCHEMA):
         return Check(name, FAIL, f"holds a disk cache of another format ({held.schema}; this dlfs reads {SCHEMA})",
                      f"remove it: rm -r {root}")

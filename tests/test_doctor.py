@@ -22,6 +22,7 @@ from test_services import running_node
 
 from dlfs import doctor
 from dlfs.config import Cluster, ensure_home_key
+from dlfs.errors import UsageError
 from dlfs.transport import verbs
 from dlfs.wire import rpc
 
@@ -312,8 +313,24 @@ def test_disk_cache_check_says_what_a_mount_would_find(tmp_path: Path) -> None:
     (root / "catalogue.db").write_bytes(os.urandom(8192))  # damaged: a mount sets it aside and starts over
     row = doctor.check_disk_cache(root)
     assert row.status == "warn" and "catalogue is damaged" in row.detail and "starts empty" in row.detail, row
+    # What a mount refuses, doctor fails in the mount's words.
     (tmp_path / "file").write_text("x")
-    assert doctor.check_disk_cache(tmp_path / "file").status == "FAIL"
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    for bad in (tmp_path / "file", link):
+        row = doctor.check_disk_cache(bad)
+        assert row.status == "FAIL" and "is not a directory (a symlink is not taken" in row.detail, row
+        with pytest.raises(UsageError, match=re.escape(f"--cache-dir {bad} {row.detail}")):
+            DiskCache(bad)
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        row = doctor.check_disk_cache(theirs)
+        assert row.status == "FAIL" and "belongs to uid 65534, not 0" in row.detail and "chown -R 0" in row.fix, row
+        with pytest.raises(UsageError, match=re.escape(row.detail)):
+            DiskCache(theirs)
+        assert not any(theirs.iterdir())  # refused before anything was made there
 
 
 @pytest.mark.timeout(60)

@@ -73,25 +73,36 @@ CREATE TABLE IF NOT EXISTS ranges(cid BLOB NOT NULL, off INTEGER NOT NULL, end I
 """
 
 
+def refusal(root: Path) -> tuple[str, str] | None:
+    """Why a mount refuses the directory `root` as it is now, and what to do about it; None where it
+    takes it (a loose mode it tightens). OSError where `root` cannot be looked at. `dlfs doctor` asks
+    the same, so that it says what a mount would."""
+    st = os.lstat(root)
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return "is not a directory (a symlink is not taken: name its target)", "name the directory itself"
+    if st.st_uid != uid:
+        return (f"belongs to uid {st.st_uid}, not {uid}: it would hold every file's bytes, so it must be this "
+                "user's own", f"chown -R {uid} {root}, or name a directory of this user's")
+    if not os.access(root, os.W_OK | os.X_OK):
+        return f"is not writable by uid {uid}", "name a directory this user can write"
+    return None
+
+
 def check_cache_dir(root: Path) -> Path:
     """`root` made (0700) or found: a directory of this user's that no other user can read; a loose
-    mode is tightened (with a warning), another owner or a symlink is a one-line UsageError."""
+    mode is tightened (with a warning), what refusal() says is a one-line UsageError."""
     try:
         private_dirs(root)
-        st = os.lstat(root)
+        why = refusal(root)
+        mode = stat.S_IMODE(os.lstat(root).st_mode)
     except OSError as exc:
         raise UsageError(f"--cache-dir {root}: {exc.strerror}") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"--cache-dir {root} is not a directory (a symlink is not taken: name its target)")
-    if st.st_uid != os.getuid():
-        raise UsageError(f"--cache-dir {root} belongs to uid {st.st_uid}, not {os.getuid()}: it would hold every "
-                         "file's bytes, so it must be this user's own")
-    if st.st_mode & OTHERS:
-        log.warning("--cache-dir %s had mode %04o: made it 0700 (it holds dataset bytes)", root,
-                    stat.S_IMODE(st.st_mode))
+    if why is not None:
+        raise UsageError(f"--cache-dir {root} {why[0]}")
+    if mode & OTHERS:
+        log.warning("--cache-dir %s had mode %04o: made it 0700 (it holds dataset bytes)", root, mode)
         os.chmod(root, DIR_MODE)
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise UsageError(f"--cache-dir {root} is not writable")
     return root
 
 
