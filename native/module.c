@@ -358,8 +358,16 @@ static PyObject *remote_node_stats(PyObject *self, PyObject *arg)
         return NULL;
     struct dlfs_remote_node_stats s;
     dlfs_remote_node_stats((unsigned)slot, &s);
-    return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K}", "open", s.open, "wanted", s.wanted, "lost", s.lost, "reads",
-                         s.reads, "bytes", s.bytes, "failures", s.failures);
+    return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K,s:K}", "open", s.open, "wanted", s.wanted, "lost", s.lost, "reads",
+                         s.reads, "bytes", s.bytes, "failures", s.failures, "timeouts", s.timeouts);
+}
+
+static PyObject *remote_wait(PyObject *self, PyObject *args)
+{
+    unsigned ms = 0;
+    if (!PyArg_ParseTuple(args, "|I", &ms))
+        return NULL;
+    return PyLong_FromUnsignedLong(PyTuple_GET_SIZE(args) ? dlfs_remote_wait(ms) : dlfs_remote_wait_now());
 }
 
 static PyObject *remote_close(PyObject *self, PyObject *unused)
@@ -546,6 +554,8 @@ static PyMethodDef methods[] = {
     {"remote_add", remote_add, METH_VARARGS,
      "remote_add(slot, fd): an authenticated data connection to that node, handed to the serving threads for good."},
     {"remote_node_stats", remote_node_stats, METH_O, "remote_node_stats(slot) -> the node's connections and fetches."},
+    {"remote_wait", remote_wait, METH_VARARGS,
+     "remote_wait([ms]) -> the bound of the threads' fetches, in ms (set first where given; clamped)."},
     {"dcache_open", dcache_open, METH_VARARGS,
      "dcache_open(chunk_dir, chunks): the serving threads may read the disk cache's files there (diskcache.h)."},
     {"dcache_set", dcache_set, METH_VARARGS, "dcache_set(chunk, tag): chunk's disk cache file is <id>.<tag> (0: none)."},

@@ -21,21 +21,23 @@ struct conn {
     int fd;
     int state;    /* EMPTY: Python may fill it (under the lock); IDLE: a thread may take it; BUSY: taken */
     uint32_t req; /* the last request id sent on it */
+    unsigned wait_ms; /* its sockets' timeouts, as last set (the taker sets the bound's when it moved) */
     uint64_t used; /* when it last answered, CLOCK_MONOTONIC_COARSE seconds */
 };
 
 struct node {
     struct conn conn[DLFS_REMOTE_CONNS];
-    uint64_t wanted, lost, reads, bytes, failures;
+    uint64_t wanted, lost, reads, bytes, failures, timeouts;
 };
 
 static struct {
     pthread_mutex_t lock; /* Python's side: filling EMPTY slots, the route's size, closing */
     uint16_t *route;      /* per chunk: node slot, or 0 */
     uint64_t n;
-    uint64_t wanted; /* every node's, summed: Python looks at the nodes only when it moved */
+    uint64_t wanted, timeouts; /* every node's, summed: Python looks at the nodes only when one moved */
+    unsigned wait_ms;          /* a fetch's bound (dlfs_remote_wait) */
     struct node node[DLFS_REMOTE_NODES];
-} R = {.lock = PTHREAD_MUTEX_INITIALIZER};
+} R = {.lock = PTHREAD_MUTEX_INITIALIZER, .wait_ms = DLFS_REMOTE_WAIT_MS};
 
 #define ADD(p, n) __atomic_fetch_add((p), (n), __ATOMIC_RELAXED)
 
@@ -89,7 +91,8 @@ int dlfs_remote_add(unsigned slot, int fd)
         errno = EINVAL;
         return -1;
     }
-    if (dlfs_wire_blocking(fd, DLFS_REMOTE_WAIT_MS) < 0)
+    unsigned wait = dlfs_remote_wait_now();
+    if (dlfs_wire_blocking(fd, wait) < 0)
         return -1;
     struct node *nd = &R.node[slot - 1];
     int rc = -1;
@@ -99,6 +102,7 @@ int dlfs_remote_add(unsigned slot, int fd)
         struct conn *c = &nd->conn[k];
         if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == EMPTY) {
             c->fd = fd;
+            c->wait_ms = wait;
             c->used = dlfs_wire_seconds();
             __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
             rc = 0;
@@ -112,8 +116,10 @@ int dlfs_remote_add(unsigned slot, int fd)
 void dlfs_remote_node_stats(unsigned slot, struct dlfs_remote_node_stats *out)
 {
     memset(out, 0, sizeof *out);
-    if (slot == 0)
+    if (slot == 0) {
         out->wanted = __atomic_load_n(&R.wanted, __ATOMIC_RELAXED);
+        out->timeouts = __atomic_load_n(&R.timeouts, __ATOMIC_RELAXED);
+    }
     if (slot < 1 || slot > DLFS_REMOTE_NODES)
         return;
     struct node *nd = &R.node[slot - 1];
@@ -124,6 +130,19 @@ void dlfs_remote_node_stats(unsigned slot, struct dlfs_remote_node_stats *out)
     out->reads = __atomic_load_n(&nd->reads, __ATOMIC_RELAXED);
     out->bytes = __atomic_load_n(&nd->bytes, __ATOMIC_RELAXED);
     out->failures = __atomic_load_n(&nd->failures, __ATOMIC_RELAXED);
+    out->timeouts = __atomic_load_n(&nd->timeouts, __ATOMIC_RELAXED);
+}
+
+unsigned dlfs_remote_wait(unsigned ms)
+{
+    ms = ms < DLFS_REMOTE_WAIT_MIN_MS ? DLFS_REMOTE_WAIT_MIN_MS : ms > DLFS_REMOTE_WAIT_MS ? DLFS_REMOTE_WAIT_MS : ms;
+    __atomic_store_n(&R.wait_ms, ms, __ATOMIC_RELAXED);
+    return ms;
+}
+
+unsigned dlfs_remote_wait_now(void)
+{
+    return __atomic_load_n(&R.wait_ms, __ATOMIC_RELAXED);
 }
 
 int dlfs_remote_on(void)
@@ -163,17 +182,29 @@ static struct conn *take(struct node *nd)
     return NULL;
 }
 
-/* `n` bytes into `p`: each wait bounded by the socket's timeout, all of them by `deadline`. */
+/* `n` bytes into `p`: each wait bounded by the socket's timeout, all of them by `deadline`. -1 with errno
+ * ETIMEDOUT where the bound passed first. */
 static int recv_all(int fd, char *p, size_t n, uint64_t deadline)
 {
     while (n) {
         ssize_t k = recv(fd, p, n, MSG_WAITALL);
         if (k < 0 && errno == EINTR)
             continue;
-        if (k <= 0 || (n > (size_t)k && dlfs_wire_now_ms() > deadline))
-            return -1; /* closed, failed, or silent past the bound */
+        if (k < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                errno = ETIMEDOUT; /* the socket's timeout: the bound */
+            return -1;
+        }
+        if (k == 0) {
+            errno = ECONNRESET; /* closed */
+            return -1;
+        }
         p += k;
         n -= (size_t)k;
+        if (n && dlfs_wire_now_ms() > deadline) {
+            errno = ETIMEDOUT; /* trickling past the bound */
+            return -1;
+        }
     }
     return 0;
 }
@@ -216,7 +247,14 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
     struct conn *c = take(nd);
     if (!c)
         return -1;
-    uint64_t deadline = dlfs_wire_now_ms() + DLFS_REMOTE_WAIT_MS;
+    unsigned wait = dlfs_remote_wait_now();
+    if (c->wait_ms != wait) { /* the bound moved since this connection's timeouts were set */
+        if (dlfs_wire_blocking(c->fd, wait) < 0)
+            goto broken;
+        c->wait_ms = wait;
+    }
+    uint64_t deadline = dlfs_wire_now_ms() + wait;
+    errno = 0;
     char f[128], meta[256];
     uint32_t req = ++c->req;
     size_t len = encode_read_range(f, req, id, e->offset, e->stored_len);
@@ -252,6 +290,10 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
     ADD(&nd->bytes, data_len);
     return 0;
 broken:
+    if (errno == ETIMEDOUT || errno == EAGAIN || errno == EWOULDBLOCK) { /* silent past the bound: Python's to tell */
+        ADD(&nd->timeouts, 1);
+        ADD(&R.timeouts, 1);
+    }
     drop(nd, c);
 failed:
     ADD(&nd->failures, 1);
@@ -274,7 +316,8 @@ void dlfs_remote_close(void)
     uint16_t *t = R.route;
     __atomic_store_n(&R.route, NULL, __ATOMIC_RELEASE);
     R.n = 0;
-    R.wanted = 0;
+    R.wanted = R.timeouts = 0;
+    R.wait_ms = DLFS_REMOTE_WAIT_MS;
     memset(R.node, 0, sizeof R.node); /* every slot EMPTY, every count 0: the next mount's own */
     pthread_mutex_unlock(&R.lock);
     free(t);

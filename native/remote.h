@@ -17,7 +17,10 @@
 
 #define DLFS_REMOTE_NODES 1024  /* data nodes a route may name (1..this; 0: Python fetches it) */
 #define DLFS_REMOTE_CONNS 8     /* connections to one node at most */
-#define DLFS_REMOTE_WAIT_MS 2000 /* a fetch's bound (sending, then receiving): past it, Python's (hedges, failover) */
+/* A fetch's bound (sending, then receiving): past it, Python's (hedges, failover). Python sets it to its own
+ * hedge bound (dlfs_remote_wait); this is the most it may be, and what it is until then. */
+#define DLFS_REMOTE_WAIT_MS 2000
+#define DLFS_REMOTE_WAIT_MIN_MS 10
 /* A connection idle this long is closed rather than used: a daemon closes one idle for rpc.IDLE_TIMEOUT
  * (300 s), and a request must never meet that close. */
 #define DLFS_REMOTE_IDLE_S 120
@@ -42,9 +45,15 @@ struct dlfs_remote_node_stats {
     uint64_t lost;      /* connections closed: broken, out of shape, or idle too long */
     uint64_t reads, bytes; /* records fetched (checked by the caller: counted here good or not) */
     uint64_t failures;     /* fetches that got no record: an error answered, a connection lost or out of shape */
+    uint64_t timeouts;     /* of those, fetches the node did not answer within the bound (it is closed) */
 };
-/* Node `slot`'s; slot 0: `wanted` summed over every node (the rest 0). */
+/* Node `slot`'s; slot 0: `wanted` and `timeouts` summed over every node (the rest 0). */
 void dlfs_remote_node_stats(unsigned slot, struct dlfs_remote_node_stats *out);
+/* The bound of every fetch from now on, in ms (clamped to DLFS_REMOTE_WAIT_MIN_MS..DLFS_REMOTE_WAIT_MS); the
+ * bound now. A silent node then costs a READ what a hedge would, not more (a frozen node held each reader 2.2 s
+ * where Python's reads hedged past it in 0.2). */
+unsigned dlfs_remote_wait(unsigned ms);
+unsigned dlfs_remote_wait_now(void);
 /* Whether any route is set (the serving threads may fetch). */
 int dlfs_remote_on(void);
 /* Record `e` of chunk e->chunk (`id`, DLFS_CHUNK_ID bytes), its stored bytes fetched into `buf` (`room`

@@ -25,10 +25,13 @@ happens; once it is over they read it twice more, then stop. The faults are in t
 
 The mounts read through the data daemons (--no-short-circuit, but for corrupt-repair's second; on the
 namespaced cluster they run on a machine outside the cluster, c1), with the default --retry-timeout
-(60 s). The "outcome" column says what the commands run during a fault answered; a fault whose
+(60 s). With --cache-size smaller than the dataset (the chunks are 256 KiB: 2M is a few windows), the
+mounts' reads are what a dataset bigger than memory gets: each file a record fetched alone, by the
+mount's serving threads from the data daemons themselves once the random order shows (scan mode). The "outcome" column says what the commands run during a fault answered; a fault whose
 expectations did not hold says so on stderr, and the exit status is then 1, as for any read error.
 
     sudo .venv/bin/python scripts/chaos.py [--files 300] [--readers 4] [--hold 5] [--only sigstop,etcd-kill]
+                                           [--cache-size 2M]
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def run_on(base: Path, lab: NetLab | None, names: list[str], files: dict[str, by
            args: argparse.Namespace) -> list[Row]:
     todo = scenarios(args.hold, files)
     tight = sum(map(len, files.values())) + TIGHT_SLACK if any(todo[n].needs == "tight" for n in names) else None
-    cluster = Cluster(base, lab, tight_store=tight)
+    cluster = Cluster(base, lab, tight_store=tight,
+                      mount_args=["--cache-size", args.cache_size] if args.cache_size else [])
     try:
         cluster.start_all()
         cluster.cli("ingest", src, "--name", "chaos", "--chunk-size", CHUNK_SIZE, node="n1", timeout=300)
@@ -111,6 +115,8 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SCENARIOS),
                     help=f"scenarios, comma-separated (default all: {','.join(SCENARIOS)})")
     ap.add_argument("--dir", help="work here (default: a temporary directory, removed after)")
+    ap.add_argument("--cache-size", metavar="SIZE",
+                    help="the mounts' --cache-size (default theirs); below the dataset's size: scan mode")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
     unknown = set(names) - set(SCENARIOS)

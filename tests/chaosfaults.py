@@ -13,7 +13,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +57,14 @@ class Cluster:
     """Three `dlfs node`s from one cluster file, on this machine's network or each in a network
     namespace of its own (with a compute-only client host c1 and the etcd member on e1). With
     `tight_store` (bytes), TIGHT_NODE's chunk store is a tmpfs of that size (None if it cannot be
-    mounted: `tight_why` says why). Mounts go under base/mnt; `close()` ends all of it."""
+    mounted: `tight_why` says why). Mounts go under base/mnt, with `mount_args` (say a --cache-size
+    smaller than the dataset: then the serving threads fetch each record from the daemons themselves);
+    `close()` ends all of it."""
 
-    def __init__(self, base: Path, lab: NetLab | None, tight_store: int | None = None) -> None:
+    def __init__(self, base: Path, lab: NetLab | None, tight_store: int | None = None,
+                 mount_args: Sequence[str] = ()) -> None:
         self.base, self.lab = base, lab
+        self.mount_args = list(mount_args)
         self.file = base / "cluster.toml"
         self.tight: Path | None = None
         self.tight_why = "no small chunk store asked for"
@@ -195,7 +199,7 @@ class Cluster:
         (then, on this machine's network, it reads n1's chunk files itself)."""
         mnt.mkdir(parents=True, exist_ok=True)
         extra = ["--no-short-circuit"] if self.lab is None and not short_circuit else []
-        self.cli("mount", dataset, mnt, *extra)
+        self.cli("mount", dataset, mnt, *extra, *self.mount_args)
         try:
             yield mnt
         finally:

@@ -182,6 +182,24 @@ async def test_a_record_of_another_machine_is_fetched_checked_and_answered_by_th
                 assert took < (native.WIRE["wait_ms"] / 1000 + 1.5 if answer is None else 1.0), (answer, took)
                 t.join(5)
             assert native.remote_node_stats(2)["lost"] == 3
+            assert native.remote_node_stats(2)["timeouts"] == 1  # the silent one's: the others answered, badly
+            # The bound follows Python's hedge bound: a silent node costs a READ that, and is marked failing
+            # (read last, the route moved off it) as a node a hedge beat would be.
+            remote.bound = lambda: 0.3
+            remote._follow_bound()
+            assert native.remote_wait() == 300
+            remote.specs[3] = spec  # slot 3: the node a silent peer stands for
+            native.remote_route(array.array("H", [3, 3]))
+            ours, _, t = _fake_peer(None)
+            native.remote_add(3, ours.detach())
+            t0 = time.monotonic()
+            kind, _, counts = await read(2)
+            took = time.monotonic() - t0
+            assert kind == "forward" and 0.25 < took < 1.5, took
+            assert native.remote_node_stats(0)["timeouts"] == 2 and not client.failing(spec.name)
+            remote._timed_out()
+            assert client.failing(spec.name) and native.remote_node_stats(3)["timeouts"] == 1
+            t.join(5)
             native.remote_route(array.array("H", [0, 0]))
             assert (await read(2))[0] == "forward"  # routed to nobody: Python's
             with pytest.raises(OSError):

@@ -149,6 +149,11 @@ class ClusterClient:
         seconds): read it last until it answers a probe, as if it had failed."""
         self._failed(spec, f" (another replica answered in {other * 1e3:.0f} ms while it did not)")
 
+    def timed_out(self, spec: NodeSpec, bound: float) -> None:
+        """A fetch from `spec` got no answer within `bound` seconds (the serving threads'): read it last until
+        it answers a probe, as a node a hedge beat."""
+        self._failed(spec, f" (no answer within {bound * 1e3:.0f} ms)")
+
     async def wait_answer(self, timeout: float) -> None:
         """Until a failing node answers again (a probe or a read), or `timeout` seconds."""
         with trio.move_on_after(max(timeout, 0.0)):

@@ -351,7 +351,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             if (cache.shared is not None and client.rdma is None
                     and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
                 # (The last: one data node, and this machine is it: every chunk is read in place.)
-                remote = RemoteReads(client, ids, opts.threads + (os.cpu_count() or 1) * uring)
+                remote = RemoteReads(client, ids, opts.threads + (os.cpu_count() or 1) * uring,
+                                     bound=cache.fetcher.replicas.latency.hedge_after)
                 if remote.learned:
                     cache.on_alone = remote.learn
                     log.info("%s: the serving threads' route is learned as chunks are read: making it whole for %d "

@@ -9,7 +9,10 @@ so failing nodes last, recomputed when that set changes; a chunk its node answer
 to Python until then), and how many connections each node has (one
 more whenever the threads found none idle, up to one per thread that may fetch at once). Whatever the
 threads cannot do (no connection yet, an error, a bound passed, a bad frame, a failed check) comes to
-Python's fetcher as before: failover, hedging and the errors users see stay there.
+Python's fetcher as before: failover, hedging and the errors users see stay there. The threads wait for
+a node no longer than Python would before hedging past it (its hedge bound, given them here), and a node
+they gave up on that way is marked failing, as a hedge beaten would have marked it: the route then names
+another replica until it answers a probe.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import array
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import overload
 
 import trio
@@ -73,9 +76,10 @@ class RemoteReads:
     """Owner of the serving threads' route and data connections, for one mount."""
 
     def __init__(self, client: ClusterClient, chunk_ids: Sequence[bytes], fetchers: int,
-                 learned: bool | None = None) -> None:
+                 learned: bool | None = None, bound: Callable[[], float] | None = None) -> None:
         assert native is not None
         self.client = client
+        self.bound = bound  # seconds: how long a fetch may wait for its node (Python's hedge bound)
         self.chunk_ids = chunk_ids
         # The route made whole, or learned chunk by chunk (learn()) where making it would cost too much.
         self.work = route_work(len(chunk_ids), len(client.cluster.data_nodes))  # ranks of the whole route
@@ -91,6 +95,9 @@ class RemoteReads:
         self.failed_opens = 0
         self._health_seen = -1  # the client's health_changes when the route was last made
         self._opening: dict[int, int] = {}  # node slot -> connections being opened now
+        self._bound_ms = 0  # the bound last given the threads
+        self._timeouts_seen = 0  # every node's fetches past the bound, summed, when last looked at
+        self._node_timeouts: dict[int, int] = {}  # node slot -> its fetches past the bound, when last looked at
 
     def route(self) -> array.array:
         """Each chunk's node slot: its first replica in the client's order (failing nodes last)."""
@@ -154,12 +161,15 @@ class RemoteReads:
         the threads found all busy (or lost) gets more, opened in the background (a silent node holds up
         no other's), never more at once than the threads asked for."""
         assert native is not None
+        self._follow_bound()
         await self._reroute()
         seen: dict[int, int] = {}
         wanted_all, last_wanted = 0, trio.current_time()
         async with trio.open_nursery() as nursery:
             while native.engine_running():  # after that, nothing fetches (the engine closed what it was handed)
                 await trio.sleep(KEEP_EVERY if trio.current_time() - last_wanted < 1.0 else KEEP_IDLE)
+                self._follow_bound()
+                self._timed_out()
                 await self._reroute()
                 now_all = native.remote_node_stats(0)["wanted"]
                 if now_all == wanted_all:
@@ -174,6 +184,28 @@ class RemoteReads:
                         self._opening[slot] = self._opening.get(slot, 0) + 1
                         nursery.start_soon(self._open_logged, slot)
             nursery.cancel_scope.cancel()
+
+    def _follow_bound(self) -> None:
+        """The threads' fetches wait no longer than Python's would before a hedge."""
+        if self.bound is not None:
+            assert native is not None
+            ms = max(1, round(self.bound() * 1000))
+            if ms != self._bound_ms:
+                self._bound_ms = ms
+                native.remote_wait(ms)
+
+    def _timed_out(self) -> None:
+        """A node that let a thread's fetch pass the bound is failing (read last, probed until it answers)."""
+        assert native is not None
+        total = native.remote_node_stats(0)["timeouts"]
+        if total == self._timeouts_seen:
+            return
+        self._timeouts_seen = total
+        for slot, spec in self.specs.items():
+            n = native.remote_node_stats(slot)["timeouts"]
+            if n > self._node_timeouts.get(slot, 0):
+                self._node_timeouts[slot] = n
+                self.client.timed_out(spec, native.remote_wait() / 1000)
 
     async def _open_logged(self, slot: int) -> None:
         try:
