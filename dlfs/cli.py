@@ -287,6 +287,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     print(f"ingested {info.name} version {info.version}: {info.files} files, {human_bytes(info.bytes)} "
           f"in {info.chunks} chunks ({report.chunks_sent} sent, {report.chunks_present} already stored) "
           f"in {report.seconds:.1f} s ({human_bytes(info.bytes / max(report.seconds, 1e-9))}/s)")
+    if report.index_copies < report.index_wanted:
+        print(f"dlfs: warning: the index of {info.name} version {info.version} is on {report.index_copies} of the "
+              f"{report.index_wanted} metadata daemons it should be on; the others copy it once they reach a node "
+              "that has it (until then, losing the nodes that hold it loses the version's namespace)", file=sys.stderr)
     return 0
 
 

@@ -9,9 +9,11 @@ is the readers: not one read may fail or be wrong while the fault happens.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from chaosfaults import CHUNK_SIZE, TIGHT_NODE, Cluster, Row, run_scenario, scenarios
@@ -98,3 +100,30 @@ def test_the_script_refuses_an_unknown_scenario() -> None:
     assert out.stderr.strip().splitlines()[-1] == (
         "chaos.py: error: unknown scenarios: nosuch (known: sigstop, partition, kill, rolling, restart-all, "
         "etcd-kill, disk-full, corrupt-repair)"), out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_ingest_returns_with_its_index_on_as_many_metadata_daemons_as_its_chunks(
+        lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
+    """The node an ingest committed on frozen the moment it returns: the version's index is already on
+    another node (replicas = 2), so the version still mounts; before, the other daemons copied it a moment
+    later, and a mount in between found none to send it ("no metadata daemon could send the index")."""
+    cluster, _ = lab
+    files = make_files(tmp_path / "src", 8, seed=23)
+    out = cluster.run("ingest", tmp_path / "src", "--name", "fresh", "--chunk-size", CHUNK_SIZE, node="n1")
+    cluster.signal("n1", signal.SIGSTOP)
+    try:
+        assert out.returncode == 0 and "warning" not in out.stderr, out
+        holders = [n for n, node in cluster.nodes.items() if (node.home / "meta" / "index" / "fresh" / "1.idx").exists()]
+        assert "n1" in holders and len(holders) >= 2, holders
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        other = next(n for n in holders if n != "n1")
+        cluster.cli("mount", "fresh", mnt, "--no-short-circuit", node=other, timeout=60)
+        try:
+            for rel, data in files.items():
+                assert (mnt / rel).read_bytes() == data, rel
+        finally:
+            cluster.run("umount", mnt, node=other, timeout=60)
+    finally:
+        cluster.signal("n1", signal.SIGCONT)

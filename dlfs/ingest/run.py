@@ -61,6 +61,8 @@ class IngestReport:
     bytes_sent: int
     seconds: float
     unchanged: bool = False  # the newest version already held exactly this: `info` is that version
+    index_copies: int = 0  # metadata daemons that held the new version's index when the ingest returned
+    index_wanted: int = 0  # ... of those it asked for (the cluster's replicas, at most its metadata daemons)
 
 
 class _Stopped(Exception):
@@ -269,8 +271,30 @@ async def _ingest(client: ClusterClient, session: str, source: Source, name: str
     build_index(tree, extents, writer)
     newest = None if force else await _holding(client, name, writer.body_sum())
     info = newest or await commit_index(client, session, writer, tmp_dir)
+    copies, wanted = (0, 0) if newest is not None else await spread_index(client, info)
     return IngestReport(info, len(tree.nodes), tree.skipped, stats["sent"], stats["present"], stats["bytes"], 0.0,
-                        unchanged=newest is not None)
+                        unchanged=newest is not None, index_copies=copies, index_wanted=wanted)
+
+
+async def spread_index(client: ClusterClient, info: VersionInfo) -> tuple[int, int]:
+    """(metadata daemons that hold the new version's index, how many were wanted): asked in turn until the
+    cluster's replicas of them do. A daemon asked for a version fetches its index from the one that committed
+    it, as it would by itself a moment later; until one has, that index is on one node only, and a mount would
+    find no daemon to send it once that node stopped (n1 frozen right after an ingest: its mounts failed with
+    "no metadata daemon could send the index"). So an ingest returns with its index on as many nodes as each
+    of its chunks."""
+    wanted = min(client.cluster.replicas, len(client.cluster.meta_nodes))
+    copies = 0
+    for spec in client.meta_nodes():
+        if copies >= wanted:
+            break
+        try:
+            await client.call(spec, "meta", Msg.GET_DATASET, {"name": info.name, "version": info.version})
+        except DlfsError as exc:
+            log.info("the index of %s@%d is not on %s yet: %s", info.name, info.version, spec.name, exc)
+            continue
+        copies += 1
+    return copies, wanted
 
 
 async def _holding(client: ClusterClient, name: str, body_sum: int) -> VersionInfo | None:
