@@ -483,6 +483,35 @@ async def test_cluster_client_fails_over_to_a_live_replica(tmp_path: Path) -> No
             n.cancel_scope.cancel()
 
 
+@pytest.mark.timeout(30)
+async def test_catalog_reads_hedge_past_a_silent_metadata_daemon(tmp_path: Path) -> None:
+    """A metadata daemon that takes connections and says nothing (frozen, SIGSTOPped) is asked first: a
+    catalog read asks the next one too after META_HEDGE and takes its answer, an error answered included,
+    and the silent node is read last from then on."""
+    from dlfs.client.cluster import META_HEDGE
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes connections; nobody ever answers on them
+    try:
+        async with running_node(tmp_path) as (spec, key), trio.open_nursery() as n:
+            frozen = NodeSpec("a-frozen", Address("127.0.0.1", silent.getsockname()[1]), spec.data)
+            live = NodeSpec("b-live", spec.meta, spec.data)
+            client = ClusterClient(Cluster([frozen, live], key, 1, "test"), n)
+            assert [x.name for x in client.meta_nodes()] == ["a-frozen", "b-live"]
+            t0 = trio.current_time()
+            with pytest.raises(NotFound):  # b-live's answer, after the hedge's wait
+                await client.call_meta(Msg.GET_DATASET, {"name": "nothing"})
+            took = trio.current_time() - t0
+            assert META_HEDGE <= took < META_HEDGE + 3.0, took  # not the 10 s connect bound
+            assert client.failing("a-frozen") and [x.name for x in client.meta_nodes()] == ["b-live", "a-frozen"]
+            out, _ = await client.call_meta(Msg.LIST_DATASETS)
+            assert out["datasets"] == []
+            n.cancel_scope.cancel()
+    finally:
+        silent.close()
+
+
 @pytest.mark.timeout(20)
 async def test_chunk_reads_take_the_data_daemons_connections_in_turn(tmp_path: Path) -> None:
     """A client's chunk reads alternate over READ_LANES connections to a data daemon (one reply's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,11 @@ SUSPECT_MAX = 2.0
 CONNECT_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0  # a PING is answered in well under a millisecond by a daemon that runs
 PROBE_EVERY = 0.25
+# Catalog reads (the same answer from every metadata daemon) that wait this long for one daemon ask the
+# next one too, the first answer winning: a frozen or cut-off daemon cost each mount and command its
+# connect bound (10 s) before the next was asked. A write stays with one daemon (its session is there).
+META_HEDGE = 1.0
+META_READS = frozenset({Msg.GET_DATASET, Msg.READ_INDEX, Msg.LIST_DATASETS})
 FULL_RETRY = 30.0  # seconds writes pass over a data node that said its disk is full, before asking it again
 # Connections to each data daemon that chunk reads take in turn: while one reply's turnaround at the
 # daemon (the next request found, its header sent, a thread to sendfile it) leaves its connection
@@ -236,7 +242,10 @@ class ClusterClient:
 
     async def call_meta(self, msg: Msg, meta: dict[str, Any] | None = None,
                         data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Response:
-        """Ask the first metadata daemon that answers (reads are the same on all of them)."""
+        """Ask the first metadata daemon that answers (reads are the same on all of them; a catalog read
+        asks the next one too after META_HEDGE)."""
+        if msg in META_READS and not data:
+            return await self._read_meta(msg, meta, timeout)
         last: DlfsError | None = None
         for spec in self.meta_nodes():
             try:
@@ -248,6 +257,52 @@ class ClusterClient:
                 await trio.lowlevel.checkpoint_if_cancelled()
                 last = exc
                 log.warning("metadata daemon on %s: %s", spec.name, exc)
+        raise last or Unreachable("no metadata daemon in the cluster")
+
+    async def _read_meta(self, msg: Msg, meta: dict[str, Any] | None, timeout: float) -> Response:
+        """A catalog read from the metadata daemons in order, the next asked too whenever none has answered
+        within META_HEDGE: the first answer wins (an error answered, NotFound say, is an answer); a daemon
+        that cannot be reached moves on to the next at once."""
+        queue = self.meta_nodes()
+        send, recv = trio.open_memory_channel[tuple[NodeSpec, Response | DlfsError]](len(queue))
+        last: DlfsError | None = None
+        answer: Response | DlfsError | None = None
+        flying: dict[str, tuple[NodeSpec, float]] = {}  # name -> (spec, when asked)
+
+        async def ask(spec: NodeSpec) -> None:
+            try:
+                send.send_nowait((spec, await self.call(spec, "meta", msg, meta, timeout=timeout)))
+            except DlfsError as exc:
+                send.send_nowait((spec, exc))
+
+        async with trio.open_nursery() as nursery:
+            while queue or flying:
+                if queue and (not flying or last is not None):
+                    spec = queue.pop(0)
+                    flying[spec.name] = (spec, trio.current_time())
+                    nursery.start_soon(ask, spec)
+                    last = None  # the next is asked after a hedge's wait, or once this one fails
+                    continue
+                with trio.move_on_after(META_HEDGE if queue else math.inf):
+                    spec, out = await recv.receive()
+                    _, asked = flying.pop(spec.name)
+                    if isinstance(out, Unreachable) and not isinstance(out, ControlUnavailable):
+                        # (ControlUnavailable: the daemon answered that etcd did not; every one would say so.)
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                        log.warning("metadata daemon on %s: %s", spec.name, out)
+                        last = out
+                        continue
+                    answer = out
+                    for other, _ in flying.values():  # beaten by a hedge: read last, as a data hedge's loser
+                        self.lagged(other, trio.current_time() - asked)
+                    nursery.cancel_scope.cancel()
+                    break
+                if queue:  # no answer within the bound: ask the next one too
+                    last = Unreachable(f"no answer within {META_HEDGE:g} s")
+        if isinstance(answer, DlfsError):
+            raise answer
+        if answer is not None:
+            return answer
         raise last or Unreachable("no metadata daemon in the cluster")
 
     def replicas(self, cid: bytes) -> list[NodeSpec]:
