@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +128,30 @@ def test_an_ingest_returns_with_its_index_on_as_many_metadata_daemons_as_its_chu
             cluster.run("umount", mnt, node=other, timeout=60)
     finally:
         cluster.signal("n1", signal.SIGCONT)
+
+
+@pytest.mark.timeout(180)
+def test_an_ingest_with_a_frozen_data_node_places_its_chunks_past_it_within_one_connect_bound(
+        lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
+    """n2 frozen (SIGSTOP) through an ingest on n1: its chunks go to the next nodes of their rank as for a
+    down node, and the ingest ends within about one connect bound (10 s). Before, each chunk ranked on n2
+    waited that bound in turn (calls queued behind one connect attempt each made their own), and the commit
+    waited a call's bound for n2 to say which chunks it held: 100 chunks took over 240 s."""
+    cluster, _ = lab
+    files = make_files(tmp_path / "src", 40, seed=29)
+    cluster.signal("n2", signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = cluster.run("ingest", tmp_path / "src", "--name", "past-n2", "--chunk-size", CHUNK_SIZE, node="n1",
+                          timeout=150)
+        took = time.monotonic() - t0
+        assert out.returncode == 0, out
+        assert took < 40, took  # one connect bound and the work; it was one per chunk on n2, and the commit's wait
+    finally:
+        cluster.signal("n2", signal.SIGCONT)
+    verify = cluster.run("verify", "past-n2", node="n1", timeout=120)
+    assert verify.returncode == 0 and "every chunk has 2 good replicas" in verify.stdout, verify
+    mnt = tmp_path / "mnt"
+    with cluster.mounted("past-n2", mnt) as m:
+        for rel, data in files.items():
+            assert (m / rel).read_bytes() == data, rel

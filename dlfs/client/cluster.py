@@ -83,6 +83,9 @@ class ClusterClient:
         self.nursery = nursery
         self._conns: dict[tuple[str, str, int], Connection] = {}  # (node, service, lane) -> connection
         self._locks: dict[tuple[str, str, int], trio.Lock] = {}
+        # (node, service, lane) -> (when its last connect attempt failed, why): calls that waited for that
+        # attempt get its answer, rather than each trying again (a frozen node's 10 s bound, one call after another).
+        self._refused: dict[tuple[str, str, int], tuple[float, Unreachable]] = {}
         self._lanes = itertools.count()  # which of READ_LANES the next chunk read takes
         self.health: dict[str, Health] = {}
         self.health_changes = 0  # bumped whenever a node starts or stops failing (remotereads re-routes)
@@ -105,7 +108,11 @@ class ClusterClient:
         conn = self._conns.get(k)
         if conn is not None and conn.closed is None and not conn.idle_expiring():
             return conn
+        asked = trio.current_time()
         async with self._locks.setdefault(k, trio.Lock()):
+            refused = self._refused.get(k)
+            if refused is not None and refused[0] >= asked:  # an attempt this call waited for failed just now
+                raise refused[1]
             conn = self._conns.get(k)
             if conn is not None and conn.closed is None and conn.idle_expiring():
                 del self._conns[k]
@@ -114,7 +121,12 @@ class ClusterClient:
                     await conn.aclose()
                 conn = None
             if conn is None or conn.closed is not None:
-                conn = await self.nursery.start(self._hold, spec, service, name=f"dlfs-conn {spec.name}/{service}")
+                try:
+                    conn = await self.nursery.start(self._hold, spec, service, name=f"dlfs-conn {spec.name}/{service}")
+                except Unreachable as exc:
+                    self._refused[k] = (trio.current_time(), exc)
+                    raise
+                self._refused.pop(k, None)
                 self._conns[k] = conn
         return conn
 
@@ -313,8 +325,10 @@ class ClusterClient:
         order = {n.name: (self.failing(n.name), i >= r, n.name != self.cluster.local, i) for i, n in enumerate(ranked)}
         return sorted(ranked, key=lambda n: order[n.name])
 
-    async def holders(self, ids: list[bytes]) -> tuple[dict[bytes, list[str]], list[str]]:
-        """Which data nodes store each chunk, and which nodes could not be asked."""
+    async def holders(self, ids: list[bytes], enough: int | None = None) -> tuple[dict[bytes, list[str]], list[str]]:
+        """Which data nodes store each chunk, and which nodes could not be asked. With `enough`, the asking
+        stops once every chunk has that many (a node yet to answer is not waited for: a frozen one held an
+        ingest's commit its whole call bound, holding none of its chunks)."""
         held: dict[bytes, list[str]] = {c: [] for c in ids}
         down: list[str] = []
 
@@ -325,6 +339,8 @@ class ClusterClient:
             except Unreachable as exc:
                 log.warning("data daemon on %s: %s", spec.name, exc)
                 down.append(spec.name)
+            if enough is not None and all(len(nodes) >= enough for nodes in held.values()):
+                n.cancel_scope.cancel()
 
         async with open_nursery() as n:
             for spec in self.cluster.data_nodes:
@@ -332,8 +348,9 @@ class ClusterClient:
         return held, down
 
     async def under_replicated(self, ids: list[bytes]) -> dict[bytes, list[str]]:
-        """The chunks stored on fewer than R reachable nodes, with the nodes that do hold them."""
-        held, _ = await self.holders(ids)
+        """The chunks stored on fewer than R reachable nodes, with the nodes that do hold them (those known
+        once each chunk has R: not every node's answer is waited for)."""
+        held, _ = await self.holders(ids, enough=self.cluster.replicas)
         return {c: nodes for c, nodes in held.items() if len(nodes) < self.cluster.replicas}
 
     async def sweep(self, live: set[bytes], only: set[bytes] | None = None) -> tuple[int, list[str]]:

@@ -120,6 +120,7 @@ async def ingest(cluster: Cluster, src: str | Source, name: str, chunk_size: int
         session = begun.session
         keepalive = trio.CancelScope()
         nursery.start_soon(_keep_alive, client, session, begun.ttl, keepalive)
+        nursery.start_soon(client.probe_failing, name="dlfs-probe-failing-nodes")  # chunks go to them again once back
         try:
             report = await _ingest(client, session, source, name, chunk_size, compress, progress, tmp_dir, select,
                                    force, interrupt)
@@ -285,7 +286,7 @@ async def spread_index(client: ClusterClient, info: VersionInfo) -> tuple[int, i
     of its chunks."""
     wanted = min(client.cluster.replicas, len(client.cluster.meta_nodes))
     copies = 0
-    for spec in client.meta_nodes():
+    for spec in sorted(client.meta_nodes(), key=lambda s: client.failing(s.name)):  # a frozen one last
         if copies >= wanted:
             break
         try:
@@ -315,7 +316,9 @@ async def _store_chunk(client: ClusterClient, session: str, p: Packed, stats: di
     for each placed node that is down or whose disk is full, the next node of its rank (as repair
     would; readers look there next)."""
     await client.call_meta(Msg.PIN_CHUNKS, {"session": session, "ids": [p.cid]})
-    candidates = rank(p.cid, client.cluster.data_nodes)
+    # A node that failed lately (down, frozen, cut off) is passed over as a down one is, until it answers a
+    # probe again: each chunk placed on it waited its connect bound (10 s) first, one after another.
+    candidates = sorted(rank(p.cid, client.cluster.data_nodes), key=lambda s: client.failing(s.name))
     want = client.cluster.replicas
     stored: list[str] = []
     errors: list[str] = []
