@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dlfs")
 MOUNT_EXIT_WAIT = 30.0  # seconds a mount process that failed to start has to exit
+SWEEP_CALL = 300.0  # seconds `dlfs rm` and `dlfs gc` wait for their daemon's answer: a collection sweeps the data nodes
 EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
 
 
@@ -295,13 +296,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 # --- datasets, rm, status ---------------------------------------------------------------------
-async def _meta_call(args: argparse.Namespace, msg: Any, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+async def _meta_call(args: argparse.Namespace, msg: Any, meta: dict[str, Any] | None = None,
+                     timeout: float | None = None) -> dict[str, Any]:
     from dlfs.client.cluster import ClusterClient
+    from dlfs.wire.rpc import CALL_TIMEOUT
 
     cluster = _cluster(args)
     async with open_nursery() as nursery:
         client = ClusterClient(cluster, nursery)
-        out, _ = await client.call_meta(msg, meta)
+        out, _ = await client.call_meta(msg, meta, timeout=timeout or CALL_TIMEOUT)
         nursery.cancel_scope.cancel()
     return out
 
@@ -349,8 +352,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
             if here.state == DETACHED:  # still serving files held open since `umount --lazy`
                 raise Conflict(f"{label} is still read through its mount detached from {mountpoint} (process "
                                f"{here.record.pid}); remove it once that process ends (`dlfs mounts` shows it)")
-    out = reply(Removed, trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version}), Msg.REMOVE,
-                META_DAEMON)
+    # Its collection sweeps the data nodes (each within SWEEP_NODE_BOUND): not asked of another daemon for
+    # a call bound passed meanwhile (that one would answer "no dataset named ...": this one removed it).
+    out = reply(Removed, trio.run(_meta_call, args, Msg.REMOVE, {"name": name, "version": version}, SWEEP_CALL),
+                Msg.REMOVE, META_DAEMON)
     versions = ", ".join(str(v.version) for v in out.removed)
     if out.mounts:
         print(f"removed {name} (version {versions}); {out.gc_deferred}")
@@ -359,7 +364,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         return 0
     print(f"removed {name} (version {versions}); freed {out.freed_chunks} chunks")
     if out.gc_deferred:
-        print(f"its chunks are freed later: {out.gc_deferred}", file=sys.stderr)
+        print(f"not all of its chunks are freed yet: {out.gc_deferred}", file=sys.stderr)
     return 0
 
 
@@ -368,7 +373,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dlfs.wire.protocol import Msg
 
     _setup_logging(args)
-    out = reply(Collected, trio.run(_meta_call, args, Msg.COLLECT), Msg.COLLECT, META_DAEMON)
+    out = reply(Collected, trio.run(_meta_call, args, Msg.COLLECT, None, SWEEP_CALL), Msg.COLLECT, META_DAEMON)
     if out.gc_deferred:
         raise Unreachable(f"garbage collection deferred: {out.gc_deferred}")
     print(f"freed {out.freed_chunks} chunks that no dataset or ingest needs")

@@ -155,3 +155,30 @@ def test_an_ingest_with_a_frozen_data_node_places_its_chunks_past_it_within_one_
     with cluster.mounted("past-n2", mnt) as m:
         for rel, data in files.items():
             assert (m / rel).read_bytes() == data, rel
+
+
+@pytest.mark.timeout(240)
+def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
+        lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
+    """n2 frozen: `dlfs rm` removes the version, frees what the other nodes hold and says n2's chunks wait
+    (exit 0, within one node's sweep bound); `dlfs gc` once n2 is back frees the rest. Before, the sweep
+    asked the nodes one after another, n2's call took the whole 60 s the CLI waits, the CLI asked the next
+    daemon, and that one answered "no dataset named ..." (exit 4) for the version the first had removed."""
+    from dlfs.client.cluster import SWEEP_NODE_BOUND
+
+    cluster, _ = lab
+    make_files(tmp_path / "src", 12, seed=31)
+    cluster.cli("ingest", tmp_path / "src", "--name", "doomed", "--chunk-size", CHUNK_SIZE, node="n1")
+    cluster.signal("n2", signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        rm = cluster.run("rm", "doomed", node="n1", timeout=200)
+        took = time.monotonic() - t0
+    finally:
+        cluster.signal("n2", signal.SIGCONT)
+    assert rm.returncode == 0 and rm.stdout.startswith("removed doomed (version 1); freed "), rm
+    assert "not all of its chunks are freed yet: data node n2 unreachable" in rm.stderr, rm
+    assert took < SWEEP_NODE_BOUND + 20, took
+    assert "doomed" not in cluster.cli("datasets", node="n1")
+    gc = cluster.run("gc", node="n1", timeout=120)
+    assert gc.returncode == 0, gc

@@ -31,6 +31,11 @@ PROBE_EVERY = 0.25
 # next one too, the first answer winning: a frozen or cut-off daemon cost each mount and command its
 # connect bound (10 s) before the next was asked. A write stays with one daemon (its session is there).
 META_HEDGE = 1.0
+# A collection sweeps SWEEP_NODES data nodes at once, each within SWEEP_NODE_BOUND (a node not done by then
+# is skipped: its chunks are freed by a later collection). One after another, a frozen node held a `dlfs rm`
+# past its caller's 60 s call bound, which then asked another daemon and reported "no dataset named ...".
+SWEEP_NODES = 16
+SWEEP_NODE_BOUND = 30.0
 META_READS = frozenset({Msg.GET_DATASET, Msg.READ_INDEX, Msg.LIST_DATASETS})
 FULL_RETRY = 30.0  # seconds writes pass over a data node that said its disk is full, before asking it again
 # Connections to each data daemon that chunk reads take in turn: while one reply's turnaround at the
@@ -359,22 +364,31 @@ class ClusterClient:
         data nodes that could not be swept."""
         gone: set[bytes] = set()
         skipped: list[str] = []
-        for spec in self.cluster.data_nodes:
-            try:
-                if only is None:
-                    meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
-                    ids = [bytes(data[i : i + 16]) for i in range(0, len(data), 16)]
-                else:  # those of `only` it holds: what it deletes is then what it held
-                    ids = await self._held(spec, sorted(only - live))
-                dead = [c for c in ids if c not in live]
-                for i in range(0, len(dead), 20000):
-                    batch = dead[i : i + 20000]
-                    meta, _ = await self.call(spec, "data", Msg.DELETE_CHUNKS, {"ids": batch})
-                    if reply(Deleted, meta, Msg.DELETE_CHUNKS, spec.name).deleted:
-                        gone.update(batch)  # listed or found there a moment ago, under the gc lock
-            except Unreachable as exc:
-                log.warning("garbage collection skipped %s: %s", spec.name, exc)
-                skipped.append(spec.name)
+        limit = trio.CapacityLimiter(SWEEP_NODES)
+
+        async def one(spec: NodeSpec) -> None:
+            async with limit:
+                try:
+                    with trio.fail_after(SWEEP_NODE_BOUND):
+                        if only is None:
+                            meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
+                            ids = [bytes(data[i : i + 16]) for i in range(0, len(data), 16)]
+                        else:  # those of `only` it holds: what it deletes is then what it held
+                            ids = await self._held(spec, sorted(only - live))
+                        dead = [c for c in ids if c not in live]
+                        for i in range(0, len(dead), 20000):
+                            batch = dead[i : i + 20000]
+                            meta, _ = await self.call(spec, "data", Msg.DELETE_CHUNKS, {"ids": batch})
+                            if reply(Deleted, meta, Msg.DELETE_CHUNKS, spec.name).deleted:
+                                gone.update(batch)  # listed or found there a moment ago, under the gc lock
+                except (Unreachable, trio.TooSlowError) as exc:
+                    why = exc if isinstance(exc, Unreachable) else f"not done within {SWEEP_NODE_BOUND:g} s"
+                    log.warning("garbage collection skipped %s: %s", spec.name, why)
+                    skipped.append(spec.name)
+
+        async with open_nursery() as n:
+            for spec in self.cluster.data_nodes:
+                n.start_soon(one, spec)
         return len(gone), skipped
 
     async def _held(self, spec: NodeSpec, ids: list[bytes]) -> list[bytes]:
