@@ -254,8 +254,9 @@ class ClusterClient:
         return entry[1] if entry is not None else None
 
     def meta_nodes(self) -> list[NodeSpec]:
-        """Metadata daemons: this machine's first, suspect ones last."""
-        return sorted(self.cluster.meta_nodes, key=lambda n: (self.suspect(n.name), n.name != self.cluster.local))
+        """Metadata daemons: this machine's first, failing ones last (until their node answers again: a
+        node frozen, once found, cost each later call a 10 s connect bound when only its back-off counted)."""
+        return sorted(self.cluster.meta_nodes, key=lambda n: (self.failing(n.name), n.name != self.cluster.local))
 
     async def call_meta(self, msg: Msg, meta: dict[str, Any] | None = None,
                         data: bytes | bytearray | memoryview = b"", timeout: float = CALL_TIMEOUT) -> Response:

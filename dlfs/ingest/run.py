@@ -286,7 +286,7 @@ async def spread_index(client: ClusterClient, info: VersionInfo) -> tuple[int, i
     of its chunks."""
     wanted = min(client.cluster.replicas, len(client.cluster.meta_nodes))
     copies = 0
-    for spec in sorted(client.meta_nodes(), key=lambda s: client.failing(s.name)):  # a frozen one last
+    for spec in client.meta_nodes():  # failing ones last
         if copies >= wanted:
             break
         try:
