@@ -512,6 +512,34 @@ async def test_catalog_reads_hedge_past_a_silent_metadata_daemon(tmp_path: Path)
         silent.close()
 
 
+@pytest.mark.timeout(60)
+async def test_an_index_cache_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
+    """A mount (or warmup) whose home has no room for the version's index: StorageFull naming the place and
+    the size (the mount's log had a traceback, and the command "mount process exited (1)"), nothing left."""
+    from test_ingest_cleanup import tmpfs
+
+    from dlfs.client.indexes import fetch_index
+    from dlfs.errors import StorageFull
+    from dlfs.ingest.run import ingest
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(600):
+        (src / f"f{i:04d}").write_bytes(b"x" * 100)
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        cluster = Cluster([spec], key, 1, "test", local=spec.name)
+        info = (await ingest(cluster, str(src), "full")).info
+        assert info.index_size > 32 << 10
+        client = ClusterClient(cluster, n)
+        with tmpfs(tmp_path / "tiny", "16k") as tiny:
+            with pytest.raises(StorageFull, match=r"^no room for the index of full@1 \(.*\) in .*tiny/home/mounts/index: "
+                                                  r"No space left on device; free some space there"):
+                await fetch_index(client, info, tiny / "home")
+            assert not any((tiny / "home" / "mounts" / "index").iterdir())  # its piece removed
+        assert (await fetch_index(client, info, tmp_path / "home2")).stat().st_size == info.index_size
+        n.cancel_scope.cancel()
+
+
 @pytest.mark.timeout(20)
 async def test_chunk_reads_take_the_data_daemons_connections_in_turn(tmp_path: Path) -> None:
     """A client's chunk reads alternate over READ_LANES connections to a data daemon (one reply's

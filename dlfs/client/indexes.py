@@ -9,9 +9,10 @@ from pathlib import Path
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.errors import CorruptData
+from dlfs.errors import NO_ROOM, CorruptData, StorageFull
 from dlfs.format.index import file_checksum
 from dlfs.private import private_dirs, private_opener
+from dlfs.units import human_bytes
 from dlfs.wire.messages import VersionInfo
 from dlfs.wire.protocol import Msg
 
@@ -39,6 +40,12 @@ async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> P
         if await trio.to_thread.run_sync(file_checksum, tmp) != info.index_sum:
             raise CorruptData(f"index of {info.name}@{info.version} arrived corrupt (checksum mismatch)")
         os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno not in NO_ROOM:
+            raise
+        raise StorageFull(f"no room for the index of {info.name}@{info.version} ({human_bytes(info.index_size)}) in "
+                          f"{cache_dir}: {exc.strerror}; free some space there, or give --home (DLFS_HOME) "
+                          "on a disk that has it") from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
