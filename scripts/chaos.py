@@ -27,8 +27,9 @@ The mounts read through the data daemons (--no-short-circuit, but for corrupt-re
 namespaced cluster they run on a machine outside the cluster, c1), with the default --retry-timeout
 (60 s). With --cache-size smaller than the dataset (the chunks are 256 KiB: 2M is a few windows), the
 mounts' reads are what a dataset bigger than memory gets: each file a record fetched alone, by the
-mount's serving threads from the data daemons themselves once the random order shows (scan mode). The "outcome" column says what the commands run during a fault answered; a fault whose
-expectations did not hold says so on stderr, and the exit status is then 1, as for any read error.
+mount's serving threads from the data daemons themselves once the random order shows (scan mode).
+The "outcome" column says what the commands run during a fault answered; a fault whose expectations
+did not hold says so on stderr, and the exit status is then 1, as for any read error.
 
     sudo .venv/bin/python scripts/chaos.py [--files 300] [--readers 4] [--hold 5] [--only sigstop,etcd-kill]
                                            [--cache-size 2M]
