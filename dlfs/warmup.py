@@ -27,8 +27,9 @@ from pathlib import Path
 import trio
 
 from dlfs.client.cluster import ClusterClient
+from dlfs.client.replicas import Buffer, ReplicaReader
 from dlfs.data.store import chunk_path
-from dlfs.errors import CorruptData, DlfsError, NotFound, Unreachable, UsageError
+from dlfs.errors import CorruptData, DlfsError, NotFound, UsageError
 from dlfs.format.chunk import decode_record
 from dlfs.format.index import ROOT_INO, Extent, Index
 from dlfs.mount.diskcache import DiskCache
@@ -217,25 +218,24 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
         t0 = time.monotonic()
         send, recv = trio.open_memory_channel[Window](0)
 
+        # As a mount reads: a replica that has not answered within the hedge bound is raced by the next (a
+        # node frozen mid-warmup held every window in flight on it the whole fetch bound, 30 s), bad bytes
+        # move on to the next, and a node so passed over is asked last from then on.
+        replicas = ReplicaReader(client, fetch_timeout=FETCH_TIMEOUT)
+
         async def fetch(w: Window, cid: bytes) -> None:
-            errors: list[str] = []
-            for spec in client.replicas(cid):
-                try:
-                    data = await client.read_from(spec, cid, w.offset, w.length, timeout=FETCH_TIMEOUT)
-                    if w.length >= THREAD_BYTES:
-                        await trio.to_thread.run_sync(_verify, index, w, cid, data, spec.name)
-                    else:
-                        _verify(index, w, cid, data, spec.name)
-                except (Unreachable, NotFound, CorruptData) as exc:
-                    errors.append(f"{spec.name}: {exc}")
-                    log.warning("warmup of chunk %s from %s: %s; trying the next replica", cid.hex(), spec.name, exc)
-                    continue
-                report.fetched += w.length
-                report.by_node[spec.name] = report.by_node.get(spec.name, 0) + w.length
-                assert disk is not None
-                await trio.to_thread.run_sync(disk.store, cid, [(w.offset, w.length)], [data])
-                return
-            raise Unreachable(f"chunk {cid.hex()} of {label}: no replica has good bytes ({'; '.join(errors)})")
+            async def check(got: Sequence[Buffer], node: str) -> tuple[str, Buffer]:
+                if w.length >= THREAD_BYTES:
+                    await trio.to_thread.run_sync(_verify, index, w, cid, got[0], node)
+                else:
+                    _verify(index, w, cid, got[0], node)
+                return node, got[0]
+
+            node, data = (await replicas.read(cid, [(w.offset, w.length)], None, check, lambda f: None, retry=False))[0]
+            report.fetched += w.length
+            report.by_node[node] = report.by_node.get(node, 0) + w.length
+            assert disk is not None
+            await trio.to_thread.run_sync(disk.store, cid, [(w.offset, w.length)], [data])
 
         async def worker() -> None:
             async for w in recv:

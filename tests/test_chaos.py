@@ -182,3 +182,21 @@ def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
     assert "doomed" not in cluster.cli("datasets", node="n1")
     gc = cluster.run("gc", node="n1", timeout=120)
     assert gc.returncode == 0, gc
+
+
+@pytest.mark.timeout(180)
+def test_warmup_hedges_past_a_frozen_node(lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
+    """n2 frozen through a `dlfs warmup` through the daemons: its windows are raced by the next replica after
+    the hedge bound, as a mount's reads are, and the warmup ends with every byte kept. Before, each window
+    waited on n2 its fetch bound (30 s) or the connect bound (10 s)."""
+    cluster, files = lab
+    cluster.signal("n2", signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = cluster.run("warmup", "chaos", "--cache-dir", tmp_path / "wc", "--no-short-circuit", node="n1",
+                          timeout=150)
+        took = time.monotonic() - t0
+    finally:
+        cluster.signal("n2", signal.SIGCONT)
+    assert out.returncode == 0 and f"warmed chaos@1: {len(files)} files" in out.stdout, out
+    assert took < 8, took  # a hedge's bound (1 s until it has learned) and the work; it was 10 s and more
