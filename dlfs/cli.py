@@ -775,16 +775,22 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_dir_size(args: argparse.Namespace) -> int | None:
+    """--cache-dir-size, checked: at least 1M, and only beside --cache-dir."""
+    size = parse_size(args.cache_dir_size) if args.cache_dir_size else None
+    if size is not None and size < 1 << 20:
+        raise UsageError("--cache-dir-size must be at least 1M")
+    if size is not None and not args.cache_dir:
+        raise UsageError("--cache-dir-size needs --cache-dir")
+    return size
+
+
 def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | None]:
     """--cache-dir (made and checked here, where an error reaches the user) and --cache-dir-size."""
     from dlfs.mount.diskcache import check_cache_dir
 
-    size = parse_size(args.cache_dir_size) if args.cache_dir_size else None
-    if size is not None and size < 1 << 20:
-        raise UsageError("--cache-dir-size must be at least 1M")
+    size = _cache_dir_size(args)
     if not args.cache_dir:
-        if size is not None:
-            raise UsageError("--cache-dir-size needs --cache-dir")
         return None, None
     return check_cache_dir(Path(args.cache_dir).absolute()), size
 
@@ -998,9 +1004,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dlfs.doctor import as_json, failed, render, run_checks, summary
 
     _setup_logging(args, "ERROR")  # the table says it all; the checks' own log lines would repeat it
-    size = parse_size(args.cache_dir_size) if args.cache_dir_size else None
-    if size is not None and args.cache_dir is None:
-        raise UsageError("--cache-dir-size needs --cache-dir")
+    size = _cache_dir_size(args)  # (the directory itself is only looked at: doctor makes nothing)
     rows = run_checks(home_dir(args.home), args.cluster, args.transport,
                       Path(args.cache_dir) if args.cache_dir else None, size)
     if args.json:
