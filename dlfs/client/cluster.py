@@ -337,15 +337,18 @@ class ClusterClient:
         ingest's commit its whole call bound, holding none of its chunks)."""
         held: dict[bytes, list[str]] = {c: [] for c in ids}
         down: list[str] = []
+        short = len(held)  # chunks with fewer than `enough` holders so far
 
         async def ask(spec: NodeSpec) -> None:
+            nonlocal short
             try:
                 for c in await self._held(spec, ids):
                     held[c].append(spec.name)
+                    short -= len(held[c]) == enough
             except Unreachable as exc:
                 log.warning("data daemon on %s: %s", spec.name, exc)
                 down.append(spec.name)
-            if enough is not None and all(len(nodes) >= enough for nodes in held.values()):
+            if enough is not None and short <= 0:
                 n.cancel_scope.cancel()
 
         async with open_nursery() as n:
