@@ -929,12 +929,15 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
     _setup_logging(args)
     mountpoint = Path(args.mountpoint).absolute()
-    users = unmount(home_dir(args.home), mountpoint, lazy=args.lazy)
-    if users:
+    done = unmount(home_dir(args.home), mountpoint, lazy=args.lazy)
+    if done.silent:
+        print(f"dlfs: warning: the mount process of {mountpoint} does not answer ({done.silent}: stopped or stuck): "
+              "detached without it; what waits on it there waits until it runs again or is killed", file=sys.stderr)
+    if done.users:
         print(f"detached {mountpoint}; its mount process ends when the last of these closes its files there: "
-              + ", ".join(h.describe() for h in users))
+              + ", ".join(h.describe() for h in done.users))
     else:
-        print(f"unmounted {mountpoint}")
+        print(f"{'detached' if done.silent else 'unmounted'} {mountpoint}")
     return 0
 
 
@@ -943,9 +946,7 @@ def _local_time(t: float) -> str:
 
 
 def _mount_rows(states: Any) -> list[str]:
-    """`dlfs mounts`' table: one row per mount, then a line for each that is not live."""
-    from dlfs.mount.records import LIVE
-
+    """`dlfs mounts`' table: one row per mount, then a line for each that is not live or whose process is stopped."""
     head = ("DATASET", "MOUNTPOINT", "PID", "STATE", "CACHE", "SINCE", "LOG")
     rows = [head]
     for m in states:
@@ -956,7 +957,7 @@ def _mount_rows(states: Any) -> list[str]:
         rows.append((r.dataset, r.mountpoint, str(r.pid), m.state, cache, _local_time(r.started), r.log or "(its stderr)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
-    out += [f"{m.record.dataset} at {m.record.mountpoint}: {m.state}: {m.problem}" for m in states if m.state != LIVE]
+    out += [f"{m.record.dataset} at {m.record.mountpoint}: {m.state}: {m.problem}" for m in states if m.problem]
     return out
 
 

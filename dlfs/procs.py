@@ -108,6 +108,15 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a suspended job, a tracer): it runs nothing until continued."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def command_line(pid: int) -> str:
     """A process's command line as `ps -ef` shows it; [name] for one without (a kernel thread)."""
     try:

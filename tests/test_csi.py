@@ -390,3 +390,35 @@ def test_the_nodes_disk_cache_goes_to_every_mount_the_plugin_makes(cluster: Clus
     bad = run_dlfs(cluster.node.home, "csi", "--endpoint", f"unix://{tmp_path / 'b.sock'}", "--state",
                    str(tmp_path / "state-b"), "--cache-dir", str(tmp_path / "a-file"), check=False, timeout=30)
     assert bad.returncode == 2 and "is not a directory" in bad.stderr, bad
+
+
+def test_a_mount_whose_process_is_stopped_is_replaced_within_a_bound(cluster: Cluster, plugin: Plugin,
+                                                                      tmp_path: Path) -> None:
+    """The staging mount's process stopped (SIGSTOP, or stuck: it answers nothing): the next pod gets a
+    fresh mount once the probe's bound has passed (the plugin waited in statvfs for good, and the call
+    with it), the stopped one is detached, and once it runs again it ends with its last pod's volume."""
+    from dlfs.fsprobe import PROBE_BOUND
+
+    t1, t2 = (pod_target(tmp_path, f"uid-{i}") for i in (1, 2))
+    attrs = {"dataset": "csi-imgs", "version": "1"}
+    plugin.publish(t1, attrs)
+    staging = plugin.state / "mounts" / "csi-imgs@1"
+    pid = int(json.loads(mount_record(cluster.node.home, staging).read_text())["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        plugin.publish(t2, attrs)
+        assert time.monotonic() - t0 < CALL_TIMEOUT and reads_source(t2, cluster.src)
+        assert time.monotonic() - t0 >= PROBE_BOUND  # (it did wait for the stopped one first)
+        now = shown("csi-imgs@1")
+        assert len(now) == 2 and {str(t1)} in now.values() and {str(staging), str(t2)} in now.values()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert reads_source(t1, cluster.src)  # running again, it serves the pod it still holds
+    plugin.unpublish(t1)
+    deadline = time.monotonic() + 30
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, f"mount process {pid} outlived its last volume"
+        time.sleep(0.05)
+    plugin.unpublish(t2)
+    assert shown("csi-imgs@1") == {} and not staging.exists()

@@ -198,3 +198,43 @@ def test_non_empty_mountpoint_is_refused_unless_nonempty(node: Node, tmp_path: P
     assert sorted(os.listdir(mnt)) == ["sub", "top.bin", "two.txt"]  # the dataset hides what was there
     node.umount(mnt)
     assert (mnt / "mine.txt").read_text() == "keep me\n"
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_a_stopped_mount_is_shown_refused_and_detached_within_a_bound(node: Node, tmp_path: Path) -> None:
+    """A mount whose process is stopped (SIGSTOP, a suspended job) answers nothing: `dlfs mounts` says
+    so, a mount onto it is refused and `dlfs umount` detaches it, each within the probe's bound (both
+    waited in statvfs until the process ran again), and the process ends once it runs."""
+    from dlfs.fsprobe import PROBE_BOUND
+
+    two_versions(node, tmp_path)
+    mnt = node.mount("ds", tmp_path / "mnt")
+    assert (mnt / "two.txt").read_text() == "version two\n"
+    pid = mount_pids(node.home)[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        shown = mounts_json(node)[str(mnt)]
+        assert shown["state"] == "live" and f"its process {pid} is stopped" in shown["problem"]
+        assert f"`kill -CONT {pid}`" in node.run("mounts").stdout
+
+        t0 = time.monotonic()
+        refused = node.run("mount", "ds", mnt, check=False, timeout=PROBE_BOUND + 20)
+        assert time.monotonic() - t0 < PROBE_BOUND + 10
+        assert refused.returncode == 11
+        line = one_line_error(refused)
+        assert f"{mnt} is a mount whose process does not answer" in line and f"`dlfs umount {mnt}`" in line
+
+        t0 = time.monotonic()
+        done = node.run("umount", mnt, timeout=PROBE_BOUND + 20)
+        assert time.monotonic() - t0 < PROBE_BOUND + 10
+        assert done.stdout == f"detached {mnt}\n"
+        assert done.stderr.startswith(f"dlfs: warning: the mount process of {mnt} does not answer"), done.stderr
+        assert str(mnt) not in open("/proc/self/mounts").read() and pid_alive(pid)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_gone(pid), f"mount process {pid} still running once continued, its mount detached"
+    assert mounts_json(node) == {}
+    node.mount("ds", mnt)  # the mountpoint is free again
+    assert (mnt / "two.txt").read_text() == "version two\n"
+    node.umount(mnt)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from dlfs.config import check_dataset_name, load_cluster
 from dlfs.csi.binds import bind_readonly, unmount_one
 from dlfs.csi.mountinfo import MountEntry, mount_at, read_mountinfo
 from dlfs.errors import Conflict, DlfsError, MountError, OperationPending, Unreachable, UsageError, error_from_status
+from dlfs.fsprobe import ANSWERS, probe
 from dlfs.private import private_dirs
 from dlfs.units import parse_size
 
@@ -121,12 +121,9 @@ class KeyedLocks:
 
 
 def alive(path: Path) -> bool:
-    """Whether the file system at `path` answers (a FUSE mount whose process ended does not)."""
-    try:
-        os.statvfs(path)  # statvfs always reaches the file system; a stat may come from the kernel's cache
-    except OSError:
-        return False
-    return True
+    """Whether the file system at `path` answers, within a bound (a FUSE mount whose process ended does
+    not, nor one whose process is stopped or stuck)."""
+    return probe(path).state == ANSWERS
 
 
 class NodeVolumes:
@@ -159,7 +156,8 @@ class NodeVolumes:
                     raise Conflict(f"{target} already holds {what}, not {spec.wanted}")
                 if alive(target):
                     return shown
-                log.warning("%s shows %s, whose mount process has ended: publishing it again", target, shown)
+                log.warning("%s shows %s, whose mount process has ended or does not answer: publishing it again",
+                            target, shown)
                 self._unbind_all(target)
             if not target.parent.is_dir():
                 raise MountError(f"the directory of the target path {target} does not exist")
@@ -218,7 +216,7 @@ class NodeVolumes:
         if entry is not None:
             if entry.dataset == label and alive(staging):
                 return staging
-            log.warning("the mount of %s at %s has ended (its process is gone): mounting it again", label, staging)
+            log.warning("the mount of %s at %s has ended or does not answer: mounting it again", label, staging)
             unmount(self.home, staging)  # lazily: pods still holding it see only errors until they restart
         for shown, mountpoint in local_mounts(self.home):
             other = mount_at(mountpoint, entries)

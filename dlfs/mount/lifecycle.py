@@ -17,6 +17,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import pyfuse3
 import trio
@@ -29,6 +30,7 @@ from dlfs.client.transport import arena_for_cache, choose_for, chunk_transport
 from dlfs.config import Cluster, check_dataset_name
 from dlfs.errors import MountError, NotFound, UsageError
 from dlfs.format.index import Index
+from dlfs.fsprobe import DEAD, SILENT, forget, probe
 from dlfs.logs import set_context
 from dlfs.mount.cache import ENGINE_ROW, PREFETCH_WORKERS, ChunkCache
 from dlfs.mount.directsock import ControlServer, control_socket_path
@@ -112,13 +114,15 @@ def check_mountpoint(path: Path, nonempty: bool = False, home: Path | None = Non
     """Refuse, in one line, a mountpoint that cannot or should not take a mount: a dead mount, a missing
     or live one, a directory with entries (unless `nonempty`: the mount would hide them), one whose
     earlier mount from `home` was detached lazily and still serves files open there."""
-    try:
-        # statvfs always reaches the file system (a stat may be answered from the kernel's cache).
-        os.statvfs(path)
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose process is gone
-            raise MountError(f"{path} is a dead mount (its process ended): clear it with "
-                             f"`dlfs umount {path}` (or `fusermount3 -u -z {path}`), then mount again") from None
+    seen = probe(path)
+    if seen.state == DEAD:  # a FUSE mount whose process is gone
+        raise MountError(f"{path} is a dead mount (its process ended): clear it with "
+                         f"`dlfs umount {path}` (or `fusermount3 -u -z {path}`), then mount again")
+    if seen.state == SILENT:  # each look below would wait for it for good
+        if is_mount_point(path):
+            raise MountError(f"{path} is a mount whose process does not answer ({seen.describe()}: stopped or "
+                             f"stuck): take it off with `dlfs umount {path}`, then mount again")
+        raise MountError(f"the file system at {path} does not answer ({seen.describe()})")
     if not path.exists():
         raise UsageError(f"mountpoint {path} does not exist")
     if not path.is_dir():
@@ -425,49 +429,63 @@ def busy_message(mountpoint: Path, users: list[Holder], shown: int = 5) -> str:
             "detaches it now and its mount ends when the last of them closes its files")
 
 
-def unmount(home: Path, mountpoint: Path, timeout: float = 15.0, lazy: bool = False) -> list[Holder]:
-    """Unmount and wait for the mount process to finish; a dead mount (its process killed) is cleared.
-    `lazy` detaches a busy mount at once (fusermount3 -u -z): the processes then still using it are
-    returned, and its process, serving them, ends when the last closes its files (not waited for)."""
+class Unmounted(NamedTuple):
+    users: list[Holder]  # processes still using it, detached lazily (their files still read)
+    silent: str | None = None  # why its process was not waited for: it does not answer (stopped or stuck)
+
+
+def unmount(home: Path, mountpoint: Path, timeout: float = 15.0, lazy: bool = False) -> Unmounted:
+    """Unmount and wait for the mount process to finish; a dead mount (its process killed) is cleared,
+    a silent one (its process stopped or stuck) detached without it. `lazy` detaches a busy mount at
+    once (fusermount3 -u -z): the processes then still using it are returned, and its process, serving
+    them, ends when the last closes its files (not waited for)."""
     mountpoint = mountpoint.absolute()
     record = mount_record(home, mountpoint)
     found = read_record(record)
     pid = found.pid if found is not None else None
     if not is_mount_point(mountpoint):
         raise NotFound(f"{mountpoint} is not mounted")
-    dead = False
-    try:
-        os.statvfs(mountpoint)
-    except OSError as exc:
-        dead = exc.errno == errno.ENOTCONN  # the process serving it is gone: nothing to wait for
+    seen = probe(mountpoint)
+    dead = seen.state == DEAD  # the process serving it is gone: nothing to wait for
+    silent = seen.state == SILENT
     # Before detaching: a detached mount's open files no longer show under its mountpoint.
     users = holders(str(mountpoint)) if lazy and not dead else []
-    # Lazily for a dead mount: whatever still has a file open there holds only an error now.
-    cmd = ["fusermount3", "-u", *(["-z"] if dead or lazy else []), str(mountpoint)]
+    # Lazily for a dead mount: whatever still has a file open there holds only an error now. And for a
+    # silent one: what waits on it (the probe's own child, at least) keeps waiting until it runs again.
+    cmd = ["fusermount3", "-u", *(["-z"] if dead or silent or lazy else []), str(mountpoint)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         msg = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         if "busy" in msg.lower():
             raise MountError(busy_message(mountpoint, holders(str(mountpoint))))
         raise MountError(f"cannot unmount {mountpoint}: {msg}")
+    forget(mountpoint)
     if dead:
         log.info("cleared the dead mount at %s (its process %s was gone)", mountpoint, pid or "?")
         record.unlink(missing_ok=True)
         stats_file(home, mountpoint).unlink(missing_ok=True)
-        return []
+        return Unmounted([])
+    if silent:  # stopped or stuck: it ends once it runs again, not within any wait here
+        log.info("detached %s without its mount process %s, which does not answer (%s)", mountpoint, pid or "?",
+                 seen.describe())
+        # The mountpoint is free for a mount that answers; the silent process, once it runs, serves what
+        # still holds its files and ends (its record, by then another's, is not its to remove).
+        record.unlink(missing_ok=True)
+        stats_file(home, mountpoint).unlink(missing_ok=True)
+        return Unmounted(users, seen.describe())
     if users:
         log.info("detached %s lazily; process %s ends when %d processes using it close their files", mountpoint,
                  pid or "?", len(users))
-        return users
+        return Unmounted(users)
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
         if not running(pid):
-            return []
+            return Unmounted([])
         time.sleep(0.05)
     if pid:
         log.warning("mount process %d of %s still running %g s after unmount", pid, mountpoint, timeout)
-    return []
+    return Unmounted([])
 
 
-__all__ = ["MountOptions", "check_mountpoint", "errno", "local_mounts", "mount_record", "parse_dataset_ref", "serve_mount",
-           "unmount"]
+__all__ = ["MountOptions", "Unmounted", "check_mountpoint", "errno", "local_mounts", "mount_record", "parse_dataset_ref",
+           "serve_mount", "unmount"]

@@ -18,7 +18,7 @@ import msgspec
 
 from dlfs.private import private_dirs, write_private
 from dlfs.procmounts import mount_points
-from dlfs.procs import running, start_ticks
+from dlfs.procs import running, start_ticks, stopped
 from dlfs.units import iso_time
 
 LIVE, DETACHED, DEAD = "live", "detached", "dead"
@@ -47,7 +47,7 @@ class MountState:
 
     record: MountRecord
     state: str
-    problem: str = ""  # one line, for a state other than live
+    problem: str = ""  # one line: for a state other than live, or a live mount whose process is stopped
 
     def as_json(self) -> dict[str, Any]:
         r = self.record
@@ -124,6 +124,10 @@ def judge(record: MountRecord, table: list[str]) -> MountState | None:
         except OSError:
             mounted = record.mountpoint in table
         if mounted:
+            if stopped(record.pid):  # mounted, but every request there waits until it runs again
+                return MountState(record, LIVE, f"its process {record.pid} is stopped by a signal or a suspended "
+                                                f"job; the mount answers nothing until `kill -CONT {record.pid}`, or "
+                                                f"`dlfs umount {record.mountpoint}` detaches it")
             return MountState(record, LIVE)
         return MountState(record, DETACHED, f"no longer mounted (detached lazily); process {record.pid} still "
                                             "serves files open there and ends when the last is closed")
