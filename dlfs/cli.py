@@ -1216,8 +1216,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most bytes the --cache-dir holds, least recently read out first (kept with it: the last "
                          "size given holds for all its users; default: use the file system but leave 10%% free)")
     sp.add_argument("--retry-timeout", type=_seconds, default=RETRY_TIMEOUT, metavar="SECONDS",
-                    help="how long a read waits for a replica of its data to answer again (a node restarting, a "
-                         "whole cluster restarting) before it fails with EIO; 0: fail at once (default %(default)g)")
+                    help="how long reads wait for a replica of their data to answer again (a node restarting, a "
+                         "whole cluster restarting) before they fail with EIO, counted from when the last replica "
+                         "stopped answering: past it, reads of that data fail at once until one is back; 0: fail at "
+                         "once (default %(default)g)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     sp = add("warmup", cmd_warmup, "Fill the node's disk cache (--cache-dir) with a dataset version, or the files under "

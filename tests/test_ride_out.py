@@ -231,6 +231,44 @@ async def test_reads_wait_for_a_restarted_cluster_within_their_bound(lab: Lab) -
         lab.start_all()
 
 
+@pytest.mark.timeout(180)
+async def test_an_outage_longer_than_the_retry_timeout_fails_later_reads_at_once(lab: Lab) -> None:
+    """Both nodes down for longer than the retry timeout: the first read waits it out and fails, and
+    the reads after it fail at once, with no fetch and no wait (each waited the whole bound again in
+    turn: a node down for good cost a job that bound per file); once a probe finds a node back, reads
+    get their bytes again."""
+    index = lab.index()
+    want = expected(index, lab.files)
+    exts = sorted(want)
+    cluster = parse_cluster_file(lab.cluster_file)
+    lab.stop_all()
+    try:
+        async with trio.open_nursery() as nursery:
+            client = ClusterClient(cluster, nursery)
+            nursery.start_soon(client.probe_failing)
+            cache = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
+                               retry_timeout=1.0)
+            t0 = trio.current_time()
+            with pytest.raises(Unreachable, match=r"no replica answered within 1 s"):
+                await cache.record(exts[0])
+            assert 0.9 <= trio.current_time() - t0 < 5
+            waits, t0 = cache.fetcher.replicas.waits, trio.current_time()
+            for ext in exts[1:6]:
+                with pytest.raises(Unreachable, match=r"no replica answered for 1 s \(n\d: no answer for \d+ s; "
+                                                      r"n\d: no answer for \d+ s\)"):
+                    await cache.record(ext)
+            assert trio.current_time() - t0 < 0.5 and cache.fetcher.replicas.waits == waits
+            await trio.to_thread.run_sync(lab.start_all)
+            with trio.fail_after(30):
+                while client.failing("n1") and client.failing("n2"):  # a probe finds one back
+                    await client.wait_answer(1.0)
+            assert bytes(await cache.record(exts[-1])) == want[exts[-1]]
+            nursery.cancel_scope.cancel()
+    finally:
+        index.close()
+        lab.start_all()
+
+
 @pytest.mark.timeout(120)
 async def test_bad_bytes_on_every_replica_fail_at_once(lab: Lab) -> None:
     """Every replica answers, with bytes that fail their check: that is no restart, so the read

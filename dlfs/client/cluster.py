@@ -62,6 +62,7 @@ class Health:
     backoff: float = 0.0
     failures: int = 0
     rounds: int = 0
+    since: float = 0.0  # when it stopped answering (trio's clock): its first failure since it last answered
 
     def fail(self, now: float) -> bool:
         """Note a failure; True if it began a new round."""
@@ -154,7 +155,7 @@ class ClusterClient:
     def _failed(self, spec: NodeSpec, why: str = "") -> None:
         if spec.name not in self.health:
             self.health_changes += 1
-        h = self.health.setdefault(spec.name, Health())
+        h = self.health.setdefault(spec.name, Health(since=trio.current_time()))
         if h.fail(trio.current_time()) and (h.rounds <= 4 or h.rounds % 30 == 0):  # a long outage: a line a minute
             log.info("node %s is failing%s: read last, probed in %.2f s (round %d, %d failures)", spec.name, why,
                      h.backoff, h.rounds, h.failures)
@@ -207,6 +208,17 @@ class ClusterClient:
     def suspect(self, name: str) -> bool:
         h = self.health.get(name)
         return h is not None and h.suspect(trio.current_time())
+
+    def silent_from(self, name: str, asked: float) -> None:
+        """A failing node's call made at `asked` (trio's clock) got no answer: it has been silent since."""
+        h = self.health.get(name)
+        if h is not None and asked < h.since:
+            h.since = asked
+
+    def failing_since(self, name: str) -> float | None:
+        """When the node began failing (trio's clock), if it has not answered since."""
+        h = self.health.get(name)
+        return h.since if h is not None else None
 
     def failing(self, name: str) -> bool:
         """Failed and not yet answered since: read last, so an application read never waits on it

@@ -127,12 +127,32 @@ class ReplicaReader:
         state = _Read()
         wait = RETRY_FIRST
         waited_since: float | None = None
+        outage = False  # failed at once: its replicas had been silent for retry_timeout already
         try:
             while True:
-                queue = [s for s in self.client.replicas(cid) if s.name not in state.answered]
+                replicas = self.client.replicas(cid)
+                queue = [s for s in replicas if s.name not in state.answered]
                 state.failed = False
+                # An outage began when the last of its replicas began failing: reads wait retry_timeout from
+                # then, not each its own (a node down for good would cost every read the whole wait in turn).
+                now = trio.current_time()
+                silent = {s.name: self.client.failing_since(s.name) for s in replicas}
+                if self.retry_timeout and replicas and None not in silent.values():
+                    began = max(t for t in silent.values() if t is not None)
+                    if retry:
+                        deadline = min(deadline, began + self.retry_timeout)
+                    if now >= began + self.retry_timeout:  # not even a look: the prober says when one is back
+                        for name, t in silent.items():
+                            state.errors.setdefault(name, f"no answer for {now - (t or now):.0f} s")
+                        outage = waited_since is None
+                        break
+                # A fetch never outlasts the read's own bound, nor (read-ahead, which a reader may wait for)
+                # the time a read waits for replicas at all.
+                bound = (self.fetch_timeout if not self.retry_timeout else
+                         min(self.fetch_timeout, max(deadline - now, HEDGE_MIN)) if retry else
+                         min(self.fetch_timeout, self.retry_timeout))
                 while queue:
-                    win = await self._race(cid, ranges, into, queue, state)
+                    win = await self._race(cid, ranges, into, queue, state, bound)
                     if win is None:
                         break
                     fetched(win)
@@ -164,24 +184,34 @@ class ReplicaReader:
         why = "; ".join(f"{node}: {err}" for node, err in state.errors.items()) or "it has no replica"
         if state.corrupt:
             raise CorruptData(f"chunk {cid.hex()}: no replica has good bytes ({why})")
-        within = f" within {self.retry_timeout:g} s" if retry and self.retry_timeout else ""
+        within = (f" for {self.retry_timeout:g} s" if outage else f" within {self.retry_timeout:g} s") \
+            if retry and self.retry_timeout else ""
         raise Unreachable(f"chunk {cid.hex()}: no replica answered{within} ({why})")
 
     async def _race(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
-                    queue: list[NodeSpec], state: _Read) -> Fetched | None:
+                    queue: list[NodeSpec], state: _Read, bound: float) -> Fetched | None:
         """The first bytes from the replicas of `queue` (taken from its front as they are asked; a
-        cancelled loser goes back to it); None when each one asked failed (noted in `state`)."""
+        cancelled loser goes back to it), each fetch within `bound` seconds; None when each one asked
+        failed (noted in `state`)."""
         send, recv = trio.open_memory_channel[tuple[_Attempt, Fetched | DlfsError]](math.inf)
         flying: list[_Attempt] = []
         win: tuple[_Attempt, Fetched] | None = None
 
         async def fetch(a: _Attempt) -> None:
-            t0 = perf_counter()
+            t0, asked = perf_counter(), trio.current_time()
             try:
-                got = [await self.client.read_from(a.spec, cid, off, n, timeout=self.fetch_timeout,
-                                                   into=a.into if i == 0 else None)
-                       for i, (off, n) in enumerate(ranges)]
+                with trio.fail_after(bound):  # (the connect too, which has a bound of its own)
+                    got = [await self.client.read_from(a.spec, cid, off, n, timeout=bound,
+                                                       into=a.into if i == 0 else None)
+                           for i, (off, n) in enumerate(ranges)]
+            except trio.TooSlowError:
+                self.client.timed_out(a.spec, bound)  # read last until it answers a probe
+                self.client.silent_from(a.spec.name, asked)
+                send.send_nowait((a, Unreachable(f"no answer within {bound:g} s")))
+                return
             except DlfsError as exc:
+                if isinstance(exc, Unreachable):
+                    self.client.silent_from(a.spec.name, asked)
                 send.send_nowait((a, exc))
                 return
             send.send_nowait((a, Fetched(a.spec.name, got, perf_counter() - t0)))
