@@ -8,6 +8,7 @@ is the readers: not one read may fail or be wrong while the fault happens.
 
 from __future__ import annotations
 
+import errno
 import re
 import signal
 import subprocess
@@ -200,3 +201,53 @@ def test_warmup_hedges_past_a_frozen_node(lab: tuple[Cluster, dict[str, bytes]],
         cluster.signal("n2", signal.SIGCONT)
     assert out.returncode == 0 and f"warmed chaos@1: {len(files)} files" in out.stdout, out
     assert took < 8, took  # a hedge's bound (1 s until it has learned) and the work; it was 10 s and more
+
+
+@pytest.mark.timeout(180)
+def test_reads_of_data_whose_every_replica_is_frozen_fail_at_once_after_the_retry_timeout(
+        lab: tuple[Cluster, dict[str, bytes]]) -> None:
+    """n2 and n3 frozen for good, a mount on n1 fetching from the daemons with --retry-timeout 2: the
+    files with a replica on n1 read right, the others fail with EIO, the first after the retry timeout
+    and the later ones at once (each waited the whole bound in turn, n1 answering that it has no such
+    chunk while the others were silent); once the nodes run again, the same mount reads every file."""
+    cluster, files = lab
+    cluster.mount_args = ["--retry-timeout", "2"]
+    try:
+        with cluster.mounted("chaos", cluster.base / "mnt" / "outage") as mnt:
+            for name in ("n2", "n3"):
+                cluster.signal(name, signal.SIGSTOP)
+            times: list[float] = []
+            failed: list[str] = []
+            try:
+                for rel, data in files.items():
+                    t0 = time.monotonic()
+                    try:
+                        assert (mnt / rel).read_bytes() == data, rel
+                    except OSError as exc:
+                        assert exc.errno == errno.EIO, exc
+                        failed.append(rel)
+                    times.append(time.monotonic() - t0)
+            finally:
+                for name in ("n2", "n3"):
+                    cluster.signal(name, signal.SIGCONT)
+            assert 0 < len(failed) < len(files)  # the chunks held by n2 and n3 only (3 nodes, 2 replicas each)
+            assert sum(t > 1.0 for t in times) <= 2 and sum(times) < 4 + len(failed) * 0.2, sorted(times)[-5:]
+            deadline = time.monotonic() + 30
+            while failed:  # the nodes back: a probe finds them within its back-off
+                assert time.monotonic() < deadline, f"{len(failed)} files still fail with n2 and n3 running"
+                time.sleep(0.2)
+                now = {rel: _reads_right(mnt / rel, files[rel]) for rel in failed}
+                assert False not in now.values(), [rel for rel, ok in now.items() if ok is False]
+                failed = [rel for rel, ok in now.items() if ok is None]
+    finally:
+        cluster.mount_args = []
+
+
+def _reads_right(path: Path, data: bytes) -> bool | None:
+    """Whether the file reads as `data` (None: EIO, which a read of a node not yet found back may get)."""
+    try:
+        return path.read_bytes() == data
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        return None

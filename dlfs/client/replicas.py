@@ -123,29 +123,32 @@ class ReplicaReader:
         before they are checked (good or not). With `retry`, rounds repeat while a replica could not
         be reached, for up to retry_timeout. CorruptData if replicas answered and none had good bytes,
         else Unreachable."""
-        deadline = trio.current_time() + (self.retry_timeout if retry else 0.0)
+        own = deadline = trio.current_time() + (self.retry_timeout if retry else 0.0)
         state = _Read()
         wait = RETRY_FIRST
         waited_since: float | None = None
-        outage = False  # failed at once: its replicas had been silent for retry_timeout already
         try:
             while True:
-                replicas = self.client.replicas(cid)
-                queue = [s for s in replicas if s.name not in state.answered]
-                state.failed = False
-                # An outage began when the last of its replicas began failing: reads wait retry_timeout from
-                # then, not each its own (a node down for good would cost every read the whole wait in turn).
                 now = trio.current_time()
-                silent = {s.name: self.client.failing_since(s.name) for s in replicas}
-                if self.retry_timeout and replicas and None not in silent.values():
-                    began = max(t for t in silent.values() if t is not None)
-                    if retry:
-                        deadline = min(deadline, began + self.retry_timeout)
-                    if now >= began + self.retry_timeout:  # not even a look: the prober says when one is back
-                        for name, t in silent.items():
-                            state.errors.setdefault(name, f"no answer for {now - (t or now):.0f} s")
-                        outage = waited_since is None
-                        break
+                queue = []
+                for spec in self.client.replicas(cid):
+                    since = self.client.failing_since(spec.name)
+                    if spec.name in state.answered:
+                        continue
+                    if self.retry_timeout and since is not None and now >= since + self.retry_timeout:
+                        # Silent for longer than reads wait: not asked (the prober says when it is back).
+                        state.errors[spec.name] = f"no answer for {now - since:.0f} s"
+                    else:
+                        queue.append(spec)
+                state.failed = False
+                # The outage began when the last of the unreachable replicas stopped answering: reads wait
+                # retry_timeout from then, not each its own (nodes down for good would cost every read the
+                # whole wait in turn).
+                silent = [self.client.failing_since(n) for n in state.errors if n not in state.answered]
+                if retry and self.retry_timeout and silent and None not in silent:
+                    deadline = min(deadline, max(t for t in silent if t is not None) + self.retry_timeout)
+                if not queue and state.errors and now >= deadline:
+                    break
                 # A fetch never outlasts the read's own bound, nor (read-ahead, which a reader may wait for)
                 # the time a read waits for replicas at all.
                 bound = (self.fetch_timeout if not self.retry_timeout else
@@ -184,8 +187,9 @@ class ReplicaReader:
         why = "; ".join(f"{node}: {err}" for node, err in state.errors.items()) or "it has no replica"
         if state.corrupt:
             raise CorruptData(f"chunk {cid.hex()}: no replica has good bytes ({why})")
-        within = (f" for {self.retry_timeout:g} s" if outage else f" within {self.retry_timeout:g} s") \
-            if retry and self.retry_timeout else ""
+        # "for": it failed without waiting, its replicas silent for that long already (an outage before it).
+        within = (f" for {self.retry_timeout:g} s" if deadline < own and waited_since is None else
+                  f" within {self.retry_timeout:g} s") if retry and self.retry_timeout else ""
         raise Unreachable(f"chunk {cid.hex()}: no replica answered{within} ({why})")
 
     async def _race(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
