@@ -244,3 +244,33 @@ def _followed(node: Node, label: str, timeout: float = 30.0) -> bytes:
         assert time.monotonic() < deadline, f"{node.name} never fetched the index of {label}"
         time.sleep(0.1)
     return path.read_bytes()
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_a_mount_gets_a_good_index_from_another_metadata_daemon_past_a_damaged_copy(tmp_path: Path) -> None:
+    """This node's copy of an index damaged (a flipped byte): a mount here fetches it whole from the
+    other metadata daemon and reads every file right, and says where the good copy came from. Before,
+    it failed (`index of data@1 arrived corrupt`, exit 5) while n2 held a good copy."""
+    with running_cluster(tmp_path / "c", n=2, replicas=2) as (n1, n2):
+        src, _ = ingest(n1, tmp_path, "data", 3)
+        _followed(n2, "data@1")
+        flip_a_byte(index_file(n1, "data@1"))
+        mnt = n1.mount("data", tmp_path / "mnt")
+        try:
+            same_tree(src, mnt)
+        finally:
+            n1.umount(mnt)
+        log = n1.mount_log("data").read_text()
+        assert "index of data@1: its copy fails its checksum; fetching it from each metadata daemon in turn" in log
+        assert "index of data@1: a good copy from n2" in log
+        n2_copy = index_file(n2, "data@1")
+        flip_a_byte(n2_copy)  # now no daemon has a good copy: one line, naming each
+        for cached in (n1.home / "mounts" / "index").iterdir():  # (the first mount's, good, kept here)
+            cached.unlink()
+        (tmp_path / "mnt2").mkdir()
+        refused = n1.run("mount", "data", tmp_path / "mnt2", check=False)
+        assert refused.returncode == 5, refused
+        line = one_line(refused)
+        assert "index of data@1: no metadata daemon sent a good copy (n1: its copy fails its checksum; n2: its " \
+               "copy fails its checksum)" in line and "`dlfs repair`" in line, line
