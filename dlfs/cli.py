@@ -23,7 +23,16 @@ import trio
 from dlfs import __version__
 from dlfs.client.replicas import RETRY_TIMEOUT
 from dlfs.config import ROLES, check_dataset_name, home_dir, load_cluster, parse_cluster_file
-from dlfs.errors import CommandFailed, Conflict, DlfsError, MountError, Unreachable, UsageError
+from dlfs.errors import (
+    NO_ROOM,
+    CommandFailed,
+    Conflict,
+    DlfsError,
+    MountError,
+    StorageFull,
+    Unreachable,
+    UsageError,
+)
 from dlfs.private import UMASK as PRIVATE_UMASK
 from dlfs.private import private_dirs
 from dlfs.procs import give_freed_memory_back
@@ -1334,6 +1343,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _os_error(exc: OSError) -> int:
+    """What the system refused (a read-only or full disk, a permission), in one line; the traceback
+    with --log-level debug."""
+    log.debug("the system refused: %s", exc, exc_info=exc)
+    where = f"{exc.filename}: " if exc.filename else ""
+    print(f"dlfs: error: {where}{exc.strerror or exc}", file=sys.stderr)
+    return StorageFull.exit_code if exc.errno in NO_ROOM else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1369,7 +1387,12 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, DlfsError):
                 print(f"dlfs: error: {e}", file=sys.stderr)
                 return e.exit_code
+        for e in errors:
+            if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
+                return _os_error(e)
         raise
+    except OSError as exc:
+        return _os_error(exc)
     finally:
         os.umask(umask)  # as it was, for a caller in this process (the tests)
 

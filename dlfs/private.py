@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from dlfs.errors import UsageError
+from dlfs.errors import NO_ROOM, StorageFull, UsageError
 
 log = logging.getLogger(__name__)
 UMASK = 0o077
@@ -47,6 +47,9 @@ def private_dirs(path: Path) -> Path:
             d.mkdir(mode=DIR_MODE)
         except FileExistsError:
             pass  # made meanwhile (another process starting on the same home)
+        except OSError as exc:  # a read-only or full file system, a directory of another user's
+            error = StorageFull if exc.errno in NO_ROOM else UsageError
+            raise error(f"cannot make the directory {d}: {exc.strerror}") from None
     return path
 
 

@@ -109,6 +109,20 @@ def test_status_without_a_node(tmp_path: Path) -> None:
     one_line_error(proc, 3)
 
 
+@pytest.mark.timeout(60)
+def test_a_home_or_file_on_a_read_only_disk_is_one_line(tmp_path: Path) -> None:
+    """What the system refuses (a read-only file system here) is one line naming the path, not a
+    traceback: `dlfs node` whose home cannot be made said `OSError: [Errno 30] ...` in 15 lines."""
+    from test_ingest_cleanup import tmpfs
+
+    with tmpfs(tmp_path / "ro", "1m") as ro:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True, capture_output=True)
+        proc = run_dlfs(ro / "home", "node", check=False, timeout=30)
+        assert one_line_error(proc, 2) == f"dlfs: error: cannot make the directory {ro / 'home'}: Read-only file system"
+        proc = run_dlfs(tmp_path / "empty", "keygen", ro / "key", check=False)
+        assert one_line_error(proc, 1) == f"dlfs: error: {ro / 'key'}: Read-only file system"
+
+
 @needs_fuse
 @pytest.mark.timeout(30)
 def test_mount_without_a_node(tmp_path: Path) -> None:
