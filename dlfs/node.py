@@ -227,7 +227,8 @@ async def run_node(opts: NodeOptions, *, task_status: trio.TaskStatus[NodeSpec] 
                          meta_bound if "meta" in roles else "-", data_bound if "data" in roles else "-")
                 task_status.started(me)
                 notify(f"READY=1\nSTATUS=node {name} serving")  # a Type=notify unit is up only now
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                # SIGHUP too (a terminal closed under a foreground node): libfuse's and most daemons' stop signals.
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
                     async for sig in signals:
                         log.info("node %s: %s, stopping", name, signal.Signals(sig).name)
                         break

@@ -302,7 +302,7 @@ def test_a_port_that_another_process_holds_is_one_line_naming_it(tmp_path: Path)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])  # SIGHUP: it died, logging nothing
 def test_node_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
     home = tmp_path / "home"
     proc, log = start_node_process(home)

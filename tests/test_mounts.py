@@ -238,3 +238,20 @@ def test_a_stopped_mount_is_shown_refused_and_detached_within_a_bound(node: Node
     node.mount("ds", mnt)  # the mountpoint is free again
     assert (mnt / "two.txt").read_text() == "version two\n"
     node.umount(mnt)
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signalled_mount_unmounts_itself(node: Node, tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM or SIGHUP (a terminal closed under a --foreground mount, as libfuse's handlers take it)
+    unmounts: the mountpoint is free, no record is left. SIGHUP killed the process and left a dead
+    mount (`Transport endpoint is not connected`), logging nothing."""
+    two_versions(node, tmp_path)
+    mnt = node.mount("ds", tmp_path / "mnt")
+    pid = mount_pids(node.home)[0]
+    os.kill(pid, sig)
+    assert wait_gone(pid), f"mount process {pid} still running after {sig.name}"
+    assert str(mnt) not in open("/proc/self/mounts").read() and os.listdir(mnt) == []
+    assert mounts_json(node) == {}
+    assert f"ds@2: {sig.name}, unmounting" in node.mount_log("ds").read_text()

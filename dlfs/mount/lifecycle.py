@@ -400,7 +400,9 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                     log.warning("%s: FUSE over io_uring did not start (%s): serving from /dev/fuse", label, state)
 
         async def on_signal() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            # SIGHUP as libfuse's own handlers take it (a terminal closed under a --foreground mount): an
+            # unmount, not a dead mountpoint.
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
                 async for sig in signals:
                     log.info("%s: %s, unmounting", label, signal.Signals(sig).name)
                     nonlocal signalled
