@@ -318,3 +318,22 @@ def test_node_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
     assert not (home / "run" / "node.json").exists()
     proc2 = run_dlfs(home, "status", check=False)
     one_line_error(proc2, 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_command_no_metadata_daemon_answers_says_so_in_one_line(node: Node, tmp_path: Path) -> None:
+    """The one node's daemons frozen: `dlfs datasets` and `dlfs ingest` exit 3 with one line, not a
+    warning per metadata daemon and then the same words again as the error."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("a\n")
+    proc = node.proc.pid
+    os.kill(proc, signal.SIGSTOP)
+    try:
+        for args in (("datasets",), ("ingest", str(tmp_path / "src"), "--name", "never")):
+            out = node.run(*args, check=False, timeout=40)
+            assert out.returncode == 3, out
+            lines = out.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("dlfs: error: the meta daemon at ") \
+                and "did not finish the handshake" in lines[0], out.stderr
+    finally:
+        os.kill(proc, signal.SIGCONT)

@@ -45,6 +45,22 @@ FULL_RETRY = 30.0  # seconds writes pass over a data node that said its disk is 
 READ_LANES = 2
 
 
+def _passed_over(failed: list[tuple[str, Unreachable]], answered: str) -> None:
+    """The metadata daemons a call went past before `answered` did: a warning each (the call went on)."""
+    for name, exc in failed:
+        log.warning("metadata daemon on %s: %s (%s answered instead)", name, exc, answered)
+
+
+def _none_answered(failed: list[tuple[str, Unreachable]]) -> Unreachable:
+    """The one error of a call no metadata daemon answered: the daemon's own where there is one, else each
+    daemon's (not a warning per daemon and then the error again)."""
+    if not failed:
+        return Unreachable("no metadata daemon in the cluster")
+    if len(failed) == 1:
+        return failed[0][1]
+    return Unreachable("no metadata daemon answered (" + "; ".join(f"{n}: {e}" for n, e in failed) + ")")
+
+
 def rank(cid: bytes, nodes: list[NodeSpec]) -> list[NodeSpec]:
     """Every node in the chunk's rendezvous (highest-random-weight) order. A chunk's R replicas are the
     first R of its rank; repair places a copy further down when one of them is lost, and readers
@@ -276,18 +292,20 @@ class ClusterClient:
         asks the next one too after META_HEDGE)."""
         if msg in META_READS and not data:
             return await self._read_meta(msg, meta, timeout)
-        last: DlfsError | None = None
+        failed: list[tuple[str, Unreachable]] = []
         for spec in self.meta_nodes():
             try:
-                return await self.call(spec, "meta", msg, meta, data, timeout)
+                reply = await self.call(spec, "meta", msg, meta, data, timeout)
             except ControlUnavailable:
                 raise  # every metadata daemon would say the same
             except Unreachable as exc:
                 # A connection torn down because this client stops (Ctrl-C) is no fault of the daemon's.
                 await trio.lowlevel.checkpoint_if_cancelled()
-                last = exc
-                log.warning("metadata daemon on %s: %s", spec.name, exc)
-        raise last or Unreachable("no metadata daemon in the cluster")
+                failed.append((spec.name, exc))
+                continue
+            _passed_over(failed, spec.name)
+            return reply
+        raise _none_answered(failed)
 
     async def _read_meta(self, msg: Msg, meta: dict[str, Any] | None, timeout: float) -> Response:
         """A catalog read from the metadata daemons in order, the next asked too whenever none has answered
@@ -296,6 +314,7 @@ class ClusterClient:
         queue = self.meta_nodes()
         send, recv = trio.open_memory_channel[tuple[NodeSpec, Response | DlfsError]](len(queue))
         last: DlfsError | None = None
+        failed: list[tuple[str, Unreachable]] = []  # said once: with the answer, or as the error
         answer: Response | DlfsError | None = None
         flying: dict[str, tuple[NodeSpec, float]] = {}  # name -> (spec, when asked)
 
@@ -319,9 +338,10 @@ class ClusterClient:
                     if isinstance(out, Unreachable) and not isinstance(out, ControlUnavailable):
                         # (ControlUnavailable: the daemon answered that etcd did not; every one would say so.)
                         await trio.lowlevel.checkpoint_if_cancelled()
-                        log.warning("metadata daemon on %s: %s", spec.name, out)
+                        failed.append((spec.name, out))
                         last = out
                         continue
+                    _passed_over(failed, spec.name)
                     answer = out
                     for other, _ in flying.values():  # beaten by a hedge: read last, as a data hedge's loser
                         self.lagged(other, trio.current_time() - asked)
@@ -333,7 +353,7 @@ class ClusterClient:
             raise answer
         if answer is not None:
             return answer
-        raise last or Unreachable("no metadata daemon in the cluster")
+        raise _none_answered(failed) if failed else last or Unreachable("no metadata daemon in the cluster")
 
     def replicas(self, cid: bytes) -> list[NodeSpec]:
         """Where to read a chunk, in order: its R placed nodes (this machine's first), then the rest
