@@ -11,7 +11,7 @@ import trio
 
 from dlfs.client.cluster import ClusterClient
 from dlfs.config import NodeSpec
-from dlfs.errors import NO_ROOM, CorruptData, StorageFull, Unreachable
+from dlfs.errors import NO_ROOM, CorruptData, DlfsError, StorageFull
 from dlfs.format.index import file_checksum
 from dlfs.private import private_dirs, private_opener
 from dlfs.units import human_bytes
@@ -42,7 +42,7 @@ async def fetch_index(client: ClusterClient, info: VersionInfo, home: Path) -> P
             for spec in client.meta_nodes():
                 try:
                     why = await _fetch_from(client, spec, info, tmp)
-                except Unreachable as exc:
+                except DlfsError as exc:  # unreachable, or without the version yet: the next one may have it
                     why = str(exc)
                 if not why:
                     log.info("index of %s: a good copy from %s (`dlfs verify` finds the damaged ones, `dlfs "
