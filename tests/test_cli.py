@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -323,7 +324,8 @@ def test_node_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
 @pytest.mark.timeout(60)
 def test_a_command_no_metadata_daemon_answers_says_so_in_one_line(node: Node, tmp_path: Path) -> None:
     """The one node's daemons frozen: `dlfs datasets` and `dlfs ingest` exit 3 with one line, not a
-    warning per metadata daemon and then the same words again as the error."""
+    warning per metadata daemon and then the same words again as the error; `dlfs status` says the node
+    is down within its own bound."""
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text("a\n")
     proc = node.proc.pid
@@ -335,5 +337,12 @@ def test_a_command_no_metadata_daemon_answers_says_so_in_one_line(node: Node, tm
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("dlfs: error: the meta daemon at ") \
                 and "did not finish the handshake" in lines[0], out.stderr
+        # `dlfs status` says the node is down once it has waited its own bound (it waited 10 s handshakes).
+        t0 = time.monotonic()
+        status = node.run("status", check=False, timeout=40)
+        assert time.monotonic() - t0 < 9 and status.returncode == 3, status
+        assert "node local: DOWN (no answer within 5 s: stopped, overloaded or cut off)" in status.stdout, status
+        assert one_line_error(status, 3) == ("dlfs: error: node local is not reachable: no answer within 5 s: "
+                                             "stopped, overloaded or cut off")
     finally:
         os.kill(proc, signal.SIGCONT)
