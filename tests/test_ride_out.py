@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,42 +194,31 @@ async def test_a_frozen_replica_is_hedged_past_and_read_again_once_it_answers(la
 async def test_reads_wait_for_a_restarted_cluster_within_their_bound(lab: Lab) -> None:
     """Both nodes down: a read with --retry-timeout 0 fails at once, with a short bound after some
     rounds, and with the default one gets its bytes once the nodes are back."""
-    index = lab.index()
-    want = expected(index, lab.files)
-    exts = sorted(want)
-    cluster = parse_cluster_file(lab.cluster_file)
-    lab.stop_all()
-    try:
-        async with trio.open_nursery() as nursery:
-            client = ClusterClient(cluster, nursery)
-            nursery.start_soon(client.probe_failing)
-            at_once = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False)
-            with pytest.raises(Unreachable, match=r"no replica answered \(n1: .*n2: "):
-                await at_once.record(exts[0])
-            assert at_once.fetcher.replicas.waits == 0
-            short = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
-                               retry_timeout=0.5)
-            with pytest.raises(Unreachable, match=r"no replica answered within 0\.5 s"):
-                await short.record(exts[0])
-            assert short.fetcher.replicas.waits >= 1
-            patient = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
-                                 retry_timeout=60.0)
-            got: dict[int, bytes] = {}
+    async with every_node_down(lab) as (index, want, client):
+        exts = sorted(want)
+        at_once = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False)
+        with pytest.raises(Unreachable, match=r"no replica answered \(n1: .*n2: "):
+            await at_once.record(exts[0])
+        assert at_once.fetcher.replicas.waits == 0
+        short = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
+                           retry_timeout=0.5)
+        with pytest.raises(Unreachable, match=r"no replica answered within 0\.5 s"):
+            await short.record(exts[0])
+        assert short.fetcher.replicas.waits >= 1
+        patient = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
+                             retry_timeout=60.0)
+        got: dict[int, bytes] = {}
 
-            async def read(ext: int) -> None:
-                got[ext] = bytes(await patient.record(ext))
+        async def read(ext: int) -> None:
+            got[ext] = bytes(await patient.record(ext))
 
-            async with trio.open_nursery() as readers:
-                for ext in exts[:: max(1, len(exts) // 6)]:
-                    readers.start_soon(read, ext)
-                await trio.to_thread.run_sync(lab.start_all)
-            assert sorted(got) == exts[:: max(1, len(exts) // 6)] and all(got[e] == want[e] for e in got)
-            # Reads of one window share its fetch: at least one fetch waited, and each that did got its bytes.
-            assert patient.fetcher.replicas.rode_out >= 1 and patient.fetcher.replicas.waits >= 1, patient.stats()
-            nursery.cancel_scope.cancel()
-    finally:
-        index.close()
-        lab.start_all()
+        async with trio.open_nursery() as readers:
+            for ext in exts[:: max(1, len(exts) // 6)]:
+                readers.start_soon(read, ext)
+            await trio.to_thread.run_sync(lab.start_all)
+        assert sorted(got) == exts[:: max(1, len(exts) // 6)] and all(got[e] == want[e] for e in got)
+        # Reads of one window share its fetch: at least one fetch waited, and each that did got its bytes.
+        assert patient.fetcher.replicas.rode_out >= 1 and patient.fetcher.replicas.waits >= 1, patient.stats()
 
 
 @pytest.mark.timeout(180)
@@ -237,32 +227,39 @@ async def test_an_outage_longer_than_the_retry_timeout_fails_later_reads_at_once
     the reads after it fail at once, with no fetch and no wait (each waited the whole bound again in
     turn: a node down for good cost a job that bound per file); once a probe finds a node back, reads
     get their bytes again."""
+    async with every_node_down(lab) as (index, want, client):
+        exts = sorted(want)
+        cache = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False, retry_timeout=1.0)
+        t0 = trio.current_time()
+        with pytest.raises(Unreachable, match=r"no replica answered within 1 s"):
+            await cache.record(exts[0])
+        assert 0.9 <= trio.current_time() - t0 < 5
+        waits, t0 = cache.fetcher.replicas.waits, trio.current_time()
+        for ext in exts[1:6]:
+            with pytest.raises(Unreachable, match=r"no replica answered for 1 s \(n\d: no answer for \d+ s; "
+                                                  r"n\d: no answer for \d+ s\)"):
+                await cache.record(ext)
+        assert trio.current_time() - t0 < 0.5 and cache.fetcher.replicas.waits == waits
+        await trio.to_thread.run_sync(lab.start_all)
+        with trio.fail_after(30):
+            while client.failing("n1") and client.failing("n2"):  # a probe finds one back
+                await client.wait_answer(1.0)
+        assert bytes(await cache.record(exts[-1])) == want[exts[-1]]
+
+
+@asynccontextmanager
+async def every_node_down(lab: Lab) -> AsyncIterator[tuple[Index, dict[int, bytes], ClusterClient]]:
+    """Both nodes stopped, and a client whose prober runs: (the index, each extent's bytes, the client);
+    the nodes start again after, however the test ends."""
     index = lab.index()
     want = expected(index, lab.files)
-    exts = sorted(want)
     cluster = parse_cluster_file(lab.cluster_file)
     lab.stop_all()
     try:
         async with trio.open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             nursery.start_soon(client.probe_failing)
-            cache = ChunkCache(index, client, capacity=16 << 20, readahead=256 << 10, prefetch=False,
-                               retry_timeout=1.0)
-            t0 = trio.current_time()
-            with pytest.raises(Unreachable, match=r"no replica answered within 1 s"):
-                await cache.record(exts[0])
-            assert 0.9 <= trio.current_time() - t0 < 5
-            waits, t0 = cache.fetcher.replicas.waits, trio.current_time()
-            for ext in exts[1:6]:
-                with pytest.raises(Unreachable, match=r"no replica answered for 1 s \(n\d: no answer for \d+ s; "
-                                                      r"n\d: no answer for \d+ s\)"):
-                    await cache.record(ext)
-            assert trio.current_time() - t0 < 0.5 and cache.fetcher.replicas.waits == waits
-            await trio.to_thread.run_sync(lab.start_all)
-            with trio.fail_after(30):
-                while client.failing("n1") and client.failing("n2"):  # a probe finds one back
-                    await client.wait_answer(1.0)
-            assert bytes(await cache.record(exts[-1])) == want[exts[-1]]
+            yield index, want, client
             nursery.cancel_scope.cancel()
     finally:
         index.close()
