@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from dlfs.ingest.walk import Selection
 
 log = logging.getLogger("dlfs")
-STATUS_BOUND = 5.0  # seconds `dlfs status` waits for a daemon: a frozen node is then down, not a wait
 MOUNT_EXIT_WAIT = 30.0  # seconds a mount process that failed to start has to exit
 SWEEP_CALL = 300.0  # seconds `dlfs rm` and `dlfs gc` wait for their daemon's answer: a collection sweeps the data nodes
 EPILOG = "State lives under $DLFS_HOME (default ~/.dlfs); --cluster FILE (or $DLFS_CLUSTER) names a cluster."
@@ -391,7 +390,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from dlfs.client.cluster import ClusterClient
+    from dlfs.client.cluster import SILENT_AFTER, ClusterClient
     from dlfs.client.repair import census
     from dlfs.mount.records import mount_states
     from dlfs.wire.protocol import Msg
@@ -404,13 +403,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows: dict[str, dict[str, dict[str, Any] | str]] = {spec.name: {} for spec in cluster.nodes}
 
         async def ask(spec: Any, service: str) -> None:
-            with trio.move_on_after(STATUS_BOUND):  # the connect and handshake too (10 s bounds of their own)
+            with trio.move_on_after(SILENT_AFTER):  # the connect and handshake too (10 s bounds of their own)
                 try:
-                    rows[spec.name][service] = (await client.call(spec, service, Msg.STATUS, timeout=STATUS_BOUND))[0]
+                    rows[spec.name][service] = (await client.call(spec, service, Msg.STATUS, timeout=SILENT_AFTER))[0]
                 except DlfsError as exc:
                     rows[spec.name][service] = str(exc)
                 return
-            rows[spec.name][service] = f"no answer within {STATUS_BOUND:g} s: stopped, overloaded or cut off"
+            rows[spec.name][service] = f"no answer within {SILENT_AFTER:g} s: stopped, overloaded or cut off"
 
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)

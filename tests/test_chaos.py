@@ -166,7 +166,7 @@ def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
     is back frees the rest. Before, the sweep
     asked the nodes one after another, n2's call took the whole 60 s the CLI waits, the CLI asked the next
     daemon, and that one answered "no dataset named ..." (exit 4) for the version the first had removed."""
-    from dlfs.client.cluster import SWEEP_PING
+    from dlfs.client.cluster import SILENT_AFTER
 
     cluster, _ = lab
     make_files(tmp_path / "src", 12, seed=31)
@@ -180,7 +180,7 @@ def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
         cluster.signal("n2", signal.SIGCONT)
     assert rm.returncode == 0 and rm.stdout.startswith("removed doomed (version 1); freed "), rm
     assert "not all of its chunks are freed yet: data node n2 unreachable" in rm.stderr, rm
-    assert took < SWEEP_PING + 15, took  # a PING's bound: a frozen node waited the sweep's (30 s) before
+    assert took < SILENT_AFTER + 15, took  # a PING's bound: a frozen node waited the sweep's (30 s) before
     assert "doomed" not in cluster.cli("datasets", node="n1")
     gc = cluster.run("gc", node="n1", timeout=120)
     assert gc.returncode == 0, gc

@@ -36,7 +36,9 @@ META_HEDGE = 1.0
 # past its caller's 60 s call bound, which then asked another daemon and reported "no dataset named ...".
 SWEEP_NODES = 16
 SWEEP_NODE_BOUND = 30.0
-SWEEP_PING = 5.0  # a node that does not answer a PING this soon is skipped at once, not after the sweep's bound
+# A daemon that has not answered within this (its connect included) is taken as down by what asks all of them
+# (`dlfs status`, a collection's sweep), rather than waited for to the call's own bound.
+SILENT_AFTER = 5.0
 META_READS = frozenset({Msg.GET_DATASET, Msg.READ_INDEX, Msg.LIST_DATASETS})
 FULL_RETRY = 30.0  # seconds writes pass over a data node that said its disk is full, before asking it again
 # Connections to each data daemon that chunk reads take in turn: while one reply's turnaround at the
@@ -406,10 +408,10 @@ class ClusterClient:
         async def one(spec: NodeSpec) -> None:
             async with limit:
                 try:
-                    with trio.move_on_after(SWEEP_PING) as asked:  # (its connect too)
-                        await self.call(spec, "data", Msg.PING, timeout=SWEEP_PING)
+                    with trio.move_on_after(SILENT_AFTER) as asked:  # a silent node is left at once
+                        await self.call(spec, "data", Msg.PING, timeout=SILENT_AFTER)
                     if asked.cancelled_caught:
-                        raise Unreachable(f"no answer within {SWEEP_PING:g} s")
+                        raise Unreachable(f"no answer within {SILENT_AFTER:g} s")
                     with trio.fail_after(SWEEP_NODE_BOUND):
                         if only is None:
                             meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
