@@ -346,3 +346,4 @@ def test_a_command_no_metadata_daemon_answers_says_so_in_one_line(node: Node, tm
                                              "stopped, overloaded or cut off")
     finally:
         os.kill(proc, signal.SIGCONT)
+    assert node.run("status").returncode == 0  # running again, it answers
