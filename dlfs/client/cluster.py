@@ -402,16 +402,15 @@ class ClusterClient:
         returns how many chunks went (each once, however many of its replicas were deleted), and the
         data nodes that could not be swept."""
         gone: set[bytes] = set()
-        skipped: list[str] = []
         limit = trio.CapacityLimiter(SWEEP_NODES)
+        up, down = await self.answering(self.cluster.data_nodes)  # a silent node is left at once
+        for name, why in down.items():
+            log.warning("garbage collection skipped %s: %s", name, why)
+        skipped = list(down)
 
         async def one(spec: NodeSpec) -> None:
             async with limit:
                 try:
-                    with trio.move_on_after(SILENT_AFTER) as asked:  # a silent node is left at once
-                        await self.call(spec, "data", Msg.PING, timeout=SILENT_AFTER)
-                    if asked.cancelled_caught:
-                        raise Unreachable(f"no answer within {SILENT_AFTER:g} s")
                     with trio.fail_after(SWEEP_NODE_BOUND):
                         if only is None:
                             meta, data = await self.call(spec, "data", Msg.LIST_CHUNKS)
@@ -430,9 +429,31 @@ class ClusterClient:
                     skipped.append(spec.name)
 
         async with open_nursery() as n:
-            for spec in self.cluster.data_nodes:
+            for spec in up:
                 n.start_soon(one, spec)
         return len(gone), skipped
+
+    async def answering(self, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], dict[str, str]]:
+        """The data daemons among `nodes` that answer a PING within SILENT_AFTER (their connect included),
+        in their order, and why each other one did not."""
+        up: list[NodeSpec] = []
+        down: dict[str, str] = {}
+
+        async def ping(spec: NodeSpec) -> None:
+            try:
+                with trio.fail_after(SILENT_AFTER):
+                    await self.call(spec, "data", Msg.PING, timeout=SILENT_AFTER)
+                up.append(spec)
+            except DlfsError as exc:
+                down[spec.name] = str(exc) or "no answer"
+            except trio.TooSlowError:
+                down[spec.name] = f"no answer within {SILENT_AFTER:g} s"
+
+        async with open_nursery() as n:
+            for spec in nodes:
+                n.start_soon(ping, spec)
+        order = {s.name: i for i, s in enumerate(nodes)}
+        return sorted(up, key=lambda s: order[s.name]), down
 
     async def _held(self, spec: NodeSpec, ids: list[bytes]) -> list[bytes]:
         """Those of `ids` that data node `spec` stores."""

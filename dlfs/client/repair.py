@@ -28,7 +28,6 @@ from dlfs.wire.messages import META_DAEMON, DatasetList, IndexesChecked, Stored,
 from dlfs.wire.protocol import MAX_DATA, Msg
 
 log = logging.getLogger(__name__)
-PROBE_TIMEOUT = 5.0
 BATCH_IDS = 512  # chunk ids per VERIFY_CHUNKS: keeps its reply (reasons included) far below MAX_META
 BATCH_BYTES = 256 << 20  # chunk bytes per VERIFY_CHUNKS: the daemon reads them all before it answers
 VERIFY_IN_FLIGHT = 2  # batches per node at once
@@ -172,27 +171,6 @@ async def dataset_chunks(client: ClusterClient, home: Path, versions: list[Versi
     return chunks
 
 
-async def probe(client: ClusterClient, nodes: list[NodeSpec],
-                timeout: float = PROBE_TIMEOUT) -> tuple[list[NodeSpec], dict[str, str]]:
-    """The data daemons among `nodes` that answer a ping, and why each other one did not."""
-    up: list[NodeSpec] = []
-    down: dict[str, str] = {}
-
-    async def ping(spec: NodeSpec) -> None:
-        try:
-            with trio.fail_after(timeout + 1):  # the connect has its own bound; this one covers both
-                await client.call(spec, "data", Msg.PING, timeout=timeout)
-            up.append(spec)
-        except (DlfsError, trio.TooSlowError) as exc:
-            down[spec.name] = str(exc) or "no answer"
-
-    async with open_nursery() as n:
-        for spec in nodes:
-            n.start_soon(ping, spec)
-    order = {s.name: i for i, s in enumerate(nodes)}
-    return sorted(up, key=lambda s: order[s.name]), down
-
-
 async def presence(client: ClusterClient, ids: list[bytes], nodes: list[NodeSpec]) -> tuple[dict[bytes, list[str]], list[str]]:
     """ClusterClient.holders over `nodes` only (those known to be up), so that nodes already known
     to be down are not asked again; a node failing now lands in the second list, holding nothing."""
@@ -276,7 +254,7 @@ class VerifyReport:
 async def verify(client: ClusterClient, chunks: dict[bytes, ChunkInfo],
                  progress: Progress | None = None) -> VerifyReport:
     """Read and check every copy of every chunk on every reachable data node."""
-    nodes, unreachable = await probe(client, client.cluster.data_nodes)
+    nodes, unreachable = await client.answering(client.cluster.data_nodes)
     report = VerifyReport(client.cluster.replicas, {c: [] for c in chunks}, unreachable=unreachable)
     ids = sorted(chunks)
     held, failed = await presence(client, ids, nodes)
