@@ -390,7 +390,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from dlfs.client.cluster import SILENT_AFTER, ClusterClient
+    from dlfs.client.cluster import ClusterClient
     from dlfs.client.repair import census
     from dlfs.mount.records import mount_states
     from dlfs.wire.protocol import Msg
@@ -400,23 +400,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     home = home_dir(args.home)
 
     async def gather() -> tuple[list[tuple[str, dict[str, dict[str, Any] | str]]], Any]:
-        rows: dict[str, dict[str, dict[str, Any] | str]] = {spec.name: {} for spec in cluster.nodes}
-
-        async def ask(spec: Any, service: str) -> None:
-            with trio.move_on_after(SILENT_AFTER):  # the connect and handshake too (10 s bounds of their own)
-                try:
-                    rows[spec.name][service] = (await client.call(spec, service, Msg.STATUS, timeout=SILENT_AFTER))[0]
-                except DlfsError as exc:
-                    rows[spec.name][service] = str(exc)
-                return
-            rows[spec.name][service] = f"no answer within {SILENT_AFTER:g} s: stopped, overloaded or cut off"
-
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
-            async with open_nursery() as asks:
-                for spec in cluster.nodes:
-                    for service in sorted(spec.roles):
-                        asks.start_soon(ask, spec, service)
+            # Each daemon within ClusterClient's SILENT_AFTER: a frozen node is down, not a 10 s handshake wait.
+            got = await client.ask_each([(spec, service) for spec in cluster.nodes for service in sorted(spec.roles)],
+                                        Msg.STATUS)
+            rows: dict[str, dict[str, dict[str, Any] | str]] = {spec.name: {} for spec in cluster.nodes}
+            for (name, service), r in got.items():
+                rows[name][service] = r if isinstance(r, str) else r[0]
             out = [(spec.name, rows[spec.name]) for spec in cluster.nodes]
             up = [spec for spec in cluster.nodes if not any(isinstance(r, str) for r in rows[spec.name].values())]
             # A lone node that is down is the whole answer (one line); else what the rest can say.

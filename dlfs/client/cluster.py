@@ -433,27 +433,31 @@ class ClusterClient:
                 n.start_soon(one, spec)
         return len(gone), skipped
 
-    async def answering(self, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], dict[str, str]]:
-        """The data daemons among `nodes` that answer a PING within SILENT_AFTER (their connect included),
-        in their order, and why each other one did not."""
-        up: list[NodeSpec] = []
-        down: dict[str, str] = {}
+    async def ask_each(self, asks: list[tuple[NodeSpec, str]], msg: Msg) -> dict[tuple[str, str], Response | str]:
+        """`msg` to each (node, service) at once, each within SILENT_AFTER (its connect included): by (node
+        name, service), the reply, or why there was none."""
+        out: dict[tuple[str, str], Response | str] = {}
 
-        async def ping(spec: NodeSpec) -> None:
+        async def one(spec: NodeSpec, service: str) -> None:
             try:
                 with trio.fail_after(SILENT_AFTER):
-                    await self.call(spec, "data", Msg.PING, timeout=SILENT_AFTER)
-                up.append(spec)
+                    out[spec.name, service] = await self.call(spec, service, msg, timeout=SILENT_AFTER)
             except DlfsError as exc:
-                down[spec.name] = str(exc) or "no answer"
+                out[spec.name, service] = str(exc) or "no answer"
             except trio.TooSlowError:
-                down[spec.name] = f"no answer within {SILENT_AFTER:g} s"
+                out[spec.name, service] = f"no answer within {SILENT_AFTER:g} s: stopped, overloaded or cut off"
 
         async with open_nursery() as n:
-            for spec in nodes:
-                n.start_soon(ping, spec)
-        order = {s.name: i for i, s in enumerate(nodes)}
-        return sorted(up, key=lambda s: order[s.name]), down
+            for spec, service in asks:
+                n.start_soon(one, spec, service)
+        return out
+
+    async def answering(self, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], dict[str, str]]:
+        """The data daemons among `nodes` that answer a PING within SILENT_AFTER, in their order, and why
+        each other one did not."""
+        got = await self.ask_each([(s, "data") for s in nodes], Msg.PING)
+        down = {s.name: r for s in nodes if isinstance(r := got[s.name, "data"], str)}
+        return [s for s in nodes if s.name not in down], down
 
     async def _held(self, spec: NodeSpec, ids: list[bytes]) -> list[bytes]:
         """Those of `ids` that data node `spec` stores."""
