@@ -569,7 +569,7 @@ def _verify_summary(report: Any, n_versions: int) -> str:
             f"{_n(report.replicas_checked, 'replica')} ({human_bytes(report.bytes_checked)}) read and checked")
     if report.healthy:
         down = f" (nodes {', '.join(sorted(report.unreachable))} unreachable)" if report.unreachable else ""
-        return f"{head}; every chunk has {report.replicas} good replicas{down}"
+        return f"{head}; every chunk has {_n(report.replicas, 'good replica')}{down}"
     return (f"{head}; {_n(len(report.bad), 'bad replica')}, {_n(len(report.under_replicated), 'chunk')} "
             f"under-replicated, {_n(len(report.missing), 'chunk')} with no good copy, "
             f"{_n(len(report.unreachable), 'node')} unreachable")
@@ -650,8 +650,8 @@ def _verify_verdict(report: Any, chunks: dict[bytes, Any]) -> str:
     healable = [c for c in report.needs_repair() if c not in lost]
     parts = []
     if healable:
-        parts.append(f"{_n(len(healable), 'chunk')} {'lacks' if len(healable) == 1 else 'lack'} {report.replicas} "
-                     "good replicas; `dlfs repair` restores them")
+        parts.append(f"{_n(len(healable), 'chunk')} {'lacks' if len(healable) == 1 else 'lack'} "
+                     f"{_n(report.replicas, 'good replica')}; `dlfs repair` restores them")
     if lost:
         labels = sorted({chunks[c].label() for c in lost})
         where = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
@@ -710,7 +710,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
     print(f"repair: copied {_n(len(healed.copied), 'chunk')} ({human_bytes(copied_bytes)}), removed "
           f"{_n(len(healed.removed), 'bad replica')}; {healed.healthy} of {_n(len(chunks), 'chunk')} of "
           f"{_n(n_versions - len(unreadable), 'dataset version')} {'has' if healed.healthy == 1 else 'have'} "
-          f"{cluster.replicas} good replicas")
+          f"{_n(cluster.replicas, 'good replica')}")
     parts = [_index_verdict(indexes, unreadable, repaired=True)]
     if healed.unhealed:
         ids = sorted(healed.unhealed)

@@ -121,13 +121,14 @@ def test_verify_repair_gc_and_rm_go_on_past_a_corrupt_and_a_missing_index(node: 
     assert "index of b@1 is damaged: its file is missing" in verify.stdout, verify.stdout
     # The rest was verified all the same: every chunk of c.
     assert f"verified {len(c_chunks)} chunks of 1 dataset version" in verify.stdout, verify.stdout
-    assert "every chunk has 1 good replicas" in verify.stdout, verify.stdout
+    assert "every chunk has 1 good replica" in verify.stdout, verify.stdout
+    assert "1 good replicas" not in verify.stdout, verify.stdout  # one replica, one noun
     assert "2 dataset indexes damaged (a@1, b@1) with no good copy" in one_line(verify)
 
     repair = node.run("repair", check=False)
     assert repair.returncode == 5, repair
     assert "index of a@1 is damaged" in repair.stdout and "index of b@1 is damaged" in repair.stdout, repair.stdout
-    assert f"{len(c_chunks)} of {len(c_chunks)} chunks of 1 dataset version have 1 good replicas" in repair.stdout
+    assert f"{len(c_chunks)} of {len(c_chunks)} chunks of 1 dataset version have 1 good replica" in repair.stdout
     assert "a@1, b@1" in one_line(repair)
 
     gc = node.run("gc")  # the chunk lists are in the catalog: no index is parsed
