@@ -575,9 +575,24 @@ def _verify_summary(report: Any, n_versions: int) -> str:
             f"{_n(len(report.unreachable), 'node')} unreachable")
 
 
+def _check_indexes_beside(nursery: trio.Nursery, client: Any, versions: list[Any], restore: bool = False) -> list[Any]:
+    """The metadata daemons' check of their index files (check_indexes), run in `nursery` beside the
+    chunks' checks, so that a silent node costs one wait for its answer, not two; its report lands in
+    the list returned once the nursery is done."""
+    from dlfs.client.repair import check_indexes
+
+    out: list[Any] = []
+
+    async def check() -> None:
+        out.append(await check_indexes(client, versions, restore))
+
+    nursery.start_soon(check)
+    return out
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from dlfs.client.cluster import ClusterClient
-    from dlfs.client.repair import check_indexes, dataset_chunks, live_versions, verify
+    from dlfs.client.repair import dataset_chunks, live_versions, verify
     from dlfs.errors import CorruptData
     from dlfs.mount.lifecycle import parse_dataset_ref
 
@@ -593,12 +608,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             versions = await live_versions(client, name, version)
-            indexes = await check_indexes(client, versions)
-            unreadable: dict[str, str] = {}  # one damaged index leaves its own chunks unchecked, not the rest
-            chunks = await dataset_chunks(client, home, versions, unreadable)
-            report = await verify(client, chunks, progress)
+            async with open_nursery() as both:
+                checked = _check_indexes_beside(both, client, versions)
+                unreadable: dict[str, str] = {}  # one damaged index leaves its own chunks unchecked, not the rest
+                chunks = await dataset_chunks(client, home, versions, unreadable)
+                report = await verify(client, chunks, progress)
             nursery.cancel_scope.cancel()
-        return len(versions), chunks, report, indexes, unreadable
+        return len(versions), chunks, report, checked[0], unreadable
 
     with _ProgressBar.display() as bar:
         n_versions, chunks, report, indexes, unreadable = trio.run(run, _ProgressBar(bar, "verify", "replicas"))
@@ -666,7 +682,6 @@ def cmd_repair(args: argparse.Namespace) -> int:
     from dlfs.client.repair import (
         READ_PIECE,
         REPAIR_IN_FLIGHT,
-        check_indexes,
         dataset_chunks,
         live_versions,
         repair,
@@ -686,13 +701,16 @@ def cmd_repair(args: argparse.Namespace) -> int:
             client = ClusterClient(cluster, nursery)
             async with chunk_transport(client, choice, arena):
                 versions = await live_versions(client)
-                indexes = await check_indexes(client, versions, restore=True)  # a peer's good copy where one exists
-                unreadable: dict[str, str] = {}
-                chunks = await dataset_chunks(client, home, versions, unreadable)
-                report = await verify(client, chunks, _ProgressBar(bar, "verify", "replicas"))
-                healed = await repair(client, chunks, report, _ProgressBar(bar, "repair", "chunks"))
+                async with open_nursery() as both:
+                    # A damaged index is replaced by a peer's good copy where one exists; the chunks are
+                    # read from whichever daemon has a good one meanwhile.
+                    checked = _check_indexes_beside(both, client, versions, restore=True)
+                    unreadable: dict[str, str] = {}
+                    chunks = await dataset_chunks(client, home, versions, unreadable)
+                    report = await verify(client, chunks, _ProgressBar(bar, "verify", "replicas"))
+                    healed = await repair(client, chunks, report, _ProgressBar(bar, "repair", "chunks"))
             nursery.cancel_scope.cancel()
-        return len(versions), chunks, report, healed, indexes, unreadable
+        return len(versions), chunks, report, healed, checked[0], unreadable
 
     with _ProgressBar.display() as bar:
         n_versions, chunks, report, healed, indexes, unreadable = trio.run(run, bar)

@@ -187,6 +187,32 @@ def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
 
 
 @pytest.mark.timeout(180)
+def test_verify_with_a_frozen_node_waits_for_it_once(lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
+    """n2 frozen: `dlfs verify` says that n2 neither checked its index files nor answered for its chunks,
+    within about one PING's bound. It took 15.3 s before: the index check waited its handshake's 10 s
+    bound for n2's metadata daemon, then the chunk check its PING's 5 s for n2's data daemon."""
+    from dlfs.client.cluster import SILENT_AFTER
+
+    cluster, _ = lab
+    make_files(tmp_path / "src", 12, seed=37)
+    cluster.cli("ingest", tmp_path / "src", "--name", "checked", "--chunk-size", CHUNK_SIZE, node="n1")
+    cluster.signal("n2", signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        verify = cluster.run("verify", "checked", node="n1", timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        cluster.signal("n2", signal.SIGCONT)
+    silent = f"no answer within {SILENT_AFTER:g} s: stopped, overloaded or cut off"
+    assert f"metadata daemon n2 did not check its index files: {silent}" in verify.stdout, verify
+    assert f"node n2 is unreachable ({silent})" in verify.stdout, verify
+    assert verify.returncode in (0, 5), verify  # 5 where a chunk of it has a replica on n2
+    assert took < SILENT_AFTER + 8, took  # both waits at once, and each a PING's bound
+    again = cluster.run("verify", "checked", node="n1", timeout=120)
+    assert again.returncode == 0 and "every chunk has 2 good replicas" in again.stdout, again
+
+
+@pytest.mark.timeout(180)
 def test_warmup_hedges_past_a_frozen_node(lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
     """n2 frozen through a `dlfs warmup` through the daemons: its windows are raced by the next replica after
     the hedge bound, as a mount's reads are, and the warmup ends with every byte kept. Before, each window

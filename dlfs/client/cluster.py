@@ -452,11 +452,11 @@ class ClusterClient:
                 n.start_soon(one, spec, service)
         return out
 
-    async def answering(self, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], dict[str, str]]:
-        """The data daemons among `nodes` that answer a PING within SILENT_AFTER, in their order, and why
-        each other one did not."""
-        got = await self.ask_each([(s, "data") for s in nodes], Msg.PING)
-        down = {s.name: r for s in nodes if isinstance(r := got[s.name, "data"], str)}
+    async def answering(self, nodes: list[NodeSpec], service: str = "data") -> tuple[list[NodeSpec], dict[str, str]]:
+        """The daemons of `service` among `nodes` that answer a PING within SILENT_AFTER, in their order,
+        and why each other one did not."""
+        got = await self.ask_each([(s, service) for s in nodes], Msg.PING)
+        down = {s.name: r for s in nodes if isinstance(r := got[s.name, service], str)}
         return [s for s in nodes if s.name not in down], down
 
     async def _held(self, spec: NodeSpec, ids: list[bytes]) -> list[bytes]:

@@ -96,7 +96,8 @@ async def check_indexes(client: ClusterClient, versions: list[VersionInfo], rest
     """Ask every metadata daemon whether its index files of `versions` are the ones committed (and,
     with `restore`, to replace a damaged one with a peer's good copy)."""
     out = IndexReport()
-    metas = client.cluster.meta_nodes
+    # A silent daemon is left after SILENT_AFTER, not after its handshake's longer bound.
+    metas, out.unchecked = await client.answering(client.cluster.meta_nodes, "meta")
     bad: dict[str, dict[str, str]] = {}  # label -> node -> why
     answered: dict[str, set[str]] = {}  # node -> labels it checked
 
@@ -120,7 +121,7 @@ async def check_indexes(client: ClusterClient, versions: list[VersionInfo], rest
         for spec in metas:
             n.start_soon(ask, spec)
     for label, where in sorted(bad.items()):
-        whys = [f"{why} (on {node})" if len(metas) > 1 else why for node, why in sorted(where.items())]
+        whys = [f"{why} (on {node})" if len(client.cluster.meta_nodes) > 1 else why for node, why in sorted(where.items())]
         out.damaged[label] = "; ".join(whys)
         if any(label in labels for node, labels in answered.items() if node not in where):
             out.intact_elsewhere.add(label)
