@@ -37,7 +37,7 @@ from dlfs.private import UMASK as PRIVATE_UMASK
 from dlfs.private import private_dirs
 from dlfs.procs import give_freed_memory_back
 from dlfs.tasks import leaves, open_nursery
-from dlfs.units import human_bytes, human_duration, human_mib, iso_time, parse_size
+from dlfs.units import counted, human_bytes, human_duration, human_mib, iso_time, parse_size
 from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 
 if TYPE_CHECKING:
@@ -294,8 +294,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         print(f"skipped {os.fsdecode(skipped)} (not a file, directory or symlink)", file=sys.stderr)
     if len(report.skipped) > 10:
         print(f"skipped {len(report.skipped) - 10} more special files", file=sys.stderr)
-    print(f"ingested {info.name} version {info.version}: {info.files} files, {human_bytes(info.bytes)} "
-          f"in {info.chunks} chunks ({report.chunks_sent} sent, {report.chunks_present} already stored) "
+    print(f"ingested {info.name} version {info.version}: {counted(info.files, 'file')}, {human_bytes(info.bytes)} "
+          f"in {counted(info.chunks, 'chunk')} ({report.chunks_sent} sent, {report.chunks_present} already stored) "
           f"in {report.seconds:.1f} s ({human_bytes(info.bytes / max(report.seconds, 1e-9))}/s)")
     if report.index_copies < report.index_wanted:
         print(f"dlfs: warning: the index of {info.name} version {info.version} is on {report.index_copies} of the "
@@ -560,19 +560,15 @@ def _print_verify(report: Any, chunks: dict[bytes, Any]) -> None:
               f"(good on {', '.join(report.good[cid])}; in {chunks[cid].label()})")
 
 
-def _n(count: int, thing: str) -> str:
-    return f"{count} {thing}{'' if count == 1 else 's'}"
-
-
 def _verify_summary(report: Any, n_versions: int) -> str:
-    head = (f"verified {_n(len(report.good), 'chunk')} of {_n(n_versions, 'dataset version')}: "
-            f"{_n(report.replicas_checked, 'replica')} ({human_bytes(report.bytes_checked)}) read and checked")
+    head = (f"verified {counted(len(report.good), 'chunk')} of {counted(n_versions, 'dataset version')}: "
+            f"{counted(report.replicas_checked, 'replica')} ({human_bytes(report.bytes_checked)}) read and checked")
     if report.healthy:
         down = f" (nodes {', '.join(sorted(report.unreachable))} unreachable)" if report.unreachable else ""
-        return f"{head}; every chunk has {_n(report.replicas, 'good replica')}{down}"
-    return (f"{head}; {_n(len(report.bad), 'bad replica')}, {_n(len(report.under_replicated), 'chunk')} "
-            f"under-replicated, {_n(len(report.missing), 'chunk')} with no good copy, "
-            f"{_n(len(report.unreachable), 'node')} unreachable")
+        return f"{head}; every chunk has {counted(report.replicas, 'good replica')}{down}"
+    return (f"{head}; {counted(len(report.bad), 'bad replica')}, {counted(len(report.under_replicated), 'chunk')} "
+            f"under-replicated, {counted(len(report.missing), 'chunk')} with no good copy, "
+            f"{counted(len(report.unreachable), 'node')} unreachable")
 
 
 def _check_indexes_beside(nursery: trio.Nursery, client: Any, versions: list[Any], restore: bool = False) -> list[Any]:
@@ -666,13 +662,13 @@ def _verify_verdict(report: Any, chunks: dict[bytes, Any]) -> str:
     healable = [c for c in report.needs_repair() if c not in lost]
     parts = []
     if healable:
-        parts.append(f"{_n(len(healable), 'chunk')} {'lacks' if len(healable) == 1 else 'lack'} "
-                     f"{_n(report.replicas, 'good replica')}; `dlfs repair` restores them")
+        parts.append(f"{counted(len(healable), 'chunk')} {'lacks' if len(healable) == 1 else 'lack'} "
+                     f"{counted(report.replicas, 'good replica')}; `dlfs repair` restores them")
     if lost:
         labels = sorted({chunks[c].label() for c in lost})
         where = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
         back = "bring back the unreachable nodes or " if report.unreachable else ""
-        parts.append(f"{_n(len(lost), 'chunk')} {'has' if len(lost) == 1 else 'have'} no good copy on any reachable "
+        parts.append(f"{counted(len(lost), 'chunk')} {'has' if len(lost) == 1 else 'have'} no good copy on any reachable "
                      f"node, which repair cannot restore: {back}ingest again ({where})")
     return "; ".join(parts)
 
@@ -725,15 +721,15 @@ def cmd_repair(args: argparse.Namespace) -> int:
     for cid, why in sorted(healed.unhealed.items()):
         print(f"cannot heal chunk {cid.hex()} (in {chunks[cid].label()}): {why}")
     copied_bytes = sum(chunks[cid].size for cid, _, _ in healed.copied)
-    print(f"repair: copied {_n(len(healed.copied), 'chunk')} ({human_bytes(copied_bytes)}), removed "
-          f"{_n(len(healed.removed), 'bad replica')}; {healed.healthy} of {_n(len(chunks), 'chunk')} of "
-          f"{_n(n_versions - len(unreadable), 'dataset version')} {'has' if healed.healthy == 1 else 'have'} "
-          f"{_n(cluster.replicas, 'good replica')}")
+    print(f"repair: copied {counted(len(healed.copied), 'chunk')} ({human_bytes(copied_bytes)}), removed "
+          f"{counted(len(healed.removed), 'bad replica')}; {healed.healthy} of {counted(len(chunks), 'chunk')} of "
+          f"{counted(n_versions - len(unreadable), 'dataset version')} {'has' if healed.healthy == 1 else 'have'} "
+          f"{counted(cluster.replicas, 'good replica')}")
     parts = [_index_verdict(indexes, unreadable, repaired=True)]
     if healed.unhealed:
         ids = sorted(healed.unhealed)
         more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
-        parts.append(f"could not heal {_n(len(ids), 'chunk')}: {', '.join(c.hex() for c in ids[:5])}{more}")
+        parts.append(f"could not heal {counted(len(ids), 'chunk')}: {', '.join(c.hex() for c in ids[:5])}{more}")
     if any(parts):  # everything it could do is done: now the exit status says what was left
         raise CorruptData("; ".join(filter(None, parts)))
     return 0

@@ -18,6 +18,11 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def counted(count: int, thing: str, things: str = "") -> str:
+    """"1 file", "2 files": a count and its noun, singular for one (`things`: a plural not made with -s)."""
+    return f"{count} {thing if count == 1 else things or thing + 's'}"
+
+
 def human_bytes(n: float) -> str:
     """A short decimal rendering: 1.5 GB, 310 kB, 12 B."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

@@ -100,7 +100,7 @@ def test_cli_files_from_and_exclude_end_to_end(node: Node, mounted: Callable[...
     proc = subprocess.run([*DLFS, "ingest", str(src), "--name", "stdin", "--files-from", "-"], input="notes.txt\n",
                           capture_output=True, text=True, env=node.env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("ingested stdin version 1: 1 files, 1 B in 1 chunks")
+    assert proc.stdout.startswith("ingested stdin version 1: 1 file, 1 B in 1 chunk ")
     # A list naming what is not there, or what lies outside SRC, publishes nothing: one line, its exit code.
     (tmp_path / "bad").write_text("a\nmissing.jpg\n")
     bad = node.run("ingest", src, "--name", "bad", "--files-from", tmp_path / "bad", check=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import logging
 import os
 import shutil
 import stat
@@ -221,7 +222,7 @@ def test_flatten_and_selection_of_members(node: Node, tmp_path: Path) -> None:
     (tmp_path / "d/README.md").write_text("not a shard")
     # A directory of shards: its shards in name order, the rest skipped with a warning.
     out = node.run("ingest", "--expand-tar", tmp_path / "d", "--flatten", "--name", "flat")
-    assert f"skipping 1 entries of {tmp_path / 'd'} that are not shards (files ending in " in out.stderr
+    assert f"skipping 1 entry of {tmp_path / 'd'} that are not shards (files ending in " in out.stderr
     assert out.stderr.rstrip().endswith("): README.md"), out.stderr
     mnt = node.mount("flat", tmp_path / "mnt")
     try:
@@ -466,9 +467,21 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", mode: int =
     return info
 
 
+@pytest.mark.timeout(60)
+def test_a_skipped_member_is_said_once(node: Node, tmp_path: Path) -> None:
+    """A member that is no file, directory or symlink is one line on stderr. It was two: a log warning that
+    read as if the whole shard were skipped ("skipping s.tar: s/dev: a device node"), then the CLI's line."""
+    shard = crafted(tmp_path / "s.tar", (member("f"), b"data"), (member("dev", tarfile.CHRTYPE), b""))
+    out = node.run("ingest", "--expand-tar", shard, "--name", "devs")
+    assert out.stderr.splitlines() == ["skipped s/dev (not a file, directory or symlink)"], out.stderr
+    assert out.stdout.startswith("ingested devs version 1: 1 file, 4 B in 1 chunk "), out.stdout
+
+
 @pytest.mark.timeout(30)
 def test_links_devices_and_names_as_archives_hold_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="dlfs.ingest.walk")  # a skipped member's kind (the CLI says it once)
     shard = crafted(tmp_path / "s.tar",
+                    (member("./", tarfile.DIRTYPE), b""),  # the shard's folder itself, as `tar -C dir .` writes it
                     (member("/abs/./f"), b"data"),  # a leading / and a . are dropped
                     (member("l1", tarfile.LNKTYPE, "abs/f"), b""),
                     (member("l2", tarfile.LNKTYPE, "./l1"), b""),  # a link to a link: to the file
@@ -492,6 +505,9 @@ def test_links_devices_and_names_as_archives_hold_them(tmp_path: Path, caplog: p
             ([(member("d", tarfile.DIRTYPE), b""), (member("l", tarfile.LNKTYPE, "d"), b"")],
              r"s\.tar: l is a hard link to a directory"),
             ([(member("f"), b"1"), (member("f"), b"2")], r"s\.tar: s/f is named twice"),
+            # A file with no name was dropped without a word.
+            ([(member(""), b"1")], r"s\.tar: a member that is not a directory has no name \(''\): a damaged shard"),
+            ([(member("./"), b"1")], r"s\.tar: a member that is not a directory has no name \('\./'\)"),
             ([(member("f"), b"1"), (member("f/g"), b"2")], r"s\.tar: s/f is a file and also a directory")):
         with pytest.raises(SourceError, match=message):
             listed(TarShards([str(crafted(tmp_path / "s.tar", *members))]))

@@ -21,6 +21,7 @@ import botocore.exceptions
 
 from dlfs.errors import SourceError, UsageError
 from dlfs.ingest.s3 import RANGE_SIZE, ReadAhead, S3Client, _code, _Range, _Stopped, mtime_ns, parse_url
+from dlfs.units import counted
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def list_shards(client: S3Client, prefix: str, suffixes: tuple[str, ...], page_s
         raise SourceError(f"{where} holds no shards (objects directly under it ending in {', '.join(suffixes)})")
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        log.warning("skipping %d entries of %s that are not shards (objects ending in %s): %s%s", len(others), where,
+        log.warning("skipping %s of %s that are not shards (objects ending in %s): %s%s", counted(len(others), "entry", "entries"), where,
                     ", ".join(suffixes), ", ".join(others[:3]), more)
     return shards
 

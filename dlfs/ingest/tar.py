@@ -39,6 +39,7 @@ from dlfs.errors import SourceError, UsageError
 from dlfs.format.index import name_problem
 from dlfs.ingest.source import FileReader
 from dlfs.ingest.walk import Node, Selection, Tree, TreeBuilder
+from dlfs.units import counted
 
 if TYPE_CHECKING:  # boto3 is imported only where a bucket is read
     from dlfs.ingest.s3 import ReadAhead, S3Client
@@ -308,7 +309,7 @@ def _shards_in(directory: str) -> list[tuple[str, os.stat_result]]:
         taken = {path for path, _ in shards}
         others = [e.name + ("/" if e.is_dir() else "") for e in entries if e.path not in taken]
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        log.warning("skipping %d entries of %s that are not shards (files ending in %s): %s%s", len(others),
+        log.warning("skipping %s of %s that are not shards (files ending in %s): %s%s", counted(len(others), "entry", "entries"),
                     directory, ", ".join(SHARD_SUFFIXES), ", ".join(others[:3]), more)
     return shards
 
@@ -448,6 +449,16 @@ def _member_path(shard: Shard, name: str) -> bytes:
         if why:
             raise SourceError(f"{shard.path}: member {name} cannot be a path: a component {why}")
     return b"/".join(parts)
+
+
+def _entry_path(shard: Shard, name: str, is_dir: bool) -> bytes:
+    """_member_path of a member that is listed as a file or a directory: only a directory may name the
+    shard's folder itself (`./`, as `tar -C dir .` writes it); a file with no name is refused, not lost."""
+    path = _member_path(shard, name)
+    if not path and not is_dir:
+        raise SourceError(f"{shard.path}: a member that is not a directory has no name ({name!r}): a damaged "
+                          "shard? refused")
+    return path
 
 
 class _ShardAdder:
@@ -773,7 +784,7 @@ def _tar_members(shard: Shard, stream: _TarStream, tail: str) -> Iterator[tarfil
 
 
 def _tar_member(shard: Shard, index: int, info: tarfile.TarInfo) -> Member:
-    name = _member_path(shard, info.name)
+    name = _entry_path(shard, info.name, info.isdir())
     perm = info.mode & 0o7777
     mtime_ns = _tar_mtime(info)
     if info.isreg():
@@ -987,12 +998,12 @@ def _list_zip(shard: Shard, f: io.RawIOBase) -> list[Member]:
     members = []
     with zf:
         for index, zi in enumerate(zf.infolist()):
-            name = _member_path(shard, zi.filename)
+            attr = zi.external_attr >> 16 if zi.create_system == 3 else 0  # unix st_mode, where it was made so
+            name = _entry_path(shard, zi.filename, zi.is_dir() or stat.S_ISDIR(attr))
             if zi.flag_bits & 0x1:
                 raise SourceError(f"{shard.path}: {zi.filename} is encrypted, which --expand-tar does not read")
             if zi.header_offset + _LOCAL_HEADER.size + zi.compress_size > shard.size:
                 raise SourceError(f"{shard.path}: {zi.filename} lies past the end of the file (a truncated shard?)")
-            attr = zi.external_attr >> 16 if zi.create_system == 3 else 0  # unix st_mode, where it was made so
             extra = _zip_extra(zi.extra)
             uid, gid = _zip_owner(extra.get(0x7875), shard)
             mtime_ns = _zip_mtime(zi, extra.get(0x5455))

@@ -171,7 +171,7 @@ def walk(src: str | bytes, select: Selection | None = None) -> Tree:
                     d.children.append((e.name, seen.ino))
                     continue
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-                log.warning("skipping %s: %s", _display(root, rel), _kind(mode))
+                log.debug("skipping %s: %s", _display(root, rel), _kind(mode))  # the CLI says it once
                 skipped.append(rel)
                 continue
             n = Node(len(nodes) + 1, rel, mode, est.st_uid, est.st_gid, est.st_size, est.st_mtime_ns, parent=d.ino)
@@ -282,7 +282,7 @@ class TreeBuilder:
             node.mode, node.uid, node.gid, node.mtime_ns = mode, uid, gid, mtime_ns
             return node
         if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-            log.warning("skipping %s: %s", f"{self.where}: {os.fsdecode(path)}", _kind(mode))
+            log.debug("skipping %s: %s", f"{self.where}: {os.fsdecode(path)}", _kind(mode))  # the CLI says it once
             self.skipped.append(path)
             return None
         if path in self.by_path:
