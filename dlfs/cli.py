@@ -371,7 +371,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         for m in out.mounts:
             print(f"  {name}@{m.version} mounted on {m.node} at {m.mountpoint}")
         return 0
-    print(f"removed {name} (version {versions}); freed {out.freed_chunks} chunks")
+    print(f"removed {name} (version {versions}); freed {counted(out.freed_chunks, 'chunk')}")
     if out.gc_deferred:
         print(f"not all of its chunks are freed yet: {out.gc_deferred}", file=sys.stderr)
     return 0
@@ -385,7 +385,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     out = reply(Collected, trio.run(_meta_call, args, Msg.COLLECT, None, SWEEP_CALL), Msg.COLLECT, META_DAEMON)
     if out.gc_deferred:
         raise Unreachable(f"garbage collection deferred: {out.gc_deferred}")
-    print(f"freed {out.freed_chunks} chunks that no dataset or ingest needs")
+    print(f"freed {counted(out.freed_chunks, 'chunk')} that no dataset or ingest needs")
     return 0
 
 
@@ -444,7 +444,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"node {name}: up  roles {roles}{addrs}")
         meta, data = res.get("meta"), res.get("data")
         if isinstance(meta, dict):
-            print(f"  datasets {meta['datasets']} ({meta['versions']} versions), ingests in progress {meta['ingests']}")
+            print(f"  datasets {meta['datasets']} ({counted(meta['versions'], 'version')}), ingests in progress {meta['ingests']}")
         if isinstance(data, dict):
             print(f"  chunks {data['chunks']} ({human_bytes(data['bytes'])}), disk free {human_bytes(data['disk_free'])} "
                   f"of {human_bytes(data['disk_total'])} at {data['root']}")
@@ -532,9 +532,9 @@ def _print_census(view: Any, replicas: int, shown: int = 10) -> None:
     if view.error:
         print(f"datasets: unknown ({view.error})")
         return
-    print(f"datasets: {len({v.name for v in view.versions})} ({len(view.versions)} versions)")
+    print(f"datasets: {len({v.name for v in view.versions})} ({counted(len(view.versions), 'version')})")
     for v in view.versions:
-        print(f"  {v.name}@{v.version}: {v.files} files, {human_bytes(v.bytes)}, {v.chunks} chunks")
+        print(f"  {v.name}@{v.version}: {counted(v.files, 'file')}, {human_bytes(v.bytes)}, {counted(v.chunks, 'chunk')}")
     print(f"chunks with fewer than {replicas} healthy replicas: {len(view.short)}")
     for cid in sorted(view.short)[:shown]:
         nodes = view.short[cid]
@@ -921,7 +921,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
              f"{human_bytes(report.cached)} already there" if report.cached else "",
              f"read {human_bytes(report.page_cached)} of this node's chunks into the page cache" if report.page_cached else "",
              f"left {human_bytes(report.skipped)} held elsewhere (no --cache-dir)" if report.skipped else ""]
-    print(f"warmed {report.label}: {report.files} files, {human_bytes(report.bytes)} in {report.windows} windows; "
+    print(f"warmed {report.label}: {counted(report.files, 'file')}, {human_bytes(report.bytes)} in {counted(report.windows, 'window')}; "
           f"{', '.join(p for p in parts if p)}; {report.seconds:.1f} s{speed}")
     return 0
 

@@ -28,7 +28,7 @@ import trio
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
 from dlfs.errors import AuthError, DlfsError, KeyExposed, ProtocolError, TransportUnavailable, Unreachable
-from dlfs.units import human_bytes, human_mib
+from dlfs.units import counted, human_bytes, human_mib
 from dlfs.wire.auth import key_exposure
 
 PASS, WARN, FAIL, INFO = "pass", "warn", "FAIL", "info"
@@ -258,8 +258,8 @@ def load_for_doctor(cluster_file: str | None, home: Path) -> tuple[Cluster | Non
     try:
         if cluster_file:
             cluster = parse_cluster_file(Path(cluster_file))
-            rows.append(Check("cluster file", PASS, f"{cluster_file}: {len(cluster.nodes)} nodes, "
-                                                    f"{cluster.replicas} replicas, transport {cluster.transport}"))
+            rows.append(Check("cluster file", PASS, f"{cluster_file}: {counted(len(cluster.nodes), 'node')}, "
+                                                    f"{counted(cluster.replicas, 'replica')}, transport {cluster.transport}"))
         else:
             cluster = load_cluster(None, home)
             rows.append(Check("cluster file", INFO, f"none: the local node under {home}"))

@@ -232,7 +232,7 @@ def test_units_run_as_systemd_runs_them(tmp_path: Path) -> None:
         _, start = argv(values(unit, "Service", "ExecStart")[0], env, "pics")
         with open(mount_log, "wb") as log:
             mount_proc = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=log, umask=unit_umask(unit))
-        assert _ready(sock) == f"mounted pics@1 at {mnt} (1 files, 100.0 kB)"
+        assert _ready(sock) == f"mounted pics@1 at {mnt} (1 file, 100.0 kB)"
         assert (mnt / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
         loose = [p for p in [home, *home.rglob("*")] if not p.is_symlink() and p.stat().st_mode & 0o077]
         assert loose == [], loose  # the node's and the mount's state alike

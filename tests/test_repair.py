@@ -268,7 +268,7 @@ def test_status_and_repair_with_node_roles(tmp_path: Path) -> None:
         assert re.fullmatch(r"node n2: up  roles meta  meta 127\.0\.0\.1:\d+", lines[n2_at]), out
         assert lines[n2_at + 1].startswith("  datasets ") and lines[n2_at + 2].startswith("node n3: "), out
         assert re.fullmatch(r"node n3: up  roles data  data 127\.0\.0\.1:\d+", lines[n2_at + 2]), out
-        assert lines[n2_at + 3].startswith("  chunks ") and lines[n2_at + 4] == "datasets: 1 (1 versions)", out
+        assert lines[n2_at + 3].startswith("  chunks ") and lines[n2_at + 4] == "datasets: 1 (1 version)", out
         assert under_replicated(out) == 0
         assert n1.run("verify", "small").returncode == 0
 

@@ -58,7 +58,7 @@ from dlfs.procmounts import is_mount_point, mount_points
 from dlfs.procs import Holder, holders, raise_open_files_limit, running, set_title, start_ticks
 from dlfs.tasks import open_nursery
 from dlfs.transport.base import Address
-from dlfs.units import human_bytes, human_mib
+from dlfs.units import counted, human_bytes, human_mib
 from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
 
@@ -390,7 +390,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             # Only ours: after `umount --lazy` a new mount on this mountpoint may have written its own.
             stack.callback(forget_record, record, os.getpid())
             log.info("mounted %s at %s (%d files, %d bytes)", label, opts.mountpoint, info.files, info.bytes)
-            ready(f"mounted {label} at {opts.mountpoint} ({info.files} files, {human_bytes(info.bytes)})")
+            ready(f"mounted {label} at {opts.mountpoint} ({counted(info.files, 'file')}, {human_bytes(info.bytes)})")
             if uring:  # rings are registered once INIT is answered; a kernel that refuses says so at once
                 with trio.move_on_after(URING_START):  # "off" until the engine has tried
                     while engine_stats().get("io_uring") == "off":
