@@ -740,6 +740,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from dlfs.cgroup import memory_limit
     from dlfs.mount.cache import auto_cache_size
     from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME, MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.mount.records import start_lock
     from dlfs.procs import set_title
     from dlfs.sdnotify import notify
 
@@ -748,6 +749,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:  # `ps` names the mount from the start (its version once it is known)
         set_title(f"dlfs mount {args.dataset} {mountpoint}", MOUNT_PROCESS_NAME)
     name, version = parse_dataset_ref(args.dataset)
+    starting = [start_lock(home, mountpoint)]  # closed once the mount is in place, or by this process's end
     check_mountpoint(mountpoint, args.nonempty, home)
     limit = memory_limit()
     cache_size = auto_cache_size(limit) if args.cache_size == "auto" else parse_size(args.cache_size)
@@ -757,7 +759,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     # Here, not in the background process: its errors would reach the user only through its log.
     cluster = _cluster(args)
     if not args.foreground:
-        code = _mount_background(args, home, mountpoint)
+        code = _mount_background(args, home, mountpoint, starting)
         if code is not None:
             return code  # the mount is ready in its own process
         set_title(f"dlfs mount {args.dataset} {mountpoint}", MOUNT_PROCESS_NAME)  # the forked mount, from here on
@@ -776,6 +778,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
+        while starting:  # mounted: another `dlfs mount` here may look (and find this one)
+            os.close(starting.pop())
         if ready_fd is not None:
             os.write(ready_fd, b"ok " + message.encode() + b"\n")
             os.close(ready_fd)
@@ -812,11 +816,12 @@ def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | Non
     return check_cache_dir(Path(args.cache_dir).absolute()), size
 
 
-def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path) -> int | None:
+def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path, starting: list[int]) -> int | None:
     """Serve the mount detached, and return 0 once it reports the mount ready (or raise its error). In a
     process with one thread this one forks: the child gets None back and serves in the foreground, its
     output in the mount's log, with what this process imported and checked already (no second start
-    of Python). Elsewhere it runs `dlfs mount --foreground` with the command line as the user gave it."""
+    of Python), and the start's lock (`starting`: this process lets go of its copy). Elsewhere it runs
+    `dlfs mount --foreground` with the command line as the user gave it, which takes the lock anew."""
     from dlfs.mount.records import mount_log
 
     log_path = Path(args.log_file) if args.log_file else mount_log(home, args.dataset, mountpoint)
@@ -838,7 +843,11 @@ def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path) ->
             args.foreground, args.ready_fd, args.log_file = True, wfd, str(log_path)
             return None
         wait: Callable[[], int] = partial(_reap, pid)
+        while starting:
+            os.close(starting.pop())
     else:
+        while starting:  # the command takes it, and checks the mountpoint again
+            os.close(starting.pop())
         # The command as the user gave it (same environment, same working directory: relative paths mean
         # the same), served in the foreground: no option is rebuilt here, so none can be lost on the way.
         cmd = [sys.executable, "-m", "dlfs", *args.argv, "--foreground", "--ready-fd", str(wfd), "--log-file",

@@ -202,6 +202,32 @@ def test_non_empty_mountpoint_is_refused_unless_nonempty(node: Node, tmp_path: P
 
 @needs_fuse
 @pytest.mark.timeout(120)
+def test_two_mounts_of_one_mountpoint_at_once_take_turns(node: Node, tmp_path: Path) -> None:
+    """Two `dlfs mount`s of one mountpoint started together: one mounts, the other says the mountpoint is
+    taken by it, in one line (exit 11). Before, both passed their checks and the second failed halfway
+    through its start: "mount process exited (1) before the mount was ready; see LOG", and the log they
+    shared said "Address already in use"."""
+    two_versions(node, tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    node.mounts.append(mnt)  # unmounted at the end whichever won
+    for _ in range(3):
+        procs = [subprocess.Popen([sys.executable, "-m", "dlfs", "mount", "ds", str(mnt)], env=node.env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        outs = [(p, *p.communicate(timeout=60)) for p in procs]
+        won = [o for o in outs if o[0].returncode == 0]
+        lost = [o for o in outs if o[0].returncode != 0]
+        assert len(won) == 1 and len(lost) == 1, outs
+        assert won[0][1].startswith(f"mounted ds@2 at {mnt}"), won
+        (pid,) = mount_pids(node.home)
+        assert lost[0][0].returncode == 11 and lost[0][2].splitlines() == [
+            f"dlfs: error: {mnt} is already a mount point of ds@2, process {pid} (unmount it first)"], lost
+        assert sorted(os.listdir(mnt)) == ["sub", "top.bin", "two.txt"]
+        node.umount(mnt)
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
 def test_a_stopped_mount_is_shown_refused_and_detached_within_a_bound(node: Node, tmp_path: Path) -> None:
     """A mount whose process is stopped (SIGSTOP, a suspended job) answers nothing: `dlfs mounts` says
     so, a mount onto it is refused and `dlfs umount` detaches it, each within the probe's bound (both

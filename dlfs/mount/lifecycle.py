@@ -128,7 +128,9 @@ def check_mountpoint(path: Path, nonempty: bool = False, home: Path | None = Non
     if not path.is_dir():
         raise UsageError(f"mountpoint {path} is not a directory")
     if os.path.ismount(path):
-        raise MountError(f"{path} is already a mount point (unmount it first)")
+        mine = read_record(mount_record(home, path)) if home is not None else None
+        of = f" of {mine.dataset}, process {mine.pid}" if mine is not None and running(mine.pid) else ""
+        raise MountError(f"{path} is already a mount point{of} (unmount it first)")
     with os.scandir(path) as entries:
         has_entries = next(entries, None) is not None
     if has_entries and not nonempty:

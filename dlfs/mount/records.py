@@ -8,14 +8,17 @@ record is private JSON (0600), one file per mountpoint, replaced whole.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from dlfs.errors import MountError
 from dlfs.private import private_dirs, write_private
 from dlfs.procmounts import mount_points
 from dlfs.procs import running, start_ticks, stopped
@@ -23,6 +26,7 @@ from dlfs.units import iso_time
 
 LIVE, DETACHED, DEAD = "live", "detached", "dead"
 LOG_NAME_MAX = 200  # bytes of a log file's name before its suffix (NAME_MAX is 255)
+START_WAIT = 120.0  # seconds a `dlfs mount` waits for another one that is starting at its mountpoint
 
 
 class MountRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -67,6 +71,27 @@ class MountState:
 def mount_record(home: Path, mountpoint: Path) -> Path:
     key = os.path.abspath(mountpoint).replace("/", "%")  # never resolve(): it would stat the mount itself
     return home / "run" / "mounts" / f"{key}.json"
+
+
+def start_lock(home: Path, mountpoint: Path, wait: float = START_WAIT) -> int:
+    """Hold the start of a mount at `mountpoint` from `home` to itself: an open descriptor holding an
+    exclusive lock, released once every process sharing it closes it (the mount process does once its
+    mount is in place). Two `dlfs mount`s of one mountpoint at once take turns, so that the second finds
+    the first's mount and says so, rather than fail halfway through its own start."""
+    path = mount_record(home, mountpoint).with_suffix(".starting")  # kept: a lock file unlinked races
+    private_dirs(path.parent)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise MountError(f"another `dlfs mount` at {mountpoint} has been starting for {wait:.0f} s: wait "
+                                 "for it (`dlfs mounts` lists it once it is up), or mount elsewhere") from None
+            time.sleep(0.05)
 
 
 def mount_log(home: Path, dataset: str, mountpoint: Path) -> Path:
