@@ -261,15 +261,20 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     progress = _ProgressBar(bar, f"ingest {args.name}", "files")
     progress.show()  # at once: the walk before the totals can take a while on a big tree
 
+    stopped_by: list[int] = []
+
     async def run() -> IngestReport | None:
         # Ctrl-C cancels the ingest, which then gives its session up; a KeyboardInterrupt would
-        # land in whichever task runs at that moment and could break the connection it needs.
-        with trio.open_signal_receiver(signal.SIGINT) as signals:
+        # land in whichever task runs at that moment and could break the connection it needs. SIGTERM
+        # (a job's time limit, `kill`) and SIGHUP (its terminal closed) the same: else the session, and
+        # the chunks it holds, wait out their TTL.
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async with open_nursery() as nursery:
                 interrupt = Interrupt()
 
                 async def on_signal() -> None:
-                    async for _ in signals:
+                    async for signum in signals:
+                        stopped_by.append(signum)
                         interrupt.fire()
                         nursery.cancel_scope.cancel()
                         return
@@ -284,6 +289,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     with progress.bar:
         report = trio.run(run)
     if report is None:
+        if stopped_by and stopped_by[0] != signal.SIGINT:
+            print(f"dlfs: interrupted by {signal.Signals(stopped_by[0]).name}", file=sys.stderr)
+            return 128 + stopped_by[0]
         raise KeyboardInterrupt
     info = report.info
     if report.unchanged:

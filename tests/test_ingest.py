@@ -400,6 +400,12 @@ def test_killed_ingest_resumes(node: Node, tmp_path: Path) -> None:
     assert (stopped.returncode, stopped.stderr) == (130, "dlfs: interrupted\n")
     assert len(chunk_files(node.home)) < 30
     assert "ingests in progress 0" in node.run("status").stdout
+    # SIGTERM (a job's time limit) and SIGHUP (its terminal closed) the same; they ended the process at
+    # once, and its session (and the chunks it held) stayed in progress until its TTL ran out.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        stopped = interrupt(sig)
+        assert (stopped.returncode, stopped.stderr) == (128 + sig, f"dlfs: interrupted by {sig.name}\n"), stopped
+        assert "ingests in progress 0" in node.run("status").stdout
     # kill -9: no chance to clean up; still nothing is visible.
     killed = interrupt(signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
