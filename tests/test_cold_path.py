@@ -239,6 +239,28 @@ def test_two_cold_epochs_on_one_mount_fetch_alike(cold: Cold) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_mount_says_how_much_cache_memory_it_faulted_in(cold: Cold, tmp_path: Path) -> None:
+    """The mount says how much of its cache's memory it has faulted in (`cache_touched`): none while
+    nothing was read (an idle mount costs no memory), then about what read-ahead fetched."""
+    mnt = cold.node.mount("small", tmp_path / "fresh")
+    try:
+        idle = _idle(cold, mnt)
+        assert idle["cache_touched"] == 0, idle["cache_touched"]
+        drop_caches()
+        name = sorted((cold.src / "small").iterdir())[0].name
+        assert _read(mnt / name) == (cold.src / "small" / name).read_bytes()
+        _idle(cold, mnt)
+        time.sleep(1.5)  # the prefault thread's work, if any is left, lands
+        after = mount_stats_from_now(cold.node.home, mnt)
+        slab = (4 << 20) + 8192  # a 4 MiB window and O_DIRECT's page of slack each side (cache.py)
+        # The small files' dataset is a chunk or two: their windows, and a few slabs past them.
+        windows = -(-sum(p.stat().st_size for p in (cold.src / "small").iterdir()) // (4 << 20)) + 1
+        assert 0 < after["cache_touched"] <= (windows + 4) * slab, (after["cache_touched"], slab, windows)
+    finally:
+        cold.node.umount(mnt)
+
+
+@pytest.mark.timeout(120)
 def test_a_corrupt_record_fails_exactly_its_bytes(tmp_path: Path) -> None:
     """One replica, one flipped byte in the second record of a 12 MiB file: a read of that record is
     EIO (after every source was tried), and every byte before and after it reads right."""

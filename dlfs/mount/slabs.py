@@ -73,6 +73,7 @@ class Slabs:
         # Fresh slabs are taken in ascending order (the free stack's bottom); those below `fresh` have
         # been faulted in, by prefault_worker or by use.
         self.fresh, self._taken_high = 0, -1
+        self._populated = 0  # slabs below this were faulted in by prefault_worker
         self._want_fresh = trio.Event()
         self._packing, self._pack_at = NO_SLAB, 0  # the slab parts are taken from now, and its next free byte
         self._parts: dict[int, int] = {}  # packed slab -> parts of it not yet dropped
@@ -81,6 +82,12 @@ class Slabs:
         """Slab `slab`, or `nbytes` of it from `at` (a part)."""
         start = slab * self.slab_size + at
         return self.mem[start : start + (nbytes or self.slab_size - at)]
+
+    @property
+    def touched(self) -> int:
+        """Bytes of the arena faulted in so far (taken, or faulted in ahead of use): the fresh memory the
+        cache has cost, whatever is free again since."""
+        return max(self._populated, self._taken_high + 1) * self.slab_size
 
     def has_free(self) -> bool:
         if not self._free and self._retired:
@@ -189,7 +196,7 @@ class Slabs:
             # A slab of the range may be taken and filled while this runs: populate writes no byte.
             await trio.to_thread.run_sync(native.populate, self.arena, start * self.slab_size,
                                           (target - start) * self.slab_size)
-            self.fresh = target
+            self.fresh = self._populated = target
 
     def close(self) -> None:
         """Let go of the file (the mapping goes with the last reference to it)."""

@@ -92,7 +92,7 @@ class MountStats:
             "cache_hits": c.hits + native_reads - blocks - eng.get("remote_reads", 0) - cached,
             "cache_misses": c.misses + blocks + eng.get("remote_reads", 0) + cached, "cache_evictions": c.held.evictions,
             "cache_bytes": c.stats()["cached_bytes"], "cache_capacity": c.capacity,
-            "cache_given_back": c.slabs.given_back, "cache_huge_pages": c.slabs.huge,
+            "cache_given_back": c.slabs.given_back, "cache_touched": c.slabs.touched, "cache_huge_pages": c.slabs.huge,
             "fetches": c.fetcher.fetches + blocks + remote + cached,
             "fetched_bytes": c.fetcher.fetched_bytes + block_bytes + remote_bytes + cached_bytes,
             # read in place from this machine's chunk files (short-circuit), not through a daemon: all of
