@@ -175,7 +175,9 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
     t.add_row("cache hit rate", _pct(r.hit_rate), _pct(cur["cache_hits"] / looked if looked else None))
     t.add_row("cache hits / misses", f"{r.hits:,} / {r.misses:,}", f"{cur['cache_hits']:,} / {cur['cache_misses']:,}")
     t.add_row("cache evictions", f"{r.evictions:,}", f"{cur['cache_evictions']:,}")
-    t.add_row("cache held", "", f"{human_bytes(cur['cache_bytes'])} of {human_bytes(cur['cache_capacity'])}")
+    touched = cur.get("cache_touched")  # (a mount of an older dlfs does not say)
+    t.add_row("cache held", "", f"{human_bytes(cur['cache_bytes'])} of {human_bytes(cur['cache_capacity'])}"
+              + (f"; {human_bytes(touched)} of memory faulted in so far" if touched is not None else ""))
     t.add_row("fetched", _mbs(r.fetched_bytes), f"{human_bytes(cur['fetched_bytes'])} in {cur['fetches']:,} fetches, "
               f"{human_bytes(cur.get('in_place_bytes', 0))} read in place")
     dc = cur.get("disk_cache")

@@ -256,6 +256,7 @@ def test_a_mount_says_how_much_cache_memory_it_faulted_in(cold: Cold, tmp_path: 
         # The small files' dataset is a chunk or two: their windows, and a few slabs past them.
         windows = -(-sum(p.stat().st_size for p in (cold.src / "small").iterdir()) // (4 << 20)) + 1
         assert 0 < after["cache_touched"] <= (windows + 4) * slab, (after["cache_touched"], slab, windows)
+        assert "of memory faulted in so far" in cold.node.run("stats", mnt).stdout  # `dlfs stats` says it too
     finally:
         cold.node.umount(mnt)
 
