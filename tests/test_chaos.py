@@ -158,6 +158,21 @@ def test_an_ingest_with_a_frozen_data_node_places_its_chunks_past_it_within_one_
             assert (m / rel).read_bytes() == data, rel
 
 
+def _with_n2_frozen(cluster: Cluster, tmp_path: Path, name: str, seed: int,
+                    *command: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Ingest 12 files as `name` on n1, then run `command` on n1 while n2 is frozen (SIGSTOP): its result
+    and how long it took."""
+    make_files(tmp_path / "src", 12, seed=seed)
+    cluster.cli("ingest", tmp_path / "src", "--name", name, "--chunk-size", CHUNK_SIZE, node="n1")
+    cluster.signal("n2", signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = cluster.run(*command, node="n1", timeout=200)
+        return out, time.monotonic() - t0
+    finally:
+        cluster.signal("n2", signal.SIGCONT)
+
+
 @pytest.mark.timeout(240)
 def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
         lab: tuple[Cluster, dict[str, bytes]], tmp_path: Path) -> None:
@@ -169,15 +184,7 @@ def test_rm_with_a_frozen_data_node_removes_and_says_what_it_left(
     from dlfs.client.cluster import SILENT_AFTER
 
     cluster, _ = lab
-    make_files(tmp_path / "src", 12, seed=31)
-    cluster.cli("ingest", tmp_path / "src", "--name", "doomed", "--chunk-size", CHUNK_SIZE, node="n1")
-    cluster.signal("n2", signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        rm = cluster.run("rm", "doomed", node="n1", timeout=200)
-        took = time.monotonic() - t0
-    finally:
-        cluster.signal("n2", signal.SIGCONT)
+    rm, took = _with_n2_frozen(cluster, tmp_path, "doomed", 31, "rm", "doomed")
     assert rm.returncode == 0 and rm.stdout.startswith("removed doomed (version 1); freed "), rm
     assert "not all of its chunks are freed yet: data node n2 unreachable" in rm.stderr, rm
     assert took < SILENT_AFTER + 15, took  # a PING's bound: a frozen node waited the sweep's (30 s) before
@@ -194,15 +201,7 @@ def test_verify_with_a_frozen_node_waits_for_it_once(lab: tuple[Cluster, dict[st
     from dlfs.client.cluster import SILENT_AFTER
 
     cluster, _ = lab
-    make_files(tmp_path / "src", 12, seed=37)
-    cluster.cli("ingest", tmp_path / "src", "--name", "checked", "--chunk-size", CHUNK_SIZE, node="n1")
-    cluster.signal("n2", signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        verify = cluster.run("verify", "checked", node="n1", timeout=120)
-        took = time.monotonic() - t0
-    finally:
-        cluster.signal("n2", signal.SIGCONT)
+    verify, took = _with_n2_frozen(cluster, tmp_path, "checked", 37, "verify", "checked")
     silent = f"no answer within {SILENT_AFTER:g} s: stopped, overloaded or cut off"
     assert f"metadata daemon n2 did not check its index files: {silent}" in verify.stdout, verify
     assert f"node n2 is unreachable ({silent})" in verify.stdout, verify
