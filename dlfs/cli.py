@@ -43,6 +43,7 @@ from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 if TYPE_CHECKING:
     from dlfs.ingest.source import Source
     from dlfs.ingest.walk import Selection
+    from dlfs.mount.records import StartLock
 
 log = logging.getLogger("dlfs")
 MOUNT_EXIT_WAIT = 30.0  # seconds a mount process that failed to start has to exit
@@ -745,19 +746,30 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
-    from dlfs.cgroup import memory_limit
-    from dlfs.mount.cache import auto_cache_size
-    from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME, MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
-    from dlfs.mount.records import start_lock
+    from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME, parse_dataset_ref
+    from dlfs.mount.records import StartLock
     from dlfs.procs import set_title
-    from dlfs.sdnotify import notify
 
     home = home_dir(args.home)
     mountpoint = Path(args.mountpoint).absolute()
     if args.foreground:  # `ps` names the mount from the start (its version once it is known)
         set_title(f"dlfs mount {args.dataset} {mountpoint}", MOUNT_PROCESS_NAME)
+    parse_dataset_ref(args.dataset)
+    starting = StartLock(home, mountpoint)  # held until the mount is in place, or it failed
+    try:
+        return _mount(args, home, mountpoint, starting)
+    finally:
+        starting.done()  # (nothing, in a process that handed it to the forked mount)
+
+
+def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: StartLock) -> int:
+    from dlfs.cgroup import memory_limit
+    from dlfs.mount.cache import auto_cache_size
+    from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME, MountOptions, check_mountpoint, parse_dataset_ref, serve_mount
+    from dlfs.procs import set_title
+    from dlfs.sdnotify import notify
+
     name, version = parse_dataset_ref(args.dataset)
-    starting = [start_lock(home, mountpoint)]  # closed once the mount is in place, or by this process's end
     check_mountpoint(mountpoint, args.nonempty, home)
     limit = memory_limit()
     cache_size = auto_cache_size(limit) if args.cache_size == "auto" else parse_size(args.cache_size)
@@ -786,8 +798,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
-        while starting:  # mounted: another `dlfs mount` here may look (and find this one)
-            os.close(starting.pop())
+        starting.done()  # mounted: another `dlfs mount` here may look (and find this one)
         if ready_fd is not None:
             os.write(ready_fd, b"ok " + message.encode() + b"\n")
             os.close(ready_fd)
@@ -824,7 +835,7 @@ def _cache_dir_options(args: argparse.Namespace) -> tuple[Path | None, int | Non
     return check_cache_dir(Path(args.cache_dir).absolute()), size
 
 
-def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path, starting: list[int]) -> int | None:
+def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path, starting: StartLock) -> int | None:
     """Serve the mount detached, and return 0 once it reports the mount ready (or raise its error). In a
     process with one thread this one forks: the child gets None back and serves in the foreground, its
     output in the mount's log, with what this process imported and checked already (no second start
@@ -851,11 +862,9 @@ def _mount_background(args: argparse.Namespace, home: Path, mountpoint: Path, st
             args.foreground, args.ready_fd, args.log_file = True, wfd, str(log_path)
             return None
         wait: Callable[[], int] = partial(_reap, pid)
-        while starting:
-            os.close(starting.pop())
+        starting.close()  # the child holds it
     else:
-        while starting:  # the command takes it, and checks the mountpoint again
-            os.close(starting.pop())
+        starting.close()  # the command takes it anew, and checks the mountpoint again
         # The command as the user gave it (same environment, same working directory: relative paths mean
         # the same), served in the foreground: no option is rebuilt here, so none can be lost on the way.
         cmd = [sys.executable, "-m", "dlfs", *args.argv, "--foreground", "--ready-fd", str(wfd), "--log-file",

@@ -224,6 +224,23 @@ def test_two_mounts_of_one_mountpoint_at_once_take_turns(node: Node, tmp_path: P
             f"dlfs: error: {mnt} is already a mount point of ds@2, process {pid} (unmount it first)"], lost
         assert sorted(os.listdir(mnt)) == ["sub", "top.bin", "two.txt"]
         node.umount(mnt)
+    # The lock on the start leaves nothing behind (a file per mountpoint ever used would pile up).
+    assert [p.name for p in (node.home / "run" / "mounts").iterdir() if p.suffix == ".starting"] == []
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_a_mountpoint_deeper_than_a_file_name_mounts(node: Node, tmp_path: Path) -> None:
+    """A mountpoint whose path is longer than a file name may be (255 bytes): its record, stats and log
+    are named for a hash of it and its tail. The record's name was the whole path: `File name too long`."""
+    two_versions(node, tmp_path)
+    mnt = tmp_path.joinpath(*["d" * 60] * 5)
+    assert len(os.fsencode(mnt)) > 300
+    node.mount("ds", mnt)
+    assert sorted(os.listdir(mnt)) == ["sub", "top.bin", "two.txt"]
+    assert str(mnt) in mounts_json(node) and str(mnt) in node.run("stats", mnt).stdout.replace("\n", "")
+    node.umount(mnt)
+    assert mounts_json(node) == {}
 
 
 @needs_fuse

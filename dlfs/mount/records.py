@@ -25,7 +25,7 @@ from dlfs.procs import running, start_ticks, stopped
 from dlfs.units import iso_time
 
 LIVE, DETACHED, DEAD = "live", "detached", "dead"
-LOG_NAME_MAX = 200  # bytes of a log file's name before its suffix (NAME_MAX is 255)
+STEM_MAX = 200  # bytes of a name made from a mountpoint (a log, a record), before its suffix (NAME_MAX is 255)
 START_WAIT = 120.0  # seconds a `dlfs mount` waits for another one that is starting at its mountpoint
 
 
@@ -68,41 +68,73 @@ class MountState:
         return out
 
 
+def _fitted(prefix: str, where: str) -> str:
+    """prefix + where as a file name's stem, within STEM_MAX bytes: for a deep mountpoint, a hash of
+    the whole `where` (unique) and as much of its tail as fits (readable)."""
+    name = prefix + where
+    if len(os.fsencode(name)) <= STEM_MAX:
+        return name
+    prefix += hashlib.sha256(os.fsencode(where)).hexdigest()[:12] + "-"
+    tail = where[-(STEM_MAX // 2):]
+    while len(os.fsencode(prefix + tail)) > STEM_MAX:  # many-byte characters
+        tail = tail[1:]
+    return prefix + tail
+
+
 def mount_record(home: Path, mountpoint: Path) -> Path:
     key = os.path.abspath(mountpoint).replace("/", "%")  # never resolve(): it would stat the mount itself
-    return home / "run" / "mounts" / f"{key}.json"
+    return home / "run" / "mounts" / f"{_fitted('', key)}.json"
 
 
-def start_lock(home: Path, mountpoint: Path, wait: float = START_WAIT) -> int:
-    """Hold the start of a mount at `mountpoint` from `home` to itself: an open descriptor holding an
-    exclusive lock, released once every process sharing it closes it (the mount process does once its
-    mount is in place). Two `dlfs mount`s of one mountpoint at once take turns, so that the second finds
-    the first's mount and says so, rather than fail halfway through its own start."""
-    path = mount_record(home, mountpoint).with_suffix(".starting")  # kept: a lock file unlinked races
-    private_dirs(path.parent)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise MountError(f"another `dlfs mount` at {mountpoint} has been starting for {wait:.0f} s: wait "
-                                 "for it (`dlfs mounts` lists it once it is up), or mount elsewhere") from None
-            time.sleep(0.05)
+class StartLock:
+    """The start of a mount at one mountpoint from one home, held by one `dlfs mount` at a time: two at
+    once take turns, so that the second finds the first's mount and says so, rather than fail halfway
+    through its own start. An exclusive flock on a file beside the mount's record; its holder removes
+    the file when it is done (`done`), under the lock, so that files do not pile up, one per mountpoint
+    ever used (a waiter that then finds its file gone or replaced opens the new one)."""
+
+    def __init__(self, home: Path, mountpoint: Path, wait: float = START_WAIT) -> None:
+        self.path = mount_record(home, mountpoint).with_suffix(".starting")
+        private_dirs(self.path.parent)
+        deadline = time.monotonic() + wait
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        os.close(fd)
+                        raise MountError(f"another `dlfs mount` at {mountpoint} has been starting for {wait:.0f} s: "
+                                         "wait for it (`dlfs mounts` lists it once it is up), or mount elsewhere") from None
+                    time.sleep(0.05)
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    self.fd: int | None = fd
+                    return
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its holder mounted and removed it: the next start's file is a new one
+
+    def close(self) -> None:
+        """Let go of this process's hold (another process sharing the descriptor, a forked mount, keeps it)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def done(self) -> None:
+        """Mounted (the next `dlfs mount` here may look, and finds this mount), or failed to."""
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            self.close()
 
 
 def mount_log(home: Path, dataset: str, mountpoint: Path) -> Path:
     """Where a mount started in the background logs: one file per mount, named for the dataset as given
     (NAME or NAME@VERSION) and its mountpoint, `/` written `-` (as systemd names mount units)."""
     where = os.path.abspath(mountpoint).strip("/").replace("/", "-") or "root"
-    name = f"mount-{dataset}-{where}"
-    if len(os.fsencode(name)) > LOG_NAME_MAX:  # a deep mountpoint: its tail, and a hash of the whole to stay unique
-        digest = hashlib.sha256(os.fsencode(where)).hexdigest()[:12]
-        name = f"mount-{dataset}-{digest}-{where[-LOG_NAME_MAX // 2:]}"
-    return home / "logs" / f"{name}.log"
+    return home / "logs" / f"{_fitted(f'mount-{dataset}-', where)}.log"
 
 
 def stats_file(home: Path, mountpoint: Path) -> Path:
