@@ -241,6 +241,9 @@ def test_a_mountpoint_deeper_than_a_file_name_mounts(node: Node, tmp_path: Path)
     assert str(mnt) in mounts_json(node) and str(mnt) in node.run("stats", mnt).stdout.replace("\n", "")
     node.umount(mnt)
     assert mounts_json(node) == {}
+    # Unmounting what is not there says which it is (a missing path was "not mounted" too).
+    assert one_line_error(node.run("umount", mnt, check=False)) == f"dlfs: error: {mnt} is not mounted"
+    assert one_line_error(node.run("umount", mnt / "x", check=False)) == f"dlfs: error: {mnt / 'x'} does not exist"
 
 
 @needs_fuse

@@ -448,7 +448,7 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0, lazy: bool = Fa
     found = read_record(record)
     pid = found.pid if found is not None else None
     if not is_mount_point(mountpoint):
-        raise NotFound(f"{mountpoint} is not mounted")
+        raise NotFound(f"{mountpoint} {'is not mounted' if os.path.lexists(mountpoint) else 'does not exist'}")
     seen = probe(mountpoint)
     dead = seen.state == DEAD  # the process serving it is gone: nothing to wait for
     silent = seen.state == SILENT
