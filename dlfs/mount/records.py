@@ -110,7 +110,8 @@ class StartLock:
                                          "wait for it (`dlfs mounts` lists it once it is up), or mount elsewhere") from None
                     time.sleep(0.05)
             try:
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                named, held = os.stat(self.path), os.fstat(fd)
+                if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
                     self.fd: int | None = fd
                     return
             except FileNotFoundError:
