@@ -746,7 +746,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 # --- mount, umount ------------------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
-    from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME, parse_dataset_ref
+    from dlfs.mount.lifecycle import MOUNT_PROCESS_NAME
     from dlfs.mount.records import StartLock
     from dlfs.procs import set_title
 
@@ -754,7 +754,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mountpoint = Path(args.mountpoint).absolute()
     if args.foreground:  # `ps` names the mount from the start (its version once it is known)
         set_title(f"dlfs mount {args.dataset} {mountpoint}", MOUNT_PROCESS_NAME)
-    parse_dataset_ref(args.dataset)
     starting = StartLock(home, mountpoint)  # held until the mount is in place, or it failed
     try:
         return _mount(args, home, mountpoint, starting)
