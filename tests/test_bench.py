@@ -167,6 +167,22 @@ def test_bigfile_targets_are_issue_12s_and_21s() -> None:
 @pytest.mark.drops_caches
 @needs_bench
 @pytest.mark.timeout(180)
+def test_the_cold_section_runs_with_one_file(tmp_path: Path) -> None:
+    """`--files 1` is allowed, so the cold section runs with it: its disk-cache row asked `dlfs warmup` for a
+    cache of twice the small files' bytes in whole MiB, `--cache-dir-size 0M`, which warmup refuses."""
+    report = tmp_path / "out.json"
+    proc = subprocess.run([*DLFS, "bench", "--only", "cold", "--files", "1", "--dir", str(tmp_path / "work"),
+                           "--json", str(report)], env=dlfs_env(tmp_path / "unused-home"),
+                          capture_output=True, text=True, timeout=170, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    cold = json.loads(report.read_text())["cold"]
+    assert cold["dataset"]["small_files"] == 1
+    assert cold["small"][baselines.DlfsMount.VIA_DISK_CACHE[0]]["first"]["files"] == 1, sorted(cold["small"])
+
+
+@pytest.mark.drops_caches
+@needs_bench
+@pytest.mark.timeout(180)
 def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_path: Path) -> None:
     work, report = tmp_path / "work", tmp_path / "out.json"
     proc = subprocess.run([*DLFS, "bench", "--quick", "--files", "300", "--readers", "1", "--scale", "2000,5000",

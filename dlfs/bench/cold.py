@@ -166,7 +166,7 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
                     # Bounded by size, not by the file system's free share: a shared machine's free space
                     # must not decide whether this row measures a disk cache at all.
                     node.cli("warmup", DATASETS["small"], "--cache-dir", str(disk_cache), "--no-short-circuit",
-                             "--cache-dir-size", f"{2 * small_bytes >> 20}M", timeout=600)
+                             "--cache-dir-size", f"{max(2 * small_bytes, MIN_CACHE) >> 20}M", timeout=600)
                 say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
                 out["small"][s.name] = two_cold_epochs(s, smalls, 2)
         finally:
