@@ -21,6 +21,15 @@ HOLDER_SCAN_BUDGET = 3.0  # seconds: /proc of a machine with many processes and 
 COMMAND_SHOWN = 80  # characters of a holder's command line in a message
 
 
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name (its state first); [] where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def running(pid: int) -> bool:
     """Whether a process is alive; an exited one that its parent (often init) has not reaped yet is not."""
     if pid <= 0:
@@ -31,11 +40,8 @@ def running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+    fields = _stat_fields(pid)
+    return not fields or fields[0] != b"Z"
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters (glibc's malloc.h)
@@ -102,19 +108,14 @@ def set_title(title: str, name: str) -> None:
 def start_ticks(pid: int) -> int | None:
     """When the process started (clock ticks after boot): with its pid, it names one process for good."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(_stat_fields(pid)[19])
+    except (IndexError, ValueError):
         return None
 
 
 def stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP, a suspended job, a tracer): it runs nothing until continued."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
+    return _stat_fields(pid)[:1] in ([b"T"], [b"t"])
 
 
 def command_line(pid: int) -> str:

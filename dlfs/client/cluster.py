@@ -356,7 +356,7 @@ class ClusterClient:
             raise answer
         if answer is not None:
             return answer
-        raise _none_answered(failed) if failed else last or Unreachable("no metadata daemon in the cluster")
+        raise _none_answered(failed)  # (every daemon asked failed: it is in `failed`)
 
     def replicas(self, cid: bytes) -> list[NodeSpec]:
         """Where to read a chunk, in order: its R placed nodes (this machine's first), then the rest

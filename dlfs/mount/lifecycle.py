@@ -43,6 +43,7 @@ from dlfs.mount.records import (
     DETACHED,
     LIVE,
     MountRecord,
+    drop_record,
     forget_record,
     judge,
     local_mounts,
@@ -51,7 +52,7 @@ from dlfs.mount.records import (
     write_record,
 )
 from dlfs.mount.remotereads import ROUTE_WORK_MAX, IndexChunkIds, RemoteReads
-from dlfs.mount.statsfile import SAMPLE_NOW, MountStats, stats_file
+from dlfs.mount.statsfile import SAMPLE_NOW, MountStats
 from dlfs.native import engine_stats, native, start_engine
 from dlfs.private import tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
@@ -444,8 +445,7 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0, lazy: bool = Fa
     once (fusermount3 -u -z): the processes then still using it are returned, and its process, serving
     them, ends when the last closes its files (not waited for)."""
     mountpoint = mountpoint.absolute()
-    record = mount_record(home, mountpoint)
-    found = read_record(record)
+    found = read_record(mount_record(home, mountpoint))
     pid = found.pid if found is not None else None
     if not is_mount_point(mountpoint):
         raise NotFound(f"{mountpoint} {'is not mounted' if os.path.lexists(mountpoint) else 'does not exist'}")
@@ -466,16 +466,14 @@ def unmount(home: Path, mountpoint: Path, timeout: float = 15.0, lazy: bool = Fa
     forget(mountpoint)
     if dead:
         log.info("cleared the dead mount at %s (its process %s was gone)", mountpoint, pid or "?")
-        record.unlink(missing_ok=True)
-        stats_file(home, mountpoint).unlink(missing_ok=True)
+        drop_record(home, mountpoint)
         return Unmounted([])
     if silent:  # stopped or stuck: it ends once it runs again, not within any wait here
         log.info("detached %s without its mount process %s, which does not answer (%s)", mountpoint, pid or "?",
                  seen.describe())
         # The mountpoint is free for a mount that answers; the silent process, once it runs, serves what
         # still holds its files and ends (its record, by then another's, is not its to remove).
-        record.unlink(missing_ok=True)
-        stats_file(home, mountpoint).unlink(missing_ok=True)
+        drop_record(home, mountpoint)
         return Unmounted(users, seen.describe())
     if users:
         log.info("detached %s lazily; process %s ends when %d processes using it close their files", mountpoint,

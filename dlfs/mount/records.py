@@ -143,6 +143,12 @@ def stats_file(home: Path, mountpoint: Path) -> Path:
     return mount_record(home, mountpoint).with_suffix(".stats")
 
 
+def drop_record(home: Path, mountpoint: Path) -> None:
+    """Remove the record of the mount at `mountpoint`, and its stats: its process is gone or let go of."""
+    mount_record(home, mountpoint).unlink(missing_ok=True)
+    stats_file(home, mountpoint).unlink(missing_ok=True)
+
+
 def write_record(home: Path, record: MountRecord) -> Path:
     """Write (replace whole) the record of this process's mount; returns its path."""
     path = mount_record(home, Path(record.mountpoint))
