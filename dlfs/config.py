@@ -41,7 +41,7 @@ from pathlib import Path
 
 from dlfs import clusterfile
 from dlfs.clusterfile import DATA_PORT, META_PORT  # noqa: F401 (where a node listens by default)
-from dlfs.errors import Unreachable, UsageError
+from dlfs.errors import NoNode, UsageError
 from dlfs.private import private_dirs, write_private
 from dlfs.procs import running
 from dlfs.transport.base import Address
@@ -174,11 +174,11 @@ def load_cluster(cluster_file: str | None, home: Path) -> Cluster:
     try:
         info = json.loads(path.read_text())
     except FileNotFoundError:
-        raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)") from None
+        raise NoNode(f"no dlfs node is running under {home}", "start one with `dlfs node`") from None
     except (OSError, ValueError) as exc:
-        raise Unreachable(f"cannot read {path}: {exc} (restart the node with `dlfs node`)") from None
+        raise NoNode(f"cannot read {path}: {exc}", "restart the node with `dlfs node`") from None
     if not running(int(info.get("pid", 0))):
-        raise Unreachable(f"no dlfs node is running under {home} (start one with `dlfs node`)")
+        raise NoNode(f"no dlfs node is running under {home}", "start one with `dlfs node`")
     spec = NodeSpec(info["name"], Address.parse(info["meta"]), Address.parse(info["data"]))
     return Cluster([spec], ensure_home_key(home), 1, str(path), local=spec.name, key_file=str(key_path(home)))
 

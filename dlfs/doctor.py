@@ -27,7 +27,7 @@ import trio
 
 from dlfs.cgroup import MemoryLimit, memory_limit
 from dlfs.config import Cluster, NodeSpec, load_cluster, parse_cluster_file
-from dlfs.errors import AuthError, DlfsError, KeyExposed, ProtocolError, TransportUnavailable, Unreachable
+from dlfs.errors import AuthError, DlfsError, KeyExposed, NoNode, ProtocolError, TransportUnavailable, Unreachable
 from dlfs.units import counted, human_bytes, human_mib
 from dlfs.wire.auth import key_exposure
 
@@ -263,8 +263,8 @@ def load_for_doctor(cluster_file: str | None, home: Path) -> tuple[Cluster | Non
         else:
             cluster = load_cluster(None, home)
             rows.append(Check("cluster file", INFO, f"none: the local node under {home}"))
-    except Unreachable as exc:
-        rows.append(Check("cluster file", FAIL, f"none, and {exc}", "start one with `dlfs node`, or pass --cluster FILE"))
+    except NoNode as exc:
+        rows.append(Check("cluster file", FAIL, f"none, and {exc.problem}", f"{exc.fix}, or pass --cluster FILE"))
         key = home / "cluster.key"
         if key.exists():
             rows.append(check_key(str(key)))

@@ -46,6 +46,15 @@ class Unreachable(DlfsError):
     errno = errno.EIO
 
 
+class NoNode(Unreachable):
+    """No cluster file, and no local node running (or its runtime file unreadable): `problem` is what is
+    wrong, `fix` what to do, the message both (doctor shows them in two columns)."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem} ({fix})")
+        self.problem, self.fix = problem, fix
+
+
 class NotFound(DlfsError):
     """A dataset, version, chunk or path does not exist."""
 

@@ -142,6 +142,7 @@ def test_doctor_without_a_node_or_cluster_file(tmp_path: Path) -> None:
     assert rows["cluster file"]["status"] == "FAIL"
     assert f"no dlfs node is running under {home}" in rows["cluster file"]["detail"]
     assert "dlfs node" in rows["cluster file"]["fix"]
+    assert "`dlfs node`" not in rows["cluster file"]["detail"]  # said once, as the fix
     # Judged by the nearest existing parent (home does not exist yet), as that disk stands now: the test
     # once expected "pass" outright, which a test machine's nearly full disk turned into "warn".
     usage = shutil.disk_usage(tmp_path)
