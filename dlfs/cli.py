@@ -177,6 +177,13 @@ class _ProgressBar:
     def _items(self) -> str:
         return f"{self.done}/{self.total} {self.unit}" if self.total is not None else f"{self.done} {self.unit}"
 
+    def note(self, text: str) -> None:
+        """A line for the user on stderr, above the bar where there is one."""
+        if self.plain:
+            print(f"dlfs: {text}", file=sys.stderr, flush=True)
+        else:
+            self.bar.console.print(f"dlfs: {text}", markup=False, highlight=False)
+
     def advance(self, items: int, nbytes: int) -> None:
         """`items` more done, and `nbytes` more of their bytes (a big item moves the bar as it goes)."""
         self.done += items
@@ -929,7 +936,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             report = await warmup(client, home, name, version, args.paths, disk, readahead, rate, tell,
-                                  args.short_circuit)
+                                  args.short_circuit, progress.note)
             nursery.cancel_scope.cancel()
         return report
 

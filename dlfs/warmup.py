@@ -10,7 +10,9 @@ mount's misses find them whole. Where they go:
 - every other chunk: fetched from its replicas, checked record by record (xxh3) and written to the
   disk cache (dlfs/mount/diskcache.py), which mounts of the node share while this runs.
 Bounded: --rate is a token bucket over the bytes it reads or fetches; windows already in the disk
-cache are passed over.
+cache are passed over. Two warmups of one version into one disk cache take turns (dlfs/turns.py): the
+second waits while the first makes progress, then passes over what it fetched (at once, both fetched
+everything), and goes on beside a first that fetched nothing for WAIT_STALL.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dlfs.format.index import ROOT_INO, Extent, Index
 from dlfs.mount.diskcache import DiskCache
 from dlfs.mount.localchunks import THREAD_BYTES, open_local_chunks
 from dlfs.mount.planner import chunk_windows, window_size
+from dlfs.turns import Turn, holder
 from dlfs.units import parse_size
 from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
@@ -44,6 +47,7 @@ WORKERS = 8  # windows in flight at once: enough to fill a link of a few Gbit/s 
 FETCH_TIMEOUT = 30.0
 READ_PIECE = 4 << 20  # page-cache warming reads a local chunk file this much at a time
 BURST_SECONDS = 0.25  # the token bucket holds this much of the rate: short bursts, a steady average
+WAIT_STALL = 2 * FETCH_TIMEOUT  # seconds a warmup waits on another of its version that finishes no window
 
 
 def parse_rate(text: str) -> int:
@@ -190,13 +194,35 @@ def _read_local(path: Path, offset: int, length: int) -> int:
         os.close(fd)
 
 
+async def _turn(disk: DiskCache, label: str, note: Callable[[str], None]) -> Turn | None:
+    """This process's turn at warming `label` into `disk`, once no other warmup of it there holds it
+    (said in a line); None, having said so, where the one that does has finished no window for WAIT_STALL."""
+    path = disk.root / "warmups" / f"{label}.lock"
+    said = False
+    while (turn := Turn.take(path)) is None:
+        pid, since = holder(path)
+        if not said:
+            who = f" (process {pid})" if pid else ""
+            note(f"waiting for another dlfs warmup of {label} into {disk.root}{who}: what it fetches is not "
+                 "fetched twice")
+            said = True
+        if since is not None and since > WAIT_STALL:
+            note(f"the other dlfs warmup of {label} into {disk.root} has finished no window for {since:.0f} s "
+                 "(stopped or stuck?): going on beside it")
+            return None
+        await trio.sleep(0.2)
+    return turn
+
+
 async def warmup(client: ClusterClient, home: Path, name: str, version: int | None, paths: Sequence[str],
                  disk: DiskCache | None, readahead: int, rate: int | None,
-                 progress: Callable[[str, int, int], None], short_circuit: bool = True) -> WarmupReport:
+                 progress: Callable[[str, int, int], None], short_circuit: bool = True,
+                 note: Callable[[str], None] = log.warning) -> WarmupReport:
     """Warm `name@version` (the files under `paths`; all if none): this machine's chunks into the page
     cache (unless not `short_circuit`, as the mount's option), the rest into `disk` (skipped without
     one). `progress(event, files, bytes)` is told
-    ("start", total files, total bytes) once, then ("done", files, bytes) as windows finish."""
+    ("start", total files, total bytes) once, then ("done", files, bytes) as windows finish; `note`, a
+    line for the user (a wait for another warmup)."""
     from dlfs.client.indexes import fetch_index  # the mount's index cache, shared with it
 
     meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": name, "version": version})
@@ -213,6 +239,7 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
         if disk is None and local is None:
             raise UsageError(f"{label}: this machine holds no chunks and no --cache-dir was given (nor has a "
                              "mount here one): there is nowhere to warm it")
+        turn = await _turn(disk, label, note) if disk is not None else None
         progress("start", report.files, report.bytes)
         bucket = TokenBucket(rate)
         t0 = time.monotonic()
@@ -254,14 +281,20 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
                 else:
                     await bucket.take(w.length)
                     await fetch(w, cid)
+                if turn is not None:
+                    turn.touch()
                 progress("done", w.files, w.length)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(WORKERS):
-                nursery.start_soon(worker, name=f"dlfs-warmup-{i}")
-            async with send:  # closing it ends the workers' loops
-                for w in windows:
-                    await send.send(w)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(WORKERS):
+                    nursery.start_soon(worker, name=f"dlfs-warmup-{i}")
+                async with send:  # closing it ends the workers' loops
+                    for w in windows:
+                        await send.send(w)
+        finally:
+            if turn is not None:
+                turn.done()  # every window stored (store() returns once it is), or this warmup failed
         report.seconds = time.monotonic() - t0
         return report
     finally:

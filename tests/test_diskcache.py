@@ -568,6 +568,68 @@ def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str
     assert "of this node's chunks into the page cache" in local and "fetched" not in local, local
 
 
+def test_two_warmups_at_once_fetch_once(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    """Two warmups of one version into one disk cache at once (two jobs' prologs on a node): the second
+    waits for the first, then finds everything there. Both fetched everything before."""
+    from conftest import DLFS, dlfs_env
+
+    node, files, base = dataset
+    total = sum(len(b) for b in files.values())
+    cache_dir = base / "cache-twice"
+    args = [*DLFS, "warmup", "imgs", "--no-short-circuit", "--cache-dir", str(cache_dir), "--cache-dir-size", "1G"]
+    first = subprocess.Popen([*args, "--rate", "12MB/s"], env=dlfs_env(node.home), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        lock = cache_dir / "warmups" / "imgs@1.lock"
+        deadline = time.monotonic() + 30
+        while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.02)
+        second = node.run(*args[len(DLFS):])
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err
+    assert f"waiting for another dlfs warmup of imgs@1 into {cache_dir} (process {first.pid})" in second.stderr, \
+        second.stderr
+    assert "fetched 0 B" in second.stdout and "already there" in second.stdout, second.stdout
+    assert f"warmed imgs@1: {len(files)} files" in out and consistent_held(cache_dir) >= total, out
+    assert not lock.exists()  # removed by its last holder
+
+
+def test_a_warmup_goes_on_beside_one_that_stalled(tmp_path: Path) -> None:
+    """A warmup whose turn's holder has finished nothing for WAIT_STALL (frozen) goes on beside it, saying so."""
+    from dlfs.warmup import WAIT_STALL, _turn
+
+    disk = DiskCache(tmp_path / "cache")
+    lock = tmp_path / "cache" / "warmups" / "imgs@1.lock"
+    lock.parent.mkdir()
+    lock.write_text("4242\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); time.sleep(60)", str(lock)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "1\n"
+        said: list[str] = []
+        old = time.time() - WAIT_STALL - 5
+        os.utime(lock, (old, old))
+        assert trio.run(_turn, disk, "imgs@1", said.append) is None
+        assert said[0].startswith("waiting for another dlfs warmup of imgs@1") and "(process 4242)" in said[0]
+        assert "has finished no window for" in said[1] and "going on beside it" in said[1], said
+        holder.kill()
+        holder.wait()
+        turn = trio.run(_turn, disk, "imgs@1", said.append)  # its holder gone: this one's turn at once
+        assert turn is not None and lock.read_text() == f"{os.getpid()}\n" and len(said) == 2
+        turn.done()
+        assert not lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        disk.close()
+
+
 @needs_fuse
 def test_warmup_of_paths_beside_a_running_mount(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
     node, files, base = dataset

@@ -8,7 +8,6 @@ record is private JSON (0600), one file per mountpoint, replaced whole.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import time
@@ -22,6 +21,7 @@ from dlfs.errors import MountError
 from dlfs.private import private_dirs, write_private
 from dlfs.procmounts import mount_points
 from dlfs.procs import running, start_ticks, stopped
+from dlfs.turns import Turn
 from dlfs.units import iso_time
 
 LIVE, DETACHED, DEAD = "live", "detached", "dead"
@@ -89,46 +89,26 @@ def mount_record(home: Path, mountpoint: Path) -> Path:
 class StartLock:
     """The start of a mount at one mountpoint from one home, held by one `dlfs mount` at a time: two at
     once take turns, so that the second finds the first's mount and says so, rather than fail halfway
-    through its own start. An exclusive flock on a file beside the mount's record; its holder removes
-    the file when it is done (`done`), under the lock, so that files do not pile up, one per mountpoint
-    ever used (a waiter that then finds its file gone or replaced opens the new one)."""
+    through its own start. A turn (dlfs/turns.py) on a file beside the mount's record, held until the
+    mount is in place or has failed (`done`)."""
 
     def __init__(self, home: Path, mountpoint: Path, wait: float = START_WAIT) -> None:
-        self.path = mount_record(home, mountpoint).with_suffix(".starting")
-        private_dirs(self.path.parent)
+        path = mount_record(home, mountpoint).with_suffix(".starting")
         deadline = time.monotonic() + wait
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        os.close(fd)
-                        raise MountError(f"another `dlfs mount` at {mountpoint} has been starting for {wait:.0f} s: "
-                                         "wait for it (`dlfs mounts` lists it once it is up), or mount elsewhere") from None
-                    time.sleep(0.05)
-            try:
-                named, held = os.stat(self.path), os.fstat(fd)
-                if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
-                    self.fd: int | None = fd
-                    return
-            except FileNotFoundError:
-                pass
-            os.close(fd)  # its holder mounted and removed it: the next start's file is a new one
+        while (turn := Turn.take(path)) is None:
+            if time.monotonic() >= deadline:
+                raise MountError(f"another `dlfs mount` at {mountpoint} has been starting for {wait:.0f} s: "
+                                 "wait for it (`dlfs mounts` lists it once it is up), or mount elsewhere")
+            time.sleep(0.05)
+        self.turn = turn
 
     def close(self) -> None:
         """Let go of this process's hold (another process sharing the descriptor, a forked mount, keeps it)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self.turn.close()
 
     def done(self) -> None:
         """Mounted (the next `dlfs mount` here may look, and finds this mount), or failed to."""
-        if self.fd is not None:
-            self.path.unlink(missing_ok=True)
-            self.close()
+        self.turn.done()
 
 
 def mount_log(home: Path, dataset: str, mountpoint: Path) -> Path:
