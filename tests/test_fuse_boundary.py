@@ -35,7 +35,7 @@ DIR, REG, LNK = stat.S_IFDIR | 0o755, stat.S_IFREG | 0o644, stat.S_IFLNK | 0o777
 # What each class of dlfs/errors.py answers through FUSE (its `errno`); a new class must say here.
 ERRNO = {
     errors.DlfsError: errno.EIO, errors.UsageError: errno.EINVAL, errors.KeyExposed: errno.EINVAL,
-    errors.Unreachable: errno.EIO, errors.NotFound: errno.ENOENT, errors.CorruptData: errno.EIO,
+    errors.Unreachable: errno.EIO, errors.NoNode: errno.EIO, errors.NotFound: errno.ENOENT, errors.CorruptData: errno.EIO,
     errors.SourceError: errno.EIO, errors.StorageFull: errno.ENOSPC, errors.ProtocolError: errno.EIO,
     errors.AuthError: errno.EACCES, errors.Conflict: errno.EBUSY, errors.OperationPending: errno.EBUSY,
     errors.MountError: errno.EIO, errors.CommandFailed: errno.EIO, errors.TransportUnavailable: errno.EINVAL,
@@ -57,6 +57,8 @@ def _instance(cls: type[DlfsError]) -> DlfsError:
         return cls(message, "/k")  # type: ignore[call-arg]
     if cls is errors.CommandFailed:
         return cls(message, 127)  # type: ignore[call-arg]
+    if cls is errors.NoNode:
+        return cls(message, "start one")  # type: ignore[call-arg]
     if cls is PathClash:
         return cls(message, b"a/b")  # type: ignore[call-arg]
     return cls(message)
@@ -125,11 +127,12 @@ def test_every_error_class_has_its_errno_at_the_boundary(index: Index, caplog: p
     ops = Raising(index, None, LABEL)  # type: ignore[arg-type]
     for n, (cls, want) in enumerate(sorted(ERRNO.items(), key=lambda kv: kv[0].__name__), start=1):
         caplog.clear()
+        exc = _instance(cls)
         with caplog.at_level(logging.ERROR, logger="dlfs.mount.ops"):
-            assert _errno_of(ops.fails, 2, _instance(cls)) == want, cls
+            assert _errno_of(ops.fails, 2, exc) == want, cls
         # Logged once, by inode and dataset, and counted: a failure, unlike a refusal.
         (rec,) = _ours(caplog)
-        assert rec.getMessage() == f"fails of inode 2 (find MOUNTPOINT -inum 2) in {LABEL}: a {cls.__name__}"
+        assert rec.getMessage() == f"fails of inode 2 (find MOUNTPOINT -inum 2) in {LABEL}: {exc}"
         assert rec.exc_info is None and ops.errors == n
 
 
