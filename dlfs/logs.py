@@ -42,7 +42,8 @@ class OneLineFormatter(logging.Formatter):
 
 @dataclass
 class _Kind:
-    start: float  # when its period began (time.time, as a record's `created`)
+    start: float  # when its period began (time.monotonic: a clock stepped back must not stretch it)
+    wall: float  # ... and by the wall clock, to say so
     level: int
     written: int = 0
     held: int = 0  # lines not written this period
@@ -64,16 +65,17 @@ class RepeatLimit(logging.Filter):
         if record.levelno <= logging.DEBUG:
             return True  # asked for (--log-level debug): all of it
         key = (record.name, str(record.msg))
+        now = time.monotonic()
         with self._lock:
-            over = self._over(record.created)
+            over = self._over(now)
             kind = self._kinds.get(key)
             if kind is None:
-                kind = self._kinds[key] = _Kind(record.created, record.levelno)
+                kind = self._kinds[key] = _Kind(now, record.created, record.levelno)
             kind.written += 1
             if kind.written > self.burst:
                 kind.held += 1
                 kind.last = record.getMessage()
-        self._say(over, record.created)
+        self._say(over, now)
         if kind.written == self.burst:
             record.msg = f"{record.msg} (line {self.burst} like it in {self.period:g} s: the rest are counted, not written)"
         return kind.written <= self.burst
@@ -90,7 +92,7 @@ class RepeatLimit(logging.Filter):
             if k.held:
                 logging.getLogger(name).log(k.level, "%d more lines like this were not written in the %.0f s after "
                                             "%s; the last: %s", k.held, min(now - k.start, self.period),
-                                            time.strftime("%H:%M:%S", time.localtime(k.start)), k.last)
+                                            time.strftime("%H:%M:%S", time.localtime(k.wall)), k.last)
 
     def flush(self) -> None:
         """Say what every period held back so far (at exit)."""
@@ -98,7 +100,7 @@ class RepeatLimit(logging.Filter):
             over = [(key, k) for key, k in self._kinds.items() if k.held]
             for key, _ in over:
                 del self._kinds[key]
-        self._say(over, time.time())
+        self._say(over, time.monotonic())
 
 
 def setup_logging(level: str, log_file: str | None = None) -> None:

@@ -11,8 +11,8 @@ mount's misses find them whole. Where they go:
   disk cache (dlfs/mount/diskcache.py), which mounts of the node share while this runs.
 Bounded: --rate is a token bucket over the bytes it reads or fetches; windows already in the disk
 cache are passed over. Two warmups of one version into one disk cache take turns (dlfs/turns.py): the
-second waits while the first makes progress, then passes over what it fetched (at once, both fetched
-everything), and goes on beside a first that fetched nothing for WAIT_STALL.
+second waits while the first makes progress, then passes over what it fetched (side by side, both
+fetched everything), and goes on beside a first that has finished no window for WAIT_STALL.
 """
 
 from __future__ import annotations
