@@ -768,6 +768,26 @@ def cmd_mount(args: argparse.Namespace) -> int:
         starting.done()  # (nothing, in a process that handed it to the forked mount)
 
 
+def _memory_warning(limit: Any, cache_size: int) -> str | None:
+    """What to say where a mount's memory bound does not fit its memory cgroup's limit (None: it fits):
+    the cache's pages cannot be reclaimed, so under load the mount or its readers are killed for memory."""
+    from dlfs.mount.cache import MOUNT_SLACK
+
+    if not limit.limited:
+        return None
+    cache, cap = human_mib(cache_size), human_mib(limit.effective)
+    if cache_size + MOUNT_SLACK > limit.effective:
+        fits = (limit.effective - MOUNT_SLACK) >> 20 << 20  # the biggest cache that would (a few windows at least)
+        smaller = f", or --cache-size {fits >> 20}M at most" if fits >= 16 << 20 else ""
+        return (f"this mount may use {human_mib(cache_size + MOUNT_SLACK)} of memory (its cache, {cache}, and "
+                f"{human_mib(MOUNT_SLACK)} for itself), more than its memory cgroup allows ({cap}, the job's own "
+                f"included): under load it may be killed for memory; give the job more memory{smaller}")
+    if cache_size > limit.effective // 2:
+        return (f"--cache-size {cache} is over half the memory cgroup's limit ({cap}): the cache's pages cannot be "
+                "reclaimed, so the readers may be killed for memory")
+    return None
+
+
 def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: StartLock) -> int:
     from dlfs.cgroup import memory_limit
     from dlfs.mount.cache import auto_cache_size
@@ -779,6 +799,9 @@ def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: Sta
     check_mountpoint(mountpoint, args.nonempty, home)
     limit = memory_limit()
     cache_size = auto_cache_size(limit) if args.cache_size == "auto" else parse_size(args.cache_size)
+    too_big = _memory_warning(limit, cache_size)
+    if too_big:  # here, not in the background process, whose warnings reach only its log
+        print(f"dlfs: warning: {too_big}", file=sys.stderr)
     readahead = parse_size(args.readahead)
     metrics = _metrics_address(args)
     cache_dir, cache_dir_size = _cache_dir_options(args)
@@ -793,9 +816,8 @@ def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: Sta
     give_freed_memory_back()
     how = "auto: a quarter of that" if args.cache_size == "auto" else "--cache-size"
     log.info("memory: %s; cache %s (%s)", limit.describe(), human_bytes(cache_size), how)
-    if limit.limited and cache_size > limit.effective // 2:
-        log.warning("--cache-size %s is over half the memory cgroup's limit (%s): the cache's pages cannot be "
-                    "reclaimed, so the readers may be OOM-killed", human_bytes(cache_size), human_bytes(limit.effective))
+    if too_big:
+        log.warning("%s", too_big)
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
                         args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit,
                         log_file=Path(args.log_file).absolute() if args.log_file else None,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import CLI_TIMEOUT, DLFS, REPO, dlfs_env, force_unmount, mount_pids, needs_fuse, run_dlfs, stop_node
+from conftest import CLI_TIMEOUT, DLFS, REPO, Node, dlfs_env, force_unmount, mount_pids, needs_fuse, run_dlfs, stop_node
 
 from dlfs.bench.memory import PeakMemory
 from dlfs.cgroup import MemoryGroup, memory_limit
@@ -203,3 +203,34 @@ def test_three_cold_epochs_cache_each_byte_once(confined: tuple[MemoryGroup, Pat
             assert cached <= dataset_pages // 100, f"{cached} of {dataset_pages} chunk file pages left in the page cache"
     assert group.oom_kills() == 0
     assert peak.peak_shmem <= cache + (16 << 20), "the mount's slabs are bounded by its cache"
+
+
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_a_mount_says_when_its_bound_does_not_fit_its_group(node: Node, tmp_path: Path) -> None:
+    """The mount's bound (its cache and MOUNT_SLACK) over its group's limit: a warning on the command's
+    stderr, with the cache that would fit (it was in the background mount's log alone, and left the mount's
+    own memory out: a 48 MiB group's mount was OOM-killed at its first epoch without a word)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(os.urandom(10_000))
+    node.ingest(src, "fits")
+    said = {}
+    for limit, extra in ((100, ()), (100, ("--cache-size", "32M")), (300, ("--cache-size", "200M"))):
+        g = _group("dlfs-test-fits", limit << 20)
+        mnt = tmp_path / f"m{limit}{len(extra)}"
+        mnt.mkdir()
+        try:
+            proc = subprocess.run(g.command([*DLFS, "mount", "fits", str(mnt), *extra]), env=node.env, cwd=REPO,
+                                  capture_output=True, text=True, timeout=CLI_TIMEOUT)
+            assert proc.returncode == 0 and (mnt / "a").read_bytes() == (src / "a").read_bytes(), proc.stderr
+            said[(limit, extra)] = proc.stderr
+        finally:
+            node.umount(mnt)
+            g.remove()
+    assert said[(100, ())] == ("dlfs: warning: this mount may use 128 MiB of memory (its cache, 64 MiB, and 64 MiB for "
+                               "itself), more than its memory cgroup allows (100 MiB, the job's own included): under "
+                               "load it may be killed for memory; give the job more memory, or --cache-size 36M at most\n")
+    assert said[(100, ("--cache-size", "32M"))] == ""
+    assert said[(300, ("--cache-size", "200M"))].startswith("dlfs: warning: --cache-size 200 MiB is over half the "
+                                                            "memory cgroup's limit (300 MiB)")

@@ -53,6 +53,7 @@ from dlfs.bench.epoch import list_files
 from dlfs.bench.sample import MARKER, make_sample
 from dlfs.cgroup import MemoryGroup
 from dlfs.errors import DlfsError, StorageFull
+from dlfs.mount.cache import MOUNT_SLACK
 from dlfs.procs import running
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ DATASET = "bench-memory"
 GROUP = "dlfs-bench-memory"
 READERS = 2
 BATCH = 256  # files per dlfs.direct read_many
-MOUNT_SLACK = 64 << 20  # the mount's own memory allowed beside its cache and index
 SAMPLE_PERIOD = 0.05
 SPACE_FACTOR = 3.2  # the sample (if generated), its squashfs image and the node's chunks
 ROWS = {

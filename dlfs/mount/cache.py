@@ -61,6 +61,10 @@ PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
+# The mount's own memory beside its cache and index (the interpreter, the serving threads' buffers): its
+# bound is cache + MOUNT_SLACK + index (`dlfs bench --only memory` holds it to that). An OOM-killed mount
+# of a 48 MiB group peaked at 22 MB anonymous, 9 MB file and 8-26 MB shared.
+MOUNT_SLACK = 64 << 20
 # Windows partly read at once past this (or a quarter of read-ahead's), most with one record read: a
 # random order. DataLoader workers reading in order have one or two each, read through from their starts
 # (at 32, a random epoch's latch came later: 99-150 us of mount CPU a file in the cold bench's first
