@@ -3,8 +3,8 @@
 
 Generates an ImageNet-like sample, starts a local node, ingests the sample, mounts it, reads every
 file in random order from 2 reader processes twice, then twice through dlfs.direct, checking every
-byte against the source, prints files/s and MB/s beside the same read of the source directory, then
-unmounts and stops.
+byte against the source, prints files/s and MB/s beside the same read of the source directory in the
+same state (cold with cold: the page cache dropped, as root; warm with warm), then unmounts and stops.
 Everything lives under .demo/ in the repository (DEMO_DIR overrides it); the sample is kept between
 runs, the node's state is not.
 """
@@ -25,6 +25,7 @@ import xxhash
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from dlfs.bench.baselines import drop_caches
 from dlfs.bench.epoch import EpochResult, format_row, list_files, read_epoch
 from dlfs.bench.sample import make_sample
 from dlfs.direct import connect
@@ -62,6 +63,18 @@ def direct_epoch(mnt: Path, sample: Path, relpaths: list[str], seed: int) -> Epo
     errors = [f"{r}: content differs from source" for r, d in zip(order, digests)
               if xxhash.xxh3_128_digest((sample / r).read_bytes()) != d]
     return EpochResult(len(order), nbytes, seconds, errors[:20], len(errors))
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may drop the page cache (root, with /proc/sys/vm writable)."""
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def _cold(cold: bool) -> bool:
+    """Drop the page cache where `cold` (can_drop_caches); whether it was."""
+    if cold:
+        drop_caches()
+    return cold
 
 
 def step(text: str) -> None:
@@ -113,23 +126,39 @@ def main() -> int:
         dlfs(env, "mount", DATASET, str(mnt))
         try:
             relpaths = list_files(str(sample))
-            step(f"reading all {len(relpaths)} files in random order with {args.readers} readers, checking every byte")
-            source = read_epoch(str(sample), relpaths, readers=args.readers, seed=1, verify_root=str(sample))
+            # Each dlfs read beside the source read in the same state: cold with cold (the page cache dropped,
+            # where this user may drop it), warm with warm.
+            cold = can_drop_caches()
+            step(f"reading all {len(relpaths)} files in random order with {args.readers} readers, checking every byte"
+                 + ("" if cold else " (not root: the page cache cannot be dropped, so first reads are not compared)"))
+            source_cold = _cold(cold) and read_epoch(str(sample), relpaths, readers=args.readers, seed=1,
+                                                     verify_root=str(sample))
+            _cold(cold)
             first = read_epoch(str(mnt), relpaths, readers=args.readers, seed=1, verify_root=str(sample))
+            source_warm = read_epoch(str(sample), relpaths, readers=args.readers, seed=2, verify_root=str(sample))
             second = read_epoch(str(mnt), relpaths, readers=args.readers, seed=2, verify_root=str(sample))
             step("and twice through dlfs.direct (one process, zero-copy views of the mount's shared cache)")
+            _cold(cold)
             direct = [direct_epoch(mnt, sample, relpaths, seed) for seed in (3, 4)]
             print()
-            print(format_row("source dir", source))
-            print(format_row("dlfs 1st read", first, source))
-            print(format_row("dlfs 2nd read", second, source))
-            print(format_row("direct 1st", direct[0], source))
-            print(format_row("direct 2nd", direct[1], source))
+            if source_cold:
+                print(format_row("source, cold", source_cold))
+            print(format_row("dlfs 1st read", first, source_cold or None))
+            print(format_row("direct 1st", direct[0], source_cold or None))
+            print(format_row("source, warm", source_warm))
+            print(format_row("dlfs 2nd read", second, source_warm))
+            print(format_row("direct 2nd", direct[1], source_warm))
             print()
-            print(f"source dir: local disk, page cache warm from generation and ingest ({args.readers} readers)")
-            print("dlfs 1st read: nothing cached in the mount (chunks read from the node's chunk files, short-circuit)")
-            print("dlfs 2nd read: the same files again (kernel page cache of the mount warm)")
-            print("direct 1st: dlfs.direct read_many, the mount's shared cache empty; 2nd: the same files again")
+            if source_cold:
+                print(f"source, cold: local disk, the page cache dropped first ({args.readers} readers)")
+            print("dlfs 1st read: the page cache dropped, nothing in the mount's cache (chunks read from the node's "
+                  "chunk files, short-circuit)" + (": against the source, cold" if source_cold else ""))
+            print("direct 1st: dlfs.direct read_many (one process), the page cache dropped, the mount's shared cache "
+                  "cold" + (": against the source, cold" if source_cold else ""))
+            print(f"source, warm: the source again, from the page cache ({args.readers} readers)")
+            print("dlfs 2nd read: the same files again, the kernel's page cache of the mount warm: against the source, warm")
+            print("direct 2nd: the same files again through dlfs.direct, from the mount's shared cache: against the "
+                  "source, warm")
             runs = [first, second, *direct]
             bad = sum(r.n_errors for r in runs)
             for err in [e for r in runs for e in r.errors][:10]:
