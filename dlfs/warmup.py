@@ -37,6 +37,7 @@ from dlfs.format.index import ROOT_INO, Extent, Index
 from dlfs.mount.diskcache import DiskCache
 from dlfs.mount.localchunks import THREAD_BYTES, open_local_chunks
 from dlfs.mount.planner import chunk_windows, window_size
+from dlfs.tasks import open_nursery
 from dlfs.turns import Turn, holder
 from dlfs.units import parse_size
 from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
@@ -194,6 +195,17 @@ def _read_local(path: Path, offset: int, length: int) -> int:
         os.close(fd)
 
 
+async def _removed(client: ClusterClient, info: VersionInfo) -> bool:
+    """Whether version `info` is no longer in the catalog (False where that cannot be asked)."""
+    try:
+        await client.call_meta(Msg.GET_DATASET, {"name": info.name, "version": info.version})
+    except NotFound:
+        return True
+    except DlfsError:
+        return False
+    return False
+
+
 async def _turn(disk: DiskCache, label: str, note: Callable[[str], None]) -> Turn | None:
     """This process's turn at warming `label` into `disk`, once no other warmup of it there holds it
     (said in a line); None, having said so, where the one that does has finished no window for WAIT_STALL."""
@@ -286,12 +298,19 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
                 progress("done", w.files, w.length)
 
         try:
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for i in range(WORKERS):
                     nursery.start_soon(worker, name=f"dlfs-warmup-{i}")
                 async with send:  # closing it ends the workers' loops
                     for w in windows:
                         await send.send(w)
+        except DlfsError as exc:
+            # Its chunks gone from every node read as a node's failure ("no replica answered"); the cause is
+            # worth the one question to say.
+            if await _removed(client, info):
+                raise NotFound(f"{label} was removed (dlfs rm) while it was being warmed up: nothing more to warm "
+                               f"({exc})") from None
+            raise
         finally:
             if turn is not None:
                 turn.done()  # every window stored (store() returns once it is), or this warmup failed

@@ -599,6 +599,34 @@ def test_two_warmups_at_once_fetch_once(dataset: tuple[Node, dict[str, bytes], P
     assert not lock.exists()  # removed by its last holder
 
 
+def test_a_version_removed_under_its_warmup_is_said_so(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    """`dlfs rm` of the version a warmup is fetching frees its chunks: the warmup's error names the removal,
+    not a node ("no replica answered ... is not on this node", exit 3, as if a node had failed)."""
+    from conftest import DLFS, dlfs_env
+
+    node, _, base = dataset
+    src = base / "src-gone"
+    src.mkdir()
+    for i in range(40):  # bytes of its own: chunks no other dataset shares, so that the rm frees them
+        (src / f"f{i:02d}").write_bytes(os.urandom(500_000))
+    node.ingest(src, "gone")
+    proc = subprocess.Popen([*DLFS, "warmup", "gone", "--no-short-circuit", "--cache-dir", str(base / "cache-gone"),
+                             "--cache-dir-size", "1G", "--rate", "4MB/s"], env=dlfs_env(node.home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)  # a few of its 5 windows fetched, at 4 MB/s
+        assert proc.poll() is None, proc.communicate()
+        assert "removed gone (version 1)" in node.run("rm", "gone").stdout
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 4, (out, err)
+    assert err.startswith("dlfs: error: gone@1 was removed (dlfs rm) while it was being warmed up: nothing more "
+                          "to warm (chunk "), err
+
+
 def test_a_warmup_goes_on_beside_one_that_stalled(tmp_path: Path) -> None:
     """A warmup whose turn's holder has finished nothing for WAIT_STALL (frozen) goes on beside it, saying so."""
     from dlfs.warmup import WAIT_STALL, _turn
