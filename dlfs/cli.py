@@ -41,6 +41,7 @@ from dlfs.units import counted, human_bytes, human_duration, human_mib, iso_time
 from dlfs.wire.budget import MIN_NODE_MEMORY, NODE_MEMORY, auto_node_memory
 
 if TYPE_CHECKING:
+    from dlfs.cgroup import MemoryLimit
     from dlfs.ingest.source import Source
     from dlfs.ingest.walk import Selection
     from dlfs.mount.records import StartLock
@@ -768,7 +769,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         starting.done()  # (nothing, in a process that handed it to the forked mount)
 
 
-def _memory_warning(limit: Any, cache_size: int) -> str | None:
+def _memory_warning(limit: MemoryLimit, cache_size: int) -> str | None:
     """What to say where a mount's memory bound does not fit its memory cgroup's limit (None: it fits):
     the cache's pages cannot be reclaimed, so under load the mount or its readers are killed for memory."""
     from dlfs.mount.cache import MOUNT_SLACK
@@ -816,7 +817,7 @@ def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: Sta
     give_freed_memory_back()
     how = "auto: a quarter of that" if args.cache_size == "auto" else "--cache-size"
     log.info("memory: %s; cache %s (%s)", limit.describe(), human_bytes(cache_size), how)
-    if too_big:
+    if too_big and args.log_file:  # (said on stderr above; to stderr again, without a log file, it would be twice)
         log.warning("%s", too_big)
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
                         args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit,
