@@ -393,16 +393,23 @@ def show(home: Path, mountpoint: Path, interval: float, watch: bool, count: int 
             console.print(render(prev, cur))
         return 0
     shown = 0
+
+    def next_one(prev: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return next_sample(home, mountpoint, prev, interval)
+        except NotFound:  # it was there a view ago: not "no dlfs mount at ... (another --home?)"
+            raise NotFound(f"the mount at {mountpoint} has ended (unmounted, or its process exited)") from None
+
     try:
         if console.is_terminal and not as_json:
             with Live(console=console, auto_refresh=False) as live:
                 while count is None or shown < count:
-                    cur = next_sample(home, mountpoint, prev, interval)
+                    cur = next_one(prev)
                     live.update(render(prev, cur), refresh=True)
                     prev, shown = cur, shown + 1
         else:  # a log or a pipe: one view after the other, like vmstat
             while count is None or shown < count:
-                cur = next_sample(home, mountpoint, prev, interval)
+                cur = next_one(prev)
                 if as_json:
                     _print_json(prev, cur)
                 else:

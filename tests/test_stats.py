@@ -101,7 +101,19 @@ def test_stats_of_a_real_mount(node: Node, tmp_path: Path) -> None:
     assert max(per_second) > 0, watch.stdout
     assert all(float(v["read"][0].removesuffix(" MB/s")) > 0 for v, r in zip(shown, per_second) if r > 0)
 
-    node.umount(mnt)
+    # A watch whose mount ends under it says so (it said there was no mount there, another --home's perhaps).
+    watching = subprocess.Popen([*DLFS, "stats", str(mnt), "--watch", "--interval", "0.2"], env=node.env, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1)
+        node.umount(mnt)
+        _, err = watching.communicate(timeout=30)
+    finally:
+        if watching.poll() is None:
+            watching.kill()
+            watching.wait()
+    assert watching.returncode == 4 and err == f"dlfs: error: the mount at {mnt} has ended (unmounted, or its " \
+        "process exited)\n", err
     assert not stats_file(node.home, mnt).exists()
     gone = node.run("stats", mnt, check=False)
     assert gone.returncode == 4
