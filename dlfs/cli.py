@@ -959,7 +959,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         async with open_nursery() as nursery:
             client = ClusterClient(cluster, nursery)
             report = await warmup(client, home, name, version, args.paths, disk, readahead, rate, tell,
-                                  args.short_circuit, progress.note)
+                                  args.short_circuit, progress.note, args.retry_timeout)
             nursery.cancel_scope.cancel()
         return report
 
@@ -1309,6 +1309,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-short-circuit", dest="short_circuit", action="store_false",
                     help="fetch the chunks this machine's node holds into the disk cache too, as for mounts with "
                          "--no-short-circuit (default: read them into the page cache)")
+    sp.add_argument("--retry-timeout", type=_seconds, default=RETRY_TIMEOUT, metavar="SECONDS",
+                    help="how long a window waits for a replica to answer again (a node restarting) before the "
+                         "warmup fails, as `dlfs mount --retry-timeout`; 0: fail at once (default %(default)g)")
 
     add("gc", cmd_gc, "Free the chunks that no dataset version and no running ingest needs.")
 

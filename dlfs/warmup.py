@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from dlfs.client.cluster import ClusterClient
-from dlfs.client.replicas import Buffer, ReplicaReader
+from dlfs.client.replicas import RETRY_TIMEOUT, Buffer, ReplicaReader
 from dlfs.data.store import chunk_path
 from dlfs.errors import CorruptData, DlfsError, NotFound, UsageError
 from dlfs.format.chunk import decode_record
@@ -229,12 +229,13 @@ async def _turn(disk: DiskCache, label: str, note: Callable[[str], None]) -> Tur
 async def warmup(client: ClusterClient, home: Path, name: str, version: int | None, paths: Sequence[str],
                  disk: DiskCache | None, readahead: int, rate: int | None,
                  progress: Callable[[str, int, int], None], short_circuit: bool = True,
-                 note: Callable[[str], None] = log.warning) -> WarmupReport:
+                 note: Callable[[str], None] = log.warning, retry_timeout: float = RETRY_TIMEOUT) -> WarmupReport:
     """Warm `name@version` (the files under `paths`; all if none): this machine's chunks into the page
     cache (unless not `short_circuit`, as the mount's option), the rest into `disk` (skipped without
     one). `progress(event, files, bytes)` is told
     ("start", total files, total bytes) once, then ("done", files, bytes) as windows finish; `note`, a
-    line for the user (a wait for another warmup)."""
+    line for the user (a wait for another warmup). A window waits up to `retry_timeout` for a replica that
+    stopped answering (a node restarting), as a mount's reads do."""
     from dlfs.client.indexes import fetch_index  # the mount's index cache, shared with it
 
     meta, _ = await client.call_meta(Msg.GET_DATASET, {"name": name, "version": version})
@@ -259,8 +260,9 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
 
         # As a mount reads: a replica that has not answered within the hedge bound is raced by the next (a
         # node frozen mid-warmup held every window in flight on it the whole fetch bound, 30 s), bad bytes
-        # move on to the next, and a node so passed over is asked last from then on.
-        replicas = ReplicaReader(client, fetch_timeout=FETCH_TIMEOUT)
+        # move on to the next, a node so passed over is asked last from then on, and a node restarting is
+        # waited for (a restart of the data node ended a warmup at once, exit 3).
+        replicas = ReplicaReader(client, retry_timeout=retry_timeout, fetch_timeout=FETCH_TIMEOUT)
 
         async def fetch(w: Window, cid: bytes) -> None:
             async def check(got: Sequence[Buffer], node: str) -> tuple[str, Buffer]:
@@ -270,7 +272,7 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
                     _verify(index, w, cid, got[0], node)
                 return node, got[0]
 
-            node, data = (await replicas.read(cid, [(w.offset, w.length)], None, check, lambda f: None, retry=False))[0]
+            node, data = (await replicas.read(cid, [(w.offset, w.length)], None, check, lambda f: None))[0]
             report.fetched += w.length
             report.by_node[node] = report.by_node.get(node, 0) + w.length
             assert disk is not None

@@ -627,6 +627,39 @@ def test_a_version_removed_under_its_warmup_is_said_so(dataset: tuple[Node, dict
                           "to warm (chunk "), err
 
 
+@pytest.mark.timeout(120)
+def test_a_warmup_rides_out_a_restart_of_its_data_node(tmp_path: Path) -> None:
+    """The data node restarted under a warmup (a rolling upgrade): its windows wait for it, as a mount's
+    reads do, and it completes; it failed at once (`no replica answered ... cannot reach`, exit 3)."""
+    from conftest import DLFS, dlfs_env, running_node
+
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"f{i:02d}": os.urandom(500_000) for i in range(40)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    with running_node(tmp_path / "home", tmp_path) as node:
+        node.ingest(src, "rolling")
+        cache_dir = tmp_path / "cache"
+        proc = subprocess.Popen([*DLFS, "warmup", "rolling", "--no-short-circuit", "--cache-dir", str(cache_dir),
+                                 "--cache-dir-size", "1G", "--rate", "4MB/s"], env=dlfs_env(node.home),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.5)
+            assert proc.poll() is None, proc.communicate()
+            node.stop()
+            time.sleep(1.5)
+            node.start()
+            out, err = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, (out, err)
+    assert "warmed rolling@1: 40 files" in out and "reads wait for one for up to 60 s" in err, (out, err)
+    assert consistent_held(cache_dir) >= sum(map(len, files.values()))
+
+
 def test_a_warmup_goes_on_beside_one_that_stalled(tmp_path: Path) -> None:
     """A warmup whose turn's holder has finished nothing for WAIT_STALL (frozen) goes on beside it, saying so."""
     from dlfs.warmup import WAIT_STALL, _turn
