@@ -22,7 +22,8 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -568,29 +569,37 @@ def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str
     assert "of this node's chunks into the page cache" in local and "fetched" not in local, local
 
 
+@contextmanager
+def _warming(node: Node, name: str, cache_dir: Path, rate: str = "4MB/s") -> Iterator[subprocess.Popen[str]]:
+    """`dlfs warmup NAME --no-short-circuit` into `cache_dir` at `rate`, in the background (text pipes);
+    killed if it still runs on leaving."""
+    from conftest import DLFS, dlfs_env
+
+    proc = subprocess.Popen([*DLFS, "warmup", name, "--no-short-circuit", "--cache-dir", str(cache_dir),
+                             "--cache-dir-size", "1G", "--rate", rate], env=dlfs_env(node.home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_two_warmups_at_once_fetch_once(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
     """Two warmups of one version into one disk cache at once (two jobs' prologs on a node): the second
     waits for the first, then finds everything there. Both fetched everything before."""
-    from conftest import DLFS, dlfs_env
-
     node, files, base = dataset
     total = sum(len(b) for b in files.values())
     cache_dir = base / "cache-twice"
-    args = [*DLFS, "warmup", "imgs", "--no-short-circuit", "--cache-dir", str(cache_dir), "--cache-dir-size", "1G"]
-    first = subprocess.Popen([*args, "--rate", "12MB/s"], env=dlfs_env(node.home), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    try:
+    with _warming(node, "imgs", cache_dir, "12MB/s") as first:
         lock = cache_dir / "warmups" / "imgs@1.lock"
         deadline = time.monotonic() + 30
         while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.02)
-        second = node.run(*args[len(DLFS):])
+        second = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--cache-dir-size", "1G")
         out, err = first.communicate(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
     assert first.returncode == 0, err
     assert f"waiting for another dlfs warmup of imgs@1 into {cache_dir} (process {first.pid})" in second.stderr, \
         second.stderr
@@ -602,26 +611,17 @@ def test_two_warmups_at_once_fetch_once(dataset: tuple[Node, dict[str, bytes], P
 def test_a_version_removed_under_its_warmup_is_said_so(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
     """`dlfs rm` of the version a warmup is fetching frees its chunks: the warmup's error names the removal,
     not a node ("no replica answered ... is not on this node", exit 3, as if a node had failed)."""
-    from conftest import DLFS, dlfs_env
-
     node, _, base = dataset
     src = base / "src-gone"
     src.mkdir()
     for i in range(40):  # bytes of its own: chunks no other dataset shares, so that the rm frees them
         (src / f"f{i:02d}").write_bytes(os.urandom(500_000))
     node.ingest(src, "gone")
-    proc = subprocess.Popen([*DLFS, "warmup", "gone", "--no-short-circuit", "--cache-dir", str(base / "cache-gone"),
-                             "--cache-dir-size", "1G", "--rate", "4MB/s"], env=dlfs_env(node.home),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _warming(node, "gone", base / "cache-gone") as proc:
         time.sleep(1.5)  # a few of its 5 windows fetched, at 4 MB/s
         assert proc.poll() is None, proc.communicate()
         assert "removed gone (version 1)" in node.run("rm", "gone").stdout
         out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 4, (out, err)
     assert err.startswith("dlfs: error: gone@1 was removed (dlfs rm) while it was being warmed up: nothing more "
                           "to warm (chunk "), err
@@ -631,30 +631,23 @@ def test_a_version_removed_under_its_warmup_is_said_so(dataset: tuple[Node, dict
 def test_a_warmup_rides_out_a_restart_of_its_data_node(tmp_path: Path) -> None:
     """The data node restarted under a warmup (a rolling upgrade): its windows wait for it, as a mount's
     reads do, and it completes; it failed at once (`no replica answered ... cannot reach`, exit 3)."""
-    from conftest import DLFS, dlfs_env, running_node
+    from conftest import running_node
 
     src = tmp_path / "src"
     src.mkdir()
     files = {f"f{i:02d}": os.urandom(500_000) for i in range(40)}
     for name, data in files.items():
         (src / name).write_bytes(data)
+    cache_dir = tmp_path / "cache"
     with running_node(tmp_path / "home", tmp_path) as node:
         node.ingest(src, "rolling")
-        cache_dir = tmp_path / "cache"
-        proc = subprocess.Popen([*DLFS, "warmup", "rolling", "--no-short-circuit", "--cache-dir", str(cache_dir),
-                                 "--cache-dir-size", "1G", "--rate", "4MB/s"], env=dlfs_env(node.home),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with _warming(node, "rolling", cache_dir) as proc:
             time.sleep(1.5)
             assert proc.poll() is None, proc.communicate()
             node.stop()
             time.sleep(1.5)
             node.start()
             out, err = proc.communicate(timeout=90)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     assert proc.returncode == 0, (out, err)
     assert "warmed rolling@1: 40 files" in out and "reads wait for one for up to 60 s" in err, (out, err)
     assert consistent_held(cache_dir) >= sum(map(len, files.values()))
