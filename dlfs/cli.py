@@ -69,6 +69,17 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _thread_count(text: str) -> int:
+    """argparse type: --threads, 1 to what the serving engine takes."""
+    from dlfs.native import engine_max_threads
+
+    n = _positive_int(text)
+    if n > engine_max_threads():
+        raise argparse.ArgumentTypeError(f"expected at most {engine_max_threads()} (the serving engine's bound), "
+                                         f"got {n}")
+    return n
+
+
 def _seconds(text: str) -> float:
     """argparse type: a number of seconds, 0 or more."""
     try:
@@ -1163,6 +1174,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
 
 # --- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from dlfs.native import engine_max_threads, engine_threads
+
     def common_options(default: Any) -> argparse.ArgumentParser:
         common = argparse.ArgumentParser(add_help=False)
         common.add_argument("--home", default=default, help="state directory (default: $DLFS_HOME or ~/.dlfs)")
@@ -1266,8 +1279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-short-circuit", dest="short_circuit", action="store_false",
                     help="read chunks this machine's node holds through its data daemon too, not from its "
                          "chunk files")
-    sp.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
-                    help="native threads serving the mount (default: one per CPU, here %(default)s)")
+    sp.add_argument("--threads", type=_thread_count, default=engine_threads(), metavar="N",
+                    help=f"native threads serving the mount, 1 to {engine_max_threads()} (default: one per CPU it "
+                         "may run on, here %(default)s)")
     sp.add_argument("--io-uring", choices=("auto", "on", "off"), default="auto",
                     help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where the "
                          "kernel has it, turning /sys/module/fuse/parameters/enable_uring on as root; on fails in "

@@ -129,7 +129,9 @@ def check_native() -> Check:
 
 def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring")) -> Check:
     """How a mount will be served: native threads on /dev/fuse, and FUSE over io_uring where it is on."""
-    threads = f"{os.cpu_count() or 1} native threads per mount (--threads)"
+    from dlfs.native import engine_threads
+
+    threads = f"{engine_threads()} native threads per mount (--threads)"
     try:
         enabled = param.read_text().strip() in ("Y", "1")
     except OSError:

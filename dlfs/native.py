@@ -61,6 +61,22 @@ def fuse_hooked() -> bool:
     return native is not None and native.fuse_hooked()
 
 
+def engine_max_threads() -> int:
+    """The most native threads a mount's engine serves with (native/engine.h)."""
+    return int(getattr(native, "ENGINE_MAX_THREADS", 256))
+
+
+def engine_threads() -> int:
+    """One serving thread per CPU this process may run on (a job's cpuset, not the machine's count), at most
+    engine_max_threads(): a 512-CPU machine's default (os.cpu_count()) was past it, and every mount failed
+    with `Invalid argument` in its log."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except OSError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, engine_max_threads()))
+
+
 def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: int, io_uring: bool,
                  control_path: bytes | None, xattr_name: bytes, local_dir: bytes | None = None) -> bool:
     """Native threads take the mounted session's /dev/fuse over and answer from `index` and the shared

@@ -28,7 +28,6 @@
 
 #define DEV_BUF ((1 << 20) + 4096) /* max_write (1 MiB) + headers: the kernel refuses smaller reads */
 #define SCRATCH DLFS_REPLY_SCRATCH
-#define MAX_THREADS 256
 
 struct worker {
     pthread_t thread;
@@ -476,7 +475,7 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
         errno = E.attached ? EALREADY : ENOTCONN;
         return -1;
     }
-    if (threads < 1 || threads > MAX_THREADS) {
+    if (threads < 1 || threads > DLFS_ENGINE_MAX_THREADS) {
         errno = EINVAL;
         return -1;
     }

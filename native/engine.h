@@ -30,6 +30,8 @@ void dlfs_engine_protocol(unsigned major, unsigned minor);
 /* Start `threads` readers of /dev/fuse (and io_uring queues if `uring`), answering from `sv`
  * (copied; what it points to must stay valid until dlfs_engine_release). 0, or -1 with errno set. */
 int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring);
+/* The most threads `dlfs_engine_start` takes (EINVAL past it); `native.ENGINE_MAX_THREADS` to Python. */
+#define DLFS_ENGINE_MAX_THREADS 256
 /* Before the real unmount: stop handing requests to Python (its loop has ended). */
 void dlfs_engine_close_python(void);
 /* How long a stop waits for the serving threads, all of them together (they may still be answering a

@@ -620,6 +620,7 @@ PyMODINIT_FUNC PyInit__native(void)
               add_layout(m) < 0 || add_wire(m) < 0 ||
               PyModule_AddIntConstant(m, "URING_BYTES_PER_CPU", (long)DLFS_URING_BYTES_PER_CPU) < 0 ||
               PyModule_AddIntConstant(m, "RANDOM_READ_MAX", DLFS_RANDOM_READ_MAX) < 0 ||
+              PyModule_AddIntConstant(m, "ENGINE_MAX_THREADS", DLFS_ENGINE_MAX_THREADS) < 0 ||
               PyModule_AddIntConstant(m, "LOCAL_RECHECK_S", (long)(DLFS_LOCAL_RECHECK_NS / 1000000000ull)) < 0 ||
               PyModule_AddIntConstant(m, "KEEP_SLOTS", DLFS_KEEP_SLOTS) < 0))
         Py_CLEAR(m);

@@ -236,10 +236,12 @@ def test_fuse_checks_read_this_machine() -> None:
 
 
 def test_engine_check_says_how_a_mount_is_served(tmp_path: Path) -> None:
+    from dlfs.native import engine_threads
+
     param = tmp_path / "enable_uring"
     missing = doctor.check_engine(param)
     assert missing.status == "pass" and "not in this kernel" in missing.detail
-    assert f"{os.cpu_count()} native threads" in missing.detail
+    assert f"{engine_threads()} native threads" in missing.detail
     param.write_text("N\n")
     off = doctor.check_engine(param)
     assert off.status == "warn" and "off" in off.detail and f"echo Y > {param}" in off.fix

@@ -24,6 +24,7 @@ from conftest import (
     needs_fuse,
     one_line_error,
     pid_alive,
+    run_dlfs,
     wait_for,
 )
 
@@ -557,3 +558,21 @@ def test_random_reads_in_a_big_file_read_their_blocks_from_local_chunks(node: No
     finally:
         os.close(fd)
     assert "block 1000: checksum mismatch" in node.mount_log("big").read_text()
+
+
+def test_the_default_threads_follow_the_cpus_the_process_may_use_within_the_engines_bound(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """One serving thread per CPU the mount may run on, at most the engine's bound (a 512-CPU machine's
+    default, os.cpu_count(), was past it: every mount failed with `Invalid argument` in its log); more
+    asked for is one line before anything starts."""
+    from dlfs.native import engine_max_threads, engine_threads
+
+    assert engine_max_threads() == 256  # native/engine.h's DLFS_ENGINE_MAX_THREADS, through the module
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(512)))
+    assert engine_threads() == 256
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 7})  # a job's cpuset on a big machine
+    assert engine_threads() == 2
+    monkeypatch.undo()
+    bad = run_dlfs(tmp_path, "mount", "x", str(tmp_path), "--threads", "257", check=False)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1] == (
+        "dlfs mount: error: argument --threads: expected at most 256 (the serving engine's bound), got 257")

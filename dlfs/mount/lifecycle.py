@@ -53,7 +53,7 @@ from dlfs.mount.records import (
 )
 from dlfs.mount.remotereads import ROUTE_WORK_MAX, IndexChunkIds, RemoteReads
 from dlfs.mount.statsfile import SAMPLE_NOW, MountStats
-from dlfs.native import engine_stats, native, start_engine
+from dlfs.native import engine_stats, engine_threads, native, start_engine
 from dlfs.private import tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
 from dlfs.procs import Holder, holders, raise_open_files_limit, running, set_title, start_ticks
@@ -90,7 +90,7 @@ class MountOptions:
     allow_other: bool = False
     metrics: Address | None = None  # serve Prometheus metrics here
     short_circuit: bool = True  # read the local node's chunk files in place
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # native threads serving /dev/fuse
+    threads: int = field(default_factory=engine_threads)  # native threads serving /dev/fuse
     io_uring: str = "auto"  # auto | on | off: FUSE over io_uring (see want_io_uring)
     memory: MemoryLimit = field(default_factory=memory_limit)  # what the cache's pressure watch reads
     log_file: Path | None = None  # where this mount logs, for its record (`dlfs mounts`); None: stderr
