@@ -234,3 +234,15 @@ def test_a_mount_says_when_its_bound_does_not_fit_its_group(node: Node, tmp_path
     assert said[(100, ("--cache-size", "32M"))] == ""
     assert said[(300, ("--cache-size", "200M"))].startswith("dlfs: warning: --cache-size 200 MiB is over half the "
                                                             "memory cgroup's limit (300 MiB)")
+
+
+def test_a_cache_bigger_than_the_machine_is_warned_of() -> None:
+    """No memory cgroup: a cache over the machine's memory (1T typed for 1G) is said, one that fits is not."""
+    from dlfs.cgroup import MemoryLimit
+    from dlfs.cli import _memory_warning
+
+    machine = MemoryLimit(25_300_000_000, None, None)
+    assert _memory_warning(machine, 1 << 30) is None
+    assert _memory_warning(machine, 1 << 40) == (
+        "--cache-size 1.1 TB is more than this machine's memory (25.3 GB): the cache's pages cannot be reclaimed, "
+        "so once it fills the machine runs out of memory")
