@@ -265,7 +265,8 @@ class DiskCache:
         # chunk's file: the mount's serving threads read files by name (diskreads.py). From the writer
         # thread and the event loop both.
         self.on_file: Callable[[bytes, str | None], None] | None = None
-        threading.Thread(target=self._sweep, name="dlfs-disk-cache-sweep", daemon=True).start()
+        self._sweeper = threading.Thread(target=self._sweep, name="dlfs-disk-cache-sweep", daemon=True)
+        self._sweeper.start()
         self.hits = self.misses = self.hit_bytes = self.written = self.written_bytes = 0
         self.dropped = self.evicted = self.evicted_bytes = self.corrupt = self.full = self.errors = 0
 
@@ -799,6 +800,9 @@ class DiskCache:
             except sqlite3.Error as exc:
                 if not self.note_damage(exc):
                     log.warning("disk cache %s: %s", self.root, exc)
+        # Its connection closed before this process's last one: a sweep still reading at close kept the
+        # catalogue's write-ahead log open past it, and checkpointed it later, under whatever came next.
+        self._sweeper.join(CLOSE_TIMEOUT)
         self.disk.close()
         db = getattr(self._local, "db", None)
         if db is not None:
