@@ -315,16 +315,23 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
     info = report.info
     if report.unchanged:
-        print(f"{info.name} is unchanged: version {info.version} holds exactly these {info.files} files "
-              f"({human_bytes(info.bytes)}); no new version made (--force makes one)")
+        these = "this file" if info.files == 1 else f"these {info.files} files"
+        print(f"{info.name} is unchanged: version {info.version} holds exactly {these} ({human_bytes(info.bytes)}); "
+              "no new version made (--force makes one)")
         return 0
     for skipped in report.skipped[:10]:
         print(f"skipped {os.fsdecode(skipped)} (not a file, directory or symlink)", file=sys.stderr)
     if len(report.skipped) > 10:
         print(f"skipped {len(report.skipped) - 10} more special files", file=sys.stderr)
+    rate = f" ({human_bytes(info.bytes / max(report.seconds, 1e-9))}/s)" if info.bytes else ""
     print(f"ingested {info.name} version {info.version}: {counted(info.files, 'file')}, {human_bytes(info.bytes)} "
           f"in {counted(info.chunks, 'chunk')} ({report.chunks_sent} sent, {report.chunks_present} already stored) "
-          f"in {report.seconds:.1f} s ({human_bytes(info.bytes / max(report.seconds, 1e-9))}/s)")
+          f"in {report.seconds:.1f} s{rate}")
+    if not info.files:  # a wrong path or filter, most likely: said, though an empty version is a version
+        given = [o for o, v in (("--files-from", args.files_from is not None), ("--exclude", bool(args.exclude))) if v]
+        chosen = f" after {' and '.join(given)}" if given else ""
+        print(f"dlfs: warning: no file to ingest in {' '.join(args.src)}{chosen}: version {info.version} of "
+              f"{info.name} is empty", file=sys.stderr)
     if report.index_copies < report.index_wanted:
         print(f"dlfs: warning: the index of {info.name} version {info.version} is on {report.index_copies} of the "
               f"{report.index_wanted} metadata daemons it should be on; the others copy it once they reach a node "

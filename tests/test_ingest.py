@@ -503,6 +503,18 @@ def test_empty_trees(node: Node, mounted: Callable[..., Path], tmp_path: Path) -
     (tmp_path / "empty").mkdir()
     assert os.listdir(mounted(tmp_path / "empty", "nothing")) == []
     assert [(r["files"], r["bytes"], r["chunks"]) for r in dataset_rows(node)] == [("0", "0 B", "0")]
+    # An empty source is most likely a wrong path or filter: said (it was "... in 0.0 s (0 B/s)" alone).
+    again = node.ingest(tmp_path / "empty", "nothing-again")
+    assert again.stdout.startswith("ingested nothing-again version 1: 0 files, 0 B in 0 chunks") and \
+        "B/s" not in again.stdout, again.stdout
+    assert again.stderr == f"dlfs: warning: no file to ingest in {tmp_path / 'empty'}: version 1 of nothing-again is empty\n"
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a").write_bytes(b"x")
+    assert f"no file to ingest in {one} after --exclude: version 1 of none-taken is empty" in \
+        node.ingest(one, "none-taken", "--exclude", "a").stderr
+    node.ingest(one, "single")
+    assert node.ingest(one, "single").stdout.startswith("single is unchanged: version 1 holds exactly this file (1 B)")
     (tmp_path / "zeros" / "d").mkdir(parents=True)
     (tmp_path / "zeros" / "a").write_bytes(b"")
     (tmp_path / "zeros" / "d" / "b").write_bytes(b"")
