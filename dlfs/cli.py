@@ -570,7 +570,7 @@ def _print_census(view: Any, replicas: int, shown: int = 10) -> None:
     print(f"datasets: {len({v.name for v in view.versions})} ({counted(len(view.versions), 'version')})")
     for v in view.versions:
         print(f"  {v.name}@{v.version}: {counted(v.files, 'file')}, {human_bytes(v.bytes)}, {counted(v.chunks, 'chunk')}")
-    print(f"chunks with fewer than {counted(replicas, 'healthy replica')}: {len(view.short)}")
+    print(f"chunks with fewer than {replicas} healthy replicas: {len(view.short)}")
     for cid in sorted(view.short)[:shown]:
         nodes = view.short[cid]
         where = f"on {', '.join(nodes)}" if nodes else "on no reachable node"

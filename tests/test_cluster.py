@@ -42,7 +42,7 @@ UP_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 CATCH_UP_TIMEOUT = 30.0
 CHUNK_SIZE = "256K"
-UNDER_REPLICATED = re.compile(r"chunks with fewer than \S+ healthy replicas?: (\d+)")
+UNDER_REPLICATED = re.compile(r"chunks with fewer than \S+ healthy replicas: (\d+)")
 
 
 # --- the cluster ---------------------------------------------------------------------------------
