@@ -570,6 +570,7 @@ def _print_census(view: Any, replicas: int, shown: int = 10) -> None:
     print(f"datasets: {len({v.name for v in view.versions})} ({counted(len(view.versions), 'version')})")
     for v in view.versions:
         print(f"  {v.name}@{v.version}: {counted(v.files, 'file')}, {human_bytes(v.bytes)}, {counted(v.chunks, 'chunk')}")
+    # Parsed (deploy/slurm/dlfs-slurm greps "healthy replicas: 0$"): the same words whatever R, 1 included.
     print(f"chunks with fewer than {replicas} healthy replicas: {len(view.short)}")
     for cid in sorted(view.short)[:shown]:
         nodes = view.short[cid]

@@ -144,6 +144,8 @@ def test_status_with_the_node_up(node: Node) -> None:
     assert "node local: up" in out
     assert "datasets 0 (0 versions), ingests in progress 0" in out
     assert str(node.home / "data") in out
+    # The same words for R = 1: deploy/slurm/dlfs-slurm greps them ("1 healthy replica" broke its skip).
+    assert "chunks with fewer than 1 healthy replicas: 0" in out
 
 
 @pytest.mark.timeout(30)
