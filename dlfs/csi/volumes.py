@@ -254,6 +254,9 @@ class NodeVolumes:
             message = said[-1] if said else f"dlfs mount exited {proc.returncode}: {lines[-1] if lines else ''}"
             self._remove_target(staging)
             raise error_from_status(proc.returncode, message)  # its exit code is its error's class
+        for line in proc.stderr.splitlines():  # (its warnings, the memory it may need: for the plugin's log)
+            if line.startswith("dlfs: warning: "):
+                log.warning("mount of %s: %s", label, line.removeprefix("dlfs: warning: "))
         log.info("mounted %s at %s", label, staging)
 
     @staticmethod
