@@ -422,3 +422,19 @@ def test_a_mount_whose_process_is_stopped_is_replaced_within_a_bound(cluster: Cl
         time.sleep(0.05)
     plugin.unpublish(t2)
     assert shown("csi-imgs@1") == {} and not staging.exists()
+
+
+def test_a_mounts_warnings_reach_the_plugins_log(cluster: Cluster, plugin: Plugin, tmp_path: Path) -> None:
+    """`dlfs mount` says on its stderr what it warns of (here a cache bigger than the machine, as a
+    PersistentVolume's cacheSize of 1T typed for 1G): the plugin logs it; it dropped it with the stderr."""
+    target = pod_target(tmp_path, "uid-big")
+    plugin.publish(target, {"dataset": "csi-imgs", "version": "1", "cacheSize": "1T"}, volume_id="pv-big")
+    try:
+        assert reads_source(target, cluster.src)
+        log = plugin.log.read_text()
+        # (the machine's memory, or a memory cgroup's where the plugin runs in one)
+        said = [line for line in log.splitlines() if " WARNING " in line and "mount of csi-imgs@1: " in line]
+        assert said and ("1.1 TB is more than this machine's memory" in said[0] or "1 TiB" in said[0] or
+                         "more than its memory cgroup allows" in said[0]), log[-2000:]
+    finally:
+        plugin.unpublish(target, volume_id="pv-big")
