@@ -21,8 +21,9 @@ HOLDER_SCAN_BUDGET = 3.0  # seconds: /proc of a machine with many processes and 
 COMMAND_SHOWN = 80  # characters of a holder's command line in a message
 
 
-def _stat_fields(pid: int) -> list[bytes]:
-    """/proc/PID/stat's fields after the command name (its state first); [] where it cannot be read."""
+def stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name, which may itself hold ") " (state first, ppid 2nd,
+    utime to cstime 12th to 15th, start time 20th); [] where it cannot be read (the process is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()
@@ -40,7 +41,7 @@ def running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return not fields or fields[0] != b"Z"
 
 
@@ -108,14 +109,14 @@ def set_title(title: str, name: str) -> None:
 def start_ticks(pid: int) -> int | None:
     """When the process started (clock ticks after boot): with its pid, it names one process for good."""
     try:
-        return int(_stat_fields(pid)[19])
+        return int(stat_fields(pid)[19])
     except (IndexError, ValueError):
         return None
 
 
 def stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP, a suspended job, a tracer): it runs nothing until continued."""
-    return _stat_fields(pid)[:1] in ([b"T"], [b"t"])
+    return stat_fields(pid)[:1] in ([b"T"], [b"t"])
 
 
 def command_line(pid: int) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 from dlfs.errors import DlfsError, MountError, NotFound, UsageError
 from dlfs.private import private_dirs, private_opener
 from dlfs.procmounts import mounts_under
+from dlfs.procs import stat_fields
 
 log = logging.getLogger(__name__)
 MOUNT_TIMEOUT = 30.0
@@ -61,20 +62,14 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
-def _stat_fields(pid: int) -> list[bytes]:
-    # Fields after the command name, which may itself hold ") ": state is first, ppid 2nd, utime 12th,
-    # stime 13th, cutime 14th, cstime 15th.
-    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-
-
 def process_tree(pid: int) -> list[int]:
     """`pid` and every live process descended from it (found by their parent ids in /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                ppid = int(_stat_fields(int(entry.name))[1])
-            except (OSError, IndexError, ValueError):
+                ppid = int(stat_fields(int(entry.name))[1])
+            except (IndexError, ValueError):
                 continue  # exited while listed
             children.setdefault(ppid, []).append(int(entry.name))
     tree = [pid]
@@ -88,11 +83,8 @@ def cpu_seconds(pid: int) -> float:
     by the processes it started that are still running, and by those it has reaped."""
     total = 0
     for p in process_tree(pid):
-        try:
-            fields = _stat_fields(p)
-        except OSError:
-            continue  # a helper that exited since the tree was listed
-        total += sum(int(f) for f in fields[11:15])
+        # (a helper that exited since the tree was listed: no fields, nothing to add)
+        total += sum(int(f) for f in stat_fields(p)[11:15])
     return total / os.sysconf("SC_CLK_TCK")
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import trio
 
+from dlfs.procs import stat_fields
+
 log = logging.getLogger(__name__)
 RECHECK = 1.0  # seconds between looks at a held row's released mark (a gone process is seen at once)
 SO_PEERPIDFD = 77  # Linux 6.5: the peer's pidfd, whatever pid namespace it is in (not in Python 3.11's socket)
@@ -26,12 +28,8 @@ SO_PEERPIDFD = 77  # Linux 6.5: the peer's pidfd, whatever pid namespace it is i
 
 def _start_time(pid: int) -> int | None:
     """The process's start time (clock ticks after boot), None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+    fields = stat_fields(pid)
+    return None if not fields or fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 def _readable(fd: int) -> bool:
