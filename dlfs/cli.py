@@ -793,16 +793,16 @@ def _memory_warning(limit: MemoryLimit, cache_size: int) -> str | None:
     the cache's pages cannot be reclaimed, so under load the mount or its readers are killed for memory."""
     from dlfs.mount.cache import MOUNT_SLACK
 
-    cache, cap = human_mib(cache_size), human_mib(limit.effective)
     if not limit.limited:  # the machine's memory: a cache bigger than it is a typo (1T for 1G)
         if cache_size + MOUNT_SLACK <= limit.effective:
             return None
         return (f"--cache-size {human_bytes(cache_size)} is more than this machine's memory "
                 f"({human_bytes(limit.effective)}): the cache's pages cannot be reclaimed, so once it fills the "
                 "machine runs out of memory")
+    cache, cap = human_mib(cache_size), human_mib(limit.effective)
     if cache_size + MOUNT_SLACK > limit.effective:
-        fits = (limit.effective - MOUNT_SLACK) >> 20 << 20  # the biggest cache that would (a few windows at least)
-        smaller = f", or --cache-size {fits >> 20}M at most" if fits >= 16 << 20 else ""
+        fits = (limit.effective - MOUNT_SLACK) >> 20 << 20  # the biggest cache that would
+        smaller = f", or --cache-size {fits >> 20}M at most" if fits >= 16 << 20 else ""  # (a few windows at least)
         return (f"this mount may use {human_mib(cache_size + MOUNT_SLACK)} of memory (its cache, {cache}, and "
                 f"{human_mib(MOUNT_SLACK)} for itself), more than its memory cgroup allows ({cap}, the job's own "
                 f"included): under load it may be killed for memory; give the job more memory{smaller}")
