@@ -70,11 +70,10 @@ def can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
-def _cold(cold: bool) -> bool:
-    """Drop the page cache where `cold` (can_drop_caches); whether it was."""
+def _cold(cold: bool) -> None:
+    """Drop the page cache where `cold` (can_drop_caches)."""
     if cold:
         drop_caches()
-    return cold
 
 
 def step(text: str) -> None:
@@ -131,8 +130,10 @@ def main() -> int:
             cold = can_drop_caches()
             step(f"reading all {len(relpaths)} files in random order with {args.readers} readers, checking every byte"
                  + ("" if cold else " (not root: the page cache cannot be dropped, so first reads are not compared)"))
-            source_cold = _cold(cold) and read_epoch(str(sample), relpaths, readers=args.readers, seed=1,
-                                                     verify_root=str(sample))
+            source_cold: EpochResult | None = None
+            if cold:
+                drop_caches()
+                source_cold = read_epoch(str(sample), relpaths, readers=args.readers, seed=1, verify_root=str(sample))
             _cold(cold)
             first = read_epoch(str(mnt), relpaths, readers=args.readers, seed=1, verify_root=str(sample))
             source_warm = read_epoch(str(sample), relpaths, readers=args.readers, seed=2, verify_root=str(sample))
@@ -143,8 +144,8 @@ def main() -> int:
             print()
             if source_cold:
                 print(format_row("source, cold", source_cold))
-            print(format_row("dlfs 1st read", first, source_cold or None))
-            print(format_row("direct 1st", direct[0], source_cold or None))
+            print(format_row("dlfs 1st read", first, source_cold))
+            print(format_row("direct 1st", direct[0], source_cold))
             print(format_row("source, warm", source_warm))
             print(format_row("dlfs 2nd read", second, source_warm))
             print(format_row("direct 2nd", direct[1], source_warm))
