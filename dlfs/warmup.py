@@ -36,7 +36,7 @@ from dlfs.format.chunk import decode_record
 from dlfs.format.index import ROOT_INO, Extent, Index
 from dlfs.mount.diskcache import DiskCache
 from dlfs.mount.localchunks import THREAD_BYTES, open_local_chunks
-from dlfs.mount.planner import chunk_windows, window_size
+from dlfs.mount.planner import chunk_windows, window_size, window_span
 from dlfs.tasks import open_nursery
 from dlfs.turns import Turn, holder
 from dlfs.units import parse_size
@@ -161,8 +161,7 @@ def plan(index: Index, files: list[int], window: int) -> list[Window]:
     for ci, first in sorted(wanted):
         s = starts[ci]
         end = s[bisect.bisect_right(s, first)]
-        a, b = index.extent(first).record, index.extent(end - 1).record
-        out.append(Window(ci, first, end, a.offset, b.offset + b.stored_len - a.offset, last_of.get((ci, first), 0)))
+        out.append(Window(ci, first, end, *window_span(index, first, end), last_of.get((ci, first), 0)))
     return out
 
 

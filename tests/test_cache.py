@@ -22,7 +22,7 @@ from dlfs.config import Cluster, NodeSpec, key_path
 from dlfs.data.store import chunk_path
 from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import Index
-from dlfs.mount.cache import ChunkCache
+from dlfs.mount.cache import ChunkCache, slab_size
 from dlfs.mount.localchunks import LocalChunks
 from dlfs.mount.slabs import NO_SLAB
 from dlfs.pagecache import all_cached
@@ -557,7 +557,7 @@ async def test_many_readers_each_in_order_keep_their_windows(tmp_path: Path) -> 
     # each in turn, the runs not on the windows' bounds (8 records each): more windows are left partly
     # read at once than a random order leaves when scan mode latches, but several records of each, read
     # in order; scan mode stays off, by window.
-    async with _local_cache(tmp_path, 96, 82, 160 * (264 << 10), readahead=256 << 10) as (cache, payloads):
+    async with _local_cache(tmp_path, 96, 82, 160 * slab_size(256 << 10), readahead=256 << 10) as (cache, payloads):
         assert sum(map(len, payloads)) < cache.held.readahead_cap // 2
         runs = [range(3 + r * 45, 3 + r * 45 + 45) for r in range(16)]
         most = 0
@@ -607,7 +607,7 @@ async def test_a_random_direct_epoch_packs_records_read_alone_into_shared_slabs(
     # order is not chunk-local), into a part of a shared slab: the cache then holds many more records
     # than it has slabs, each published where a client reads it in place (a slab each held 8 of them,
     # the rest copied out of memory of their own, and their windows came too while read-ahead had room).
-    async with _local_cache(tmp_path, 96, 70, 8 * (264 << 10), readahead=256 << 10) as (cache, payloads):
+    async with _local_cache(tmp_path, 96, 70, 8 * slab_size(256 << 10), readahead=256 << 10) as (cache, payloads):
         assert cache.slabs.nslabs == 8 and sum(map(len, payloads)) > cache.capacity
         order = list(range(len(payloads)))
         random.Random(5).shuffle(order)
@@ -631,7 +631,7 @@ async def test_a_batch_of_direct_misses_reads_its_records_alone_in_one_trip_to_t
     # misses that go alone in one trip to the disk thread per batch (not one each), checks each, and
     # keeps it in a part of a shared slab; record() then finds it. A record whose local copy is corrupt
     # is not kept, counts one fallback, and record() reports it (one node: no good copy anywhere).
-    async with _local_cache(tmp_path, 96, 71, 8 * (264 << 10), readahead=256 << 10) as (cache, payloads):
+    async with _local_cache(tmp_path, 96, 71, 8 * slab_size(256 << 10), readahead=256 << 10) as (cache, payloads):
         from dlfs.errors import CorruptData
 
         local = cache.fetcher.local

@@ -604,6 +604,32 @@ def test_warmup_fills_the_cache_a_mount_then_reads(dataset: tuple[Node, dict[str
     assert "of this node's chunks into the page cache" in local and "fetched" not in local, local
 
 
+@needs_fuse
+def test_random_reads_of_a_warmed_big_file_read_the_disk_cache(dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    """4 KiB random reads in a big file a warmup put in the disk cache: its blocks and their sums
+    come from the disk cache. A window ended before its last record's sums, so the blocks of a
+    chunk's last record (every piece of a big file cut at a chunk's end) went to the network."""
+    node, files, base = dataset
+    cache_dir = base / "cache-random"
+    node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--cache-dir-size", "1G")
+    big = files["big/shard.bin"]
+    mnt = node.mount("imgs", base / "rnd", "--no-short-circuit", "--cache-dir", str(cache_dir),
+                     "--cache-dir-size", "1G")
+    try:
+        fd = os.open(mnt / "big/shard.bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # one 4 KiB READ each, no read-ahead
+            offsets = list(range(len(big) - 4096 * 2, 4096, -257 * 4096))  # not at 0: that starts a stream
+            for off in offsets:
+                assert os.pread(fd, 4096, off) == big[off : off + 4096], off
+        finally:
+            os.close(fd)
+        sources = wait_stats(node, mnt, len(offsets) * 4096)
+    finally:
+        node.umount(mnt)
+    assert network_bytes(sources) == 0 and sources[SOURCE] >= len(offsets) * 4096, sources
+
+
 @contextmanager
 def _warming(node: Node, name: str, cache_dir: Path, rate: str = "4MB/s") -> Iterator[subprocess.Popen[str]]:
     """`dlfs warmup NAME --no-short-circuit` into `cache_dir` at `rate`, in the background (text pipes);

@@ -143,6 +143,12 @@ class Record:
         """Bytes of the block sums after the stored bytes (0 without them)."""
         return block_count(self.stored_len) * BLOCK_SUM.size if self.flags & FLAG_BLOCK_SUMS else 0
 
+    @property
+    def end(self) -> int:
+        """Chunk offset just past the stored bytes and their block sums: a read that may check any
+        block of the record, not just the whole record, reads up to here."""
+        return self.offset + self.stored_len + self.sums_len
+
 
 @dataclass(frozen=True, slots=True)
 class BlockRange:

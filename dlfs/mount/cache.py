@@ -51,7 +51,7 @@ from dlfs.mount.diskcache import SOURCE as DISK_CACHE
 from dlfs.mount.fetcher import Buffer, Fetcher, verify_window
 from dlfs.mount.held import Held
 from dlfs.mount.localchunks import DIRECT_ALIGN, THREAD_BYTES, ticket
-from dlfs.mount.planner import Planner, window_size
+from dlfs.mount.planner import Planner, window_reach, window_size
 from dlfs.mount.slabs import NO_SLAB, Slabs
 from dlfs.native import native
 from dlfs.units import human_bytes
@@ -92,6 +92,12 @@ def auto_cache_size(limit: MemoryLimit | None = None) -> int:
     return max(MIN_AUTO_CACHE, limit.effective // 4)
 
 
+def slab_size(window: int) -> int:
+    """Bytes of one slab for windows of `window`: a window with its last record's block sums, and the
+    slack of reading it page-aligned (O_DIRECT from local disk), in whole pages."""
+    return -(-window_reach(window) // DIRECT_ALIGN) * DIRECT_ALIGN + DIRECT_ALIGN * 2
+
+
 class ChunkCache:
     def __init__(self, index: Index, client: ClusterClient, capacity: int = 2 << 30,
                  readahead: int = 4 << 20, prefetch: bool = True, retry_timeout: float = 0.0,
@@ -99,9 +105,9 @@ class ChunkCache:
         self.index = index
         self.client = client
         self.window = window_size(index, readahead)
-        # A slab holds a window and the slack of reading it page-aligned (O_DIRECT from local disk); on
-        # 2 MiB pages where `huge_pages` (the mount says no where memory is limited: see lifecycle.py).
-        self.slabs = Slabs(capacity, self.window + DIRECT_ALIGN * 2, huge=huge_pages)
+        self.reach = window_reach(self.window)  # a window's bytes at most, its last record's block sums included
+        # On 2 MiB pages where `huge_pages` (the mount says no where memory is limited: see lifecycle.py).
+        self.slabs = Slabs(capacity, slab_size(self.window), huge=huge_pages)
         self.slab_size, self.capacity = self.slabs.slab_size, self.slabs.capacity
         self.planner = Planner(index, self.window)
         self.fetcher = Fetcher(index, client, retry_timeout)
@@ -484,12 +490,12 @@ class ChunkCache:
         extents = [self.index.extent(i) for i in run]
         chunk = self.index.chunk(extents[0].chunk)
         base, length = self.planner.span(run)
-        slab, at_part, part = self._take_room(length) if length <= self.window else (NO_SLAB, 0, 0)
-        if slab == NO_SLAB and length <= self.window:  # every slab pinned or being filled: no read-ahead
+        slab, at_part, part = self._take_room(length) if length <= self.reach else (NO_SLAB, 0, 0)
+        if slab == NO_SLAB and length <= self.reach:  # every slab pinned or being filled: no read-ahead
             if need is None:
                 return None
             run, extents = [need], [self.index.extent(need)]
-            base, length = extents[0].record.offset, extents[0].record.stored_len
+            base, length = self.planner.span(run)
         into = self.slabs.view(slab, at_part, part) if slab != NO_SLAB else None
         done = self._claim(run, length)
         slab_kept = False

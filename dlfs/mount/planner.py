@@ -22,6 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
+from dlfs.format.chunk import BLOCK_SUM, BLOCK_SUMS_MIN, block_count
 from dlfs.format.index import Index
 from dlfs.native import native
 
@@ -34,13 +35,29 @@ RANDOM_READ_MAX = getattr(native, "RANDOM_READ_MAX", 64 << 10)
 # Windows kept ahead of a file read in order: from the first, doubled whenever a read that reaches
 # Python finds its window still in flight (the reader outran them), up to the most (a slab each).
 STREAM_WINDOWS, STREAM_WINDOWS_MAX = 8, 16
+MIN_WINDOW = 64 << 10  # a smaller --readahead reads windows of this: each fetch is a round trip
 Present = Callable[[int], bool]  # whether an extent is cached or being fetched
 
 
 def window_size(index: Index, readahead: int) -> int:
     """Bytes of a chunk fetched per miss at most (a slab's worth). No fetch spans chunks: a window
     bigger than the dataset's chunks would be memory never used."""
-    return max(min(readahead, index.totals.chunk_size or readahead), 64 << 10)
+    return max(min(readahead, index.totals.chunk_size or readahead), MIN_WINDOW)
+
+
+def window_reach(window: int) -> int:
+    """Chunk bytes one window of at most `window` bytes of records spans at most: those and the block
+    sums of its last record (those of the others lie between them). A record with sums is at least
+    BLOCK_SUMS_MIN, so below that size a window holding one is that record alone, and never fits."""
+    return window + block_count(window) * BLOCK_SUM.size if window >= BLOCK_SUMS_MIN else window
+
+
+def window_span(index: Index, first: int, end: int) -> tuple[int, int]:
+    """(offset in the chunk, length) of the one range that holds the records [first, end) of one
+    chunk with their block sums: what the mount and `dlfs warmup` fetch for a window, so that a
+    block read of any of its records finds its sums in the disk cache too."""
+    a, b = index.extent(first).record, index.extent(end - 1).record
+    return a.offset, b.end - a.offset
 
 
 def chunk_windows(index: Index, ci: int, window: int) -> list[int]:
@@ -96,9 +113,9 @@ class Planner:
         return [i for i in range(lo, hi) if i == ext or self.needed(i, present, sent)]
 
     def span(self, run: list[int]) -> tuple[int, int]:
-        """(offset in the chunk, length) of the one range that covers the records of `run`."""
-        first, last = self.index.extent(run[0]).record, self.index.extent(run[-1]).record
-        return first.offset, last.offset + last.stored_len - first.offset
+        """(offset in the chunk, length) of the one range that covers the records of `run`, and the
+        block sums of its last."""
+        return window_span(self.index, run[0], run[-1] + 1)
 
     # --- streams ---
 
