@@ -788,9 +788,30 @@ def cmd_mount(args: argparse.Namespace) -> int:
         starting.done()  # (nothing, in a process that handed it to the forked mount)
 
 
-def _memory_warning(limit: MemoryLimit, cache_size: int) -> str | None:
+def _cache_floor(cache_size: int, readahead: int, said_as: tuple[str, str]) -> tuple[int, list[str]]:
+    """(the smallest cache a mount with `readahead` can have, what to say of the options it does not
+    take as given, `said_as` the user wrote them): a few windows, each of 64 KiB at least (a window is
+    `readahead`, or a chunk where chunks are smaller, so this is the most that least may be)."""
+    from dlfs.mount.cache import slab_size
+    from dlfs.mount.planner import MIN_WINDOW
+    from dlfs.mount.slabs import MIN_SLABS
+
+    said = []
+    if readahead < MIN_WINDOW:
+        said.append(f"--readahead {said_as[1]} is under the least window, {MIN_WINDOW >> 10} KiB: windows of "
+                    f"{MIN_WINDOW >> 10} KiB are read")
+    window = max(readahead, MIN_WINDOW)
+    least = MIN_SLABS * slab_size(window)
+    if cache_size < MIN_SLABS * window:  # (not for the slack of a few pages each slab has)
+        said.append(f"--cache-size {said_as[0]} is less than the cache's least, {MIN_SLABS} windows of "
+                    f"--readahead: it takes up to {least / (1 << 20):.1f} MiB")
+    return least, said
+
+
+def _memory_warning(limit: MemoryLimit, cache_size: int, least: int = 0) -> str | None:
     """What to say where a mount's memory bound does not fit its memory cgroup's limit (None: it fits):
-    the cache's pages cannot be reclaimed, so under load the mount or its readers are killed for memory."""
+    the cache's pages cannot be reclaimed, so under load the mount or its readers are killed for memory.
+    `least`: the smallest cache the mount can have (what to suggest at most is not below it)."""
     from dlfs.mount.cache import MOUNT_SLACK
 
     if not limit.limited:  # the machine's memory: a cache bigger than it is a typo (1T for 1G)
@@ -802,7 +823,7 @@ def _memory_warning(limit: MemoryLimit, cache_size: int) -> str | None:
     cache, cap = human_mib(cache_size), human_mib(limit.effective)
     if cache_size + MOUNT_SLACK > limit.effective:
         fits = (limit.effective - MOUNT_SLACK) >> 20 << 20  # the biggest cache that would
-        smaller = f", or --cache-size {fits >> 20}M at most" if fits >= 16 << 20 else ""  # (a few windows at least)
+        smaller = f", or --cache-size {fits >> 20}M at most" if fits >= max(least, 1 << 20) else ""
         return (f"this mount may use {human_mib(cache_size + MOUNT_SLACK)} of memory (its cache, {cache}, and "
                 f"{human_mib(MOUNT_SLACK)} for itself), more than its memory cgroup allows ({cap}, the job's own "
                 f"included): under load it may be killed for memory; give the job more memory{smaller}")
@@ -823,10 +844,12 @@ def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: Sta
     check_mountpoint(mountpoint, args.nonempty, home)
     limit = memory_limit()
     cache_size = auto_cache_size(limit) if args.cache_size == "auto" else parse_size(args.cache_size)
-    too_big = _memory_warning(limit, cache_size)
-    if too_big:  # here, not in the background process, whose warnings reach only its log
-        print(f"dlfs: warning: {too_big}", file=sys.stderr)
     readahead = parse_size(args.readahead)
+    least, warnings = _cache_floor(cache_size, readahead, (args.cache_size, args.readahead))
+    too_big = _memory_warning(limit, max(cache_size, least), least)
+    warnings += [too_big] if too_big else []
+    for line in warnings:  # here, not in the background process, whose warnings reach only its log
+        print(f"dlfs: warning: {line}", file=sys.stderr)
     metrics = _metrics_address(args)
     cache_dir, cache_dir_size = _cache_dir_options(args)
     # Here, not in the background process: its errors would reach the user only through its log.
@@ -840,8 +863,9 @@ def _mount(args: argparse.Namespace, home: Path, mountpoint: Path, starting: Sta
     give_freed_memory_back()
     how = "auto: a quarter of that" if args.cache_size == "auto" else "--cache-size"
     log.info("memory: %s; cache %s (%s)", limit.describe(), human_bytes(cache_size), how)
-    if too_big and args.log_file:  # (said on stderr above; to stderr again, without a log file, it would be twice)
-        log.warning("%s", too_big)
+    if args.log_file:  # (said on stderr above; to stderr again, without a log file, it would be twice)
+        for line in warnings:
+            log.warning("%s", line)
     opts = MountOptions(home, cluster, name, version, mountpoint, cache_size, readahead, args.allow_other, metrics,
                         args.short_circuit, threads=args.threads, io_uring=args.io_uring, memory=limit,
                         log_file=Path(args.log_file).absolute() if args.log_file else None,

@@ -236,6 +236,35 @@ def test_a_mount_says_when_its_bound_does_not_fit_its_group(node: Node, tmp_path
                                                             "memory cgroup's limit (300 MiB)")
 
 
+@needs_fuse
+@pytest.mark.timeout(120)
+def test_a_cache_or_window_under_the_least_is_said(node: Node, tmp_path: Path) -> None:
+    """`--cache-size` under 4 windows and `--readahead` under 64 KiB were raised to those without a word
+    (a user who set 1M for a tight job got a cache of 16 MiB); now the mount says so, and serves."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(os.urandom(300_000))
+    node.ingest(src, "least")
+    said = {}
+    for extra in (("--cache-size", "1M"), ("--cache-size", "1", "--readahead", "4K"), ("--cache-size", "16M")):
+        mnt = tmp_path / f"m{len(said)}"
+        mnt.mkdir()
+        proc = subprocess.run([*DLFS, "mount", "least", str(mnt), *extra], env=node.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=CLI_TIMEOUT)
+        try:
+            assert proc.returncode == 0 and (mnt / "a").read_bytes() == (src / "a").read_bytes(), proc.stderr
+            said[extra] = proc.stderr
+        finally:
+            node.umount(mnt)
+    assert said[("--cache-size", "1M")] == ("dlfs: warning: --cache-size 1M is less than the cache's least, 4 windows "
+                                            "of --readahead: it takes up to 16.1 MiB\n")
+    assert said[("--cache-size", "1", "--readahead", "4K")] == (
+        "dlfs: warning: --readahead 4K is under the least window, 64 KiB: windows of 64 KiB are read\n"
+        "dlfs: warning: --cache-size 1 is less than the cache's least, 4 windows of --readahead: it takes up to "
+        "0.3 MiB\n")
+    assert said[("--cache-size", "16M")] == ""  # 4 windows of 4 MiB: the least, as asked
+
+
 def test_a_cache_bigger_than_the_machine_is_warned_of() -> None:
     """No memory cgroup: a cache over the machine's memory (1T typed for 1G) is said, one that fits is not."""
     from dlfs.cgroup import MemoryLimit

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 NO_SLAB = -1
 PREFAULT_AHEAD = 16  # fresh slabs faulted in by a thread ahead of their first use
 PART_ALIGN = 4096  # where parts of a packed slab start: a page (O_DIRECT lands page-aligned)
+MIN_SLABS = 4  # a cache smaller than this many slabs is made this big: a window read, a few ahead
 
 
 def arena_file(size: int, huge: bool = True) -> tuple[int, bool]:
@@ -54,7 +55,7 @@ class Slabs:
 
     def __init__(self, capacity: int, slab_size: int, huge: bool = True) -> None:
         self.slab_size = slab_size
-        self.nslabs = max(capacity // slab_size, 4)
+        self.nslabs = max(capacity // slab_size, MIN_SLABS)
         self.capacity = self.nslabs * slab_size
         # Lazily touched: a large cache costs address space, not memory, until used; the same pages
         # are mapped by dlfs.direct clients.
