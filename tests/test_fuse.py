@@ -516,6 +516,27 @@ def test_dead_mount_is_named_as_such(node: Node, tmp_path: Path) -> None:
     assert (node.mount("dead", mnt) / "f").read_bytes() == b"x" * 1000
 
 
+def test_a_file_read_in_order_comes_in_reads_of_1_mib(node: Node, tmp_path: Path) -> None:
+    """The mount sets its kernel read-ahead (READ_AHEAD_KB): a file read whole reaches it in READs of 1
+    MiB (the kernel's default, 128 KiB, would be eight times as many)."""
+    from dlfs.mount.lifecycle import READ_AHEAD_KB
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(6 << 20)
+    (src / "six").write_bytes(data)
+    node.ingest(src, "inorder")
+    mnt = node.mount("inorder", tmp_path / "mnt")
+    dev = os.stat(mnt).st_dev
+    assert Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text().strip() == str(READ_AHEAD_KB)
+    before = mount_stats_from_now(node.home, mnt)
+    with open(mnt / "six", "rb") as f:
+        assert f.read() == data
+    after = mount_stats_from_now(node.home, mnt)
+    assert after["read_bytes"] - before["read_bytes"] == len(data)
+    assert after["reads"] - before["reads"] == 6, after["reads"] - before["reads"]
+
+
 # --- the node restarts under a mount ----------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_mount_survives_node_restart(node: Node, tmp_path: Path) -> None:
