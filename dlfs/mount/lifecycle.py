@@ -74,11 +74,13 @@ URING_BIG_FILES = 16 << 20
 DIRECT_IO_MIN = 1 << 20
 URING_START = 2.0  # seconds the engine may take to try FUSE over io_uring before a mount says it did not start
 # The mount's kernel read-ahead: READs of 1 MiB (max_pages), about one ahead of the reader. The mount
-# keeps its own windows in flight ahead of a stream, so more READs in flight only raced them: 4 MiB
-# sent three of each big file's first four READs to Python before its first window was asked for, and
-# big files read whole, cold, ran at 1,115 MB/s against 1,198 at 1 MiB (ad-hoc, 6 passes each; 2 MiB
-# 1,161, 8 MiB 1,045; `dlfs bench --only cold`, 3 runs each: 0.86-0.90x local disk at 2 readers against
-# 0.89-0.98x).
+# keeps its own windows in flight ahead of a stream, so more READs in flight only raced them: at 4 MiB
+# three of each big file's first four READs reached Python before its first window was asked for (125
+# READs to Python a pass of 32 big files, 40 at 1 MiB). Big files read whole, cold, one reader: 1,115
+# MB/s at 4 MiB against 1,198 at 1 MiB (2 MiB 1,161, 8 MiB 1,045; ad-hoc, 6 passes each); three runs
+# each of `dlfs bench --only cold`, 2 readers: 0.86-0.90x local disk at 4 MiB, 0.89-0.98x at 1 MiB;
+# two of `dlfs bench --quick`: alike within their noise, raw 1 MiB readinto 1,062-1,163 MB/s against
+# 1,252-1,276.
 READ_AHEAD_KB = 1024
 URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
 MOUNT_PROCESS_NAME = "dlfs-mount"  # its name in top and pgrep; `ps -ef` shows `dlfs mount NAME@V MNT`
