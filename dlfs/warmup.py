@@ -90,6 +90,7 @@ class Window:
     end: int
     offset: int
     length: int
+    least: int  # the length without its last record's block sums: enough, where a disk cache holds that
     files: int = 0  # chosen files whose last extent is in it: done once it is
 
 
@@ -286,7 +287,7 @@ async def warmup(client: ClusterClient, home: Path, name: str, version: int | No
                     report.page_cached += await trio.to_thread.run_sync(_read_local, held, w.offset, w.length)
                 elif disk is None:
                     report.skipped += w.length
-                elif disk.holds(cid, [(w.offset, w.length)]):
+                elif disk.holds(cid, [(w.offset, w.length)], w.least):
                     report.cached += w.length
                 elif disk.broken:  # (it said so in a warning line): fetching on would keep nothing
                     raise DlfsError(f"disk cache {disk.root}: {disk.broken}, so nothing more is kept there; the next "

@@ -630,6 +630,40 @@ def test_random_reads_of_a_warmed_big_file_read_the_disk_cache(dataset: tuple[No
     assert network_bytes(sources) == 0 and sources[SOURCE] >= len(offsets) * 4096, sources
 
 
+@needs_fuse
+def test_a_disk_cache_kept_before_windows_had_their_sums_still_serves(
+        dataset: tuple[Node, dict[str, bytes], Path]) -> None:
+    """A disk cache filled before windows held their last record's block sums (each window's records
+    alone): a mount reads every file from it, nothing from the network, and a warmup finds it all
+    there. Had the longer windows missed, an upgrade would have fetched every big file again."""
+    from dlfs.data.store import chunk_path
+    from dlfs.format.index import Index
+    from dlfs.mount.planner import window_size
+    from dlfs.warmup import plan
+
+    node, files, base = dataset
+    total = sum(len(b) for b in files.values())
+    cache_dir = base / "cache-old"
+    idx = Index(node.home / "meta" / "index" / "imgs" / "1.idx")
+    try:
+        files_ino = [i for i in range(1, idx.totals.inodes + 1) if stat.S_ISREG(idx.inode(i).mode)]
+        windows = plan(idx, files_ino, window_size(idx, 4 << 20))
+        assert any(w.least < w.length for w in windows)  # the big file's windows end with block sums
+        old = DiskCache(cache_dir, size=1 << 30)
+        for w in windows:
+            cid = idx.chunk(w.ci).id
+            with open(chunk_path(node.home / "data" / "chunks", cid), "rb") as f:
+                f.seek(w.offset)
+                old.store(cid, [(w.offset, w.least)], [f.read(w.least)])
+        old.close()
+    finally:
+        idx.close()
+    sources = mounted_epoch(node, base, cache_dir, files, "old")
+    assert network_bytes(sources) == 0 and sources[SOURCE] >= total, sources
+    out = node.run("warmup", "imgs", "--no-short-circuit", "--cache-dir", cache_dir, "--cache-dir-size", "1G").stdout
+    assert "fetched 0 B" in out, out
+
+
 @contextmanager
 def _warming(node: Node, name: str, cache_dir: Path, rate: str = "4MB/s") -> Iterator[subprocess.Popen[str]]:
     """`dlfs warmup NAME --no-short-circuit` into `cache_dir` at `rate`, in the background (text pipes);

@@ -489,13 +489,13 @@ class ChunkCache:
         (`order`: its ticket, taken when it was queued)."""
         extents = [self.index.extent(i) for i in run]
         chunk = self.index.chunk(extents[0].chunk)
-        base, length = self.planner.span(run)
+        base, length, least = self.planner.span(run)
         slab, at_part, part = self._take_room(length) if length <= self.reach else (NO_SLAB, 0, 0)
         if slab == NO_SLAB and length <= self.reach:  # every slab pinned or being filled: no read-ahead
             if need is None:
                 return None
             run, extents = [need], [self.index.extent(need)]
-            base, length = self.planner.span(run)
+            base, length, least = self.planner.span(run)
         into = self.slabs.view(slab, at_part, part) if slab != NO_SLAB else None
         done = self._claim(run, length)
         slab_kept = False
@@ -516,7 +516,7 @@ class ChunkCache:
 
         try:
             return await self.fetcher.ranges(chunk.id, [(base, length)], into, keep,
-                                             urgent=need is not None, order=order)
+                                             urgent=need is not None, order=order, least=least)
         finally:
             if not slab_kept and slab != NO_SLAB:
                 (self.slabs.release_part if part else self.slabs.give)(slab)

@@ -425,13 +425,21 @@ class DiskCache:
                 return False
         return True
 
-    def lookup(self, cid: bytes, ranges: Sequence[tuple[int, int]]) -> Path | None:
-        """The file holding all of `ranges` of chunk `cid`, if this cache has them; None otherwise."""
+    def lookup(self, cid: bytes, ranges: Sequence[tuple[int, int]],
+               least: int | None = None) -> tuple[Path, list[tuple[int, int]]] | None:
+        """(the file holding all of `ranges` of chunk `cid`, those ranges), if this cache has them; else,
+        with `least`, the first range cut to that length where it has that (a window without its last
+        record's block sums, as kept before windows had them); None otherwise."""
         db = self._db(LOOKUP_BUSY_MS)
         row = db.execute("SELECT file FROM chunks WHERE cid=?", (cid,)).fetchone()
-        if row is None or not self._covered(db, cid, ranges):
+        if row is None:
             return None
-        return self._path(row[0])
+        if self._covered(db, cid, ranges):
+            return self._path(row[0]), list(ranges)
+        shorter = [(ranges[0][0], least), *ranges[1:]] if least is not None and least < ranges[0][1] else None
+        if shorter is not None and self._covered(db, cid, shorter):
+            return self._path(row[0]), shorter
+        return None
 
     def _path(self, name: str) -> Path:
         return self.chunk_dir / name[:2] / name
@@ -455,21 +463,23 @@ class DiskCache:
     # --- reads (the event loop) ---
 
     async def read(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None = None,
-                   urgent: bool = True, order: int | None = None) -> list[memoryview] | None:
+                   urgent: bool = True, order: int | None = None, least: int | None = None) -> list[memoryview] | None:
         """The ranges of chunk `cid` (the first into `into` when given), unchecked (the caller checks
-        them, and calls drop() if they are bad), if this cache holds them all; None otherwise."""
+        them, and calls drop() if they are bad), if this cache holds them all (or, with `least`, the
+        first cut to that length: see lookup); None otherwise."""
         if self._closed or self.broken:
             return None
         try:
-            path = self.lookup(cid, ranges)
+            found = self.lookup(cid, ranges, least)
         except sqlite3.Error as exc:
             self.errors += 1
             if not self.note_damage(exc):
                 log.debug("disk cache lookup of chunk %s: %s", cid.hex(), exc)
             return None
-        if path is None or path.name in self._bad:
+        if found is None or found[0].name in self._bad:
             self.misses += 1
             return None
+        path, ranges = found
         self._read_from[cid] = path.name
         try:
             pieces = await self.disk.run(_read_ranges, path, ranges, into, nbytes=sum(n for _, n in ranges),
@@ -629,12 +639,13 @@ class DiskCache:
                 raise
             return 0
 
-    def holds(self, cid: bytes, ranges: Sequence[tuple[int, int]]) -> bool:
-        """Whether the cache holds all of `ranges` of chunk `cid` (False once this process stopped using it)."""
+    def holds(self, cid: bytes, ranges: Sequence[tuple[int, int]], least: int | None = None) -> bool:
+        """Whether the cache holds all of `ranges` of chunk `cid` (or, with `least`, enough: see lookup;
+        False once this process stopped using it)."""
         if self.broken:
             return False
         try:
-            return self.lookup(cid, ranges) is not None
+            return self.lookup(cid, ranges, least) is not None
         except sqlite3.Error as exc:
             if not self.note_damage(exc):
                 raise

@@ -106,14 +106,15 @@ class Fetcher:
 
     async def ranges(self, cid: bytes, ranges: list[tuple[int, int]], into: memoryview | None,
                      check: Callable[[Sequence[Buffer], str], Awaitable[T]], urgent: bool = True,
-                     order: int | None = None, keep: bool = True) -> T:
+                     order: int | None = None, keep: bool = True, least: int | None = None) -> T:
         """Ranges (offset, length) of chunk `cid` from the first source whose bytes pass `check`
         (CorruptData from it moves on to the next; so does a replica that is down). The first range
         lands in `into` where the source can put it there. What a replica sent is counted as fetched
         from it (good or not), what this machine's chunk files or the disk cache gave once it is good;
         good bytes from a replica go to the disk cache (`keep`). `urgent`: a read waits for replicas
-        through a restart and goes before read-ahead at the disk; `order`: read-ahead's ticket.
-        CorruptData or Unreachable if no source has good bytes."""
+        through a restart and goes before read-ahead at the disk; `order`: read-ahead's ticket; `least`:
+        the first range's length the disk cache may give instead (a window without its last record's
+        block sums). CorruptData or Unreachable if no source has good bytes."""
         if self.local is not None:
             pieces = await self.local.read_ranges(cid, ranges, into, urgent, order)
             if pieces is not None:
@@ -126,7 +127,7 @@ class Fetcher:
                     self._count(self.local.node, sum(len(p) for p in local))
                     return out
         if self.disk is not None:
-            held = await self.disk.read(cid, ranges, into, urgent, order)
+            held = await self.disk.read(cid, ranges, into, urgent, order, least)
             if held is not None:
                 try:
                     out = await check(held, DISK_CACHE)

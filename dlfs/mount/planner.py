@@ -52,12 +52,14 @@ def window_reach(window: int) -> int:
     return window + block_count(window) * BLOCK_SUM.size if window >= BLOCK_SUMS_MIN else window
 
 
-def window_span(index: Index, first: int, end: int) -> tuple[int, int]:
-    """(offset in the chunk, length) of the one range that holds the records [first, end) of one
-    chunk with their block sums: what the mount and `dlfs warmup` fetch for a window, so that a
-    block read of any of its records finds its sums in the disk cache too."""
+def window_span(index: Index, first: int, end: int) -> tuple[int, int, int]:
+    """(offset in the chunk, length, least) of the one range that holds the records [first, end) of
+    one chunk with their block sums: what the mount and `dlfs warmup` fetch for a window, so that a
+    block read of any of its records finds its sums in the disk cache too. `least`: the length without
+    the last record's sums, enough to serve every record whole (what a disk cache filled before
+    2026-12-06 holds of a window)."""
     a, b = index.extent(first).record, index.extent(end - 1).record
-    return a.offset, b.end - a.offset
+    return a.offset, b.end - a.offset, b.offset + b.stored_len - a.offset
 
 
 def chunk_windows(index: Index, ci: int, window: int) -> list[int]:
@@ -112,9 +114,9 @@ class Planner:
         lo, hi = self.window_of(ext)
         return [i for i in range(lo, hi) if i == ext or self.needed(i, present, sent)]
 
-    def span(self, run: list[int]) -> tuple[int, int]:
-        """(offset in the chunk, length) of the one range that covers the records of `run`, and the
-        block sums of its last."""
+    def span(self, run: list[int]) -> tuple[int, int, int]:
+        """(offset in the chunk, length, least) of the one range that covers the records of `run`, and
+        the block sums of its last (window_span)."""
         return window_span(self.index, run[0], run[-1] + 1)
 
     # --- streams ---
