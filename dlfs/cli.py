@@ -1306,7 +1306,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most memory for file data fetched but not yet read (default auto: a quarter of the "
                          "memory the mount may use: its memory cgroup's limit where there is one, else physical "
                          "memory; at least 64M); data already read lives in the page cache")
-    sp.add_argument("--readahead", default="4M", metavar="SIZE", help="bytes fetched per miss within a chunk (default 4M)")
+    sp.add_argument("--readahead", default="4M", metavar="SIZE",
+                    help="bytes fetched per miss within a chunk (default 4M; 64K at least)")
     sp.add_argument("--allow-other", dest="allow_other", action="store_true", default=os.geteuid() == 0,
                     help="let other users read the mount (default when run as root)")
     sp.add_argument("--no-allow-other", dest="allow_other", action="store_false", help=argparse.SUPPRESS)
