@@ -639,15 +639,14 @@ def test_a_disk_cache_kept_before_windows_had_their_sums_still_serves(
     from dlfs.data.store import chunk_path
     from dlfs.format.index import Index
     from dlfs.mount.planner import window_size
-    from dlfs.warmup import plan
+    from dlfs.warmup import _files_under, plan
 
     node, files, base = dataset
     total = sum(len(b) for b in files.values())
     cache_dir = base / "cache-old"
     idx = Index(node.home / "meta" / "index" / "imgs" / "1.idx")
     try:
-        files_ino = [i for i in range(1, idx.totals.inodes + 1) if stat.S_ISREG(idx.inode(i).mode)]
-        windows = plan(idx, files_ino, window_size(idx, 4 << 20))
+        windows = plan(idx, _files_under(idx, [], "imgs@1"), window_size(idx, 4 << 20))
         assert any(w.least < w.length for w in windows)  # the big file's windows end with block sums
         old = DiskCache(cache_dir, size=1 << 30)
         for w in windows:
