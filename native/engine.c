@@ -24,6 +24,7 @@
 
 #include "engine.h"
 #include "diskcache.h"
+#include "hugebuf.h"
 #include "remote.h"
 
 #define DEV_BUF ((1 << 20) + 4096) /* max_write (1 MiB) + headers: the kernel refuses smaller reads */
@@ -64,6 +65,8 @@ static struct {
     struct dlfs_serve serve;
     struct worker *workers;
     int nworkers;
+    char *scratch; /* the workers' reply buffers, SCRATCH bytes each, on huge pages (hugebuf.h) */
+    size_t scratch_size;
     uint64_t init_unique; /* INIT's, until its reply (from pyfuse3's thread) is seen */
     int init_amended;     /* whether that reply said shared mmap of FOPEN_DIRECT_IO files is allowed */
 } E = {.devfd = -1, .wake_fd = -1, .proto_ok = -1, .lock = PTHREAD_MUTEX_INITIALIZER};
@@ -95,6 +98,13 @@ static void on_stop_signal(int sig)
 }
 
 /* Put back the stop signal's handler from before dlfs_engine_start (once no thread of ours can get it). */
+static void drop_scratch(void)
+{
+    dlfs_hugebuf_unmap(E.scratch, E.scratch_size);
+    E.scratch = NULL;
+    E.scratch_size = 0;
+}
+
 static void restore_stop_signal(void)
 {
     if (E.stop_installed && sigaction(stop_signal(), &E.old_stop, NULL) == 0)
@@ -384,12 +394,10 @@ static void *reader_main(void *arg)
         pthread_setaffinity_np(pthread_self(), sizeof one, &one);
     }
     char *buf = malloc(DEV_BUF);
-    w->reply.scratch = malloc(SCRATCH);
+    w->reply.scratch = E.scratch + (size_t)(w - E.workers) * SCRATCH; /* scan mode reads records into it */
     w->reply.scratch_size = SCRATCH;
-    if (!buf || !w->reply.scratch) {
-        free(buf);
+    if (!buf)
         return NULL;
-    }
     while (!atomic_load_explicit(&E.stopping, memory_order_relaxed)) {
         ssize_t n = read(E.devfd, buf, DEV_BUF);
         if (n < 0) {
@@ -481,8 +489,10 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
     }
     E.workers = calloc((size_t)threads, sizeof *E.workers);
     P.reply.scratch = malloc(SCRATCH);
+    E.scratch_size = (size_t)threads * SCRATCH;
+    E.scratch = dlfs_hugebuf_map(E.scratch_size);
     int err = ENOMEM;
-    if (!E.workers || !P.reply.scratch)
+    if (!E.workers || !P.reply.scratch || !E.scratch)
         goto fail;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -520,6 +530,7 @@ int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring)
         set_serving();
         free(E.workers);
         E.workers = NULL;
+        drop_scratch();
         restore_stop_signal();
         errno = EAGAIN;
         return -1;
@@ -532,6 +543,7 @@ fail:
     free(P.reply.scratch);
     E.workers = NULL;
     P.reply.scratch = NULL;
+    drop_scratch();
     errno = err;
     return -1;
 }
@@ -643,8 +655,7 @@ int dlfs_engine_release(void)
         E.se = NULL;
         return E.abandoned;
     }
-    for (int i = 0; i < E.nworkers; i++)
-        free(E.workers[i].reply.scratch);
+    drop_scratch();
     free(E.workers);
     free(P.reply.scratch);
     P.reply.scratch = NULL;

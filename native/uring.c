@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "hugebuf.h"
 
 /* The kernel's io_uring FUSE ABI (include/uapi/linux/fuse.h since 6.14; newer than this system's headers). */
 struct uring_ent_in_out {
@@ -97,7 +98,6 @@ struct record {
     uint64_t lo;
     uint32_t len;
     uint64_t age; /* when it was started, in the queue's count of starts (the oldest READ one is reused first) */
-    char *buf;    /* RECORD_BUF bytes, page-aligned, mapped on first use */
     char *into;   /* where it is read: buf, or (a record too big for it) its READ's entry's payload */
 };
 enum { FREE, READING, READ };
@@ -108,6 +108,7 @@ struct queue {
     struct ring r;
     struct entry ent[ENTRIES];
     struct record rec[RECORDS];
+    char *records; /* the records' buffers, RECORD_BUF bytes each: one huge page (hugebuf.h) */
     uint64_t starts;
     int score; /* how well LOOKUPs have foretold READs lately (AHEAD_MIN..AHEAD_MAX) */
     unsigned probe;
@@ -302,14 +303,13 @@ static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, 
     return best;
 }
 
-/* Slot s's own buffer, mapped on its first use; NULL if it cannot be. */
-static char *record_buf(struct record *s)
+/* Slot s's own buffer, its part of the queue's records' huge page(s), mapped on the queue's first
+ * record; NULL if it cannot be. */
+static char *record_buf(struct queue *q, struct record *s)
 {
-    if (!s->buf) {
-        void *m = mmap(NULL, RECORD_BUF, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        s->buf = m == MAP_FAILED ? NULL : m;
-    }
-    return s->buf;
+    if (!q->records)
+        q->records = dlfs_hugebuf_map(RECORDS * (size_t)RECORD_BUF);
+    return q->records ? q->records + (size_t)(s - q->rec) * RECORD_BUF : NULL;
 }
 
 /* Start reading record `ext` (`e`) for slot s on the ring, into `into` (`room` bytes, page-aligned); 0 if
@@ -371,7 +371,7 @@ static int record_read(struct queue *q, const struct dlfs_serve *sv, int i, uint
         uint64_t at;
         int big = dlfs_record_span(&e, &at) > RECORD_BUF;
         if (!(big ? record_start(q, sv, s, ext, &e, q->ent[i].payload, PAYLOAD)
-                  : record_start(q, sv, s, ext, &e, record_buf(s), RECORD_BUF)))
+                  : record_start(q, sv, s, ext, &e, record_buf(q, s), RECORD_BUF)))
             return 0;
         s->ahead = 0;
     } else if (s->ahead) {
@@ -402,7 +402,7 @@ static void ahead(struct queue *q, const struct dlfs_serve *sv, uint64_t ino)
     if (dlfs_record_span(&e, &at) > RECORD_BUF)
         return; /* read into its READ's buffer, once it comes */
     struct record *s = record_slot(q, sv, 1);
-    if (s && record_start(q, sv, s, ext, &e, record_buf(s), RECORD_BUF)) {
+    if (s && record_start(q, sv, s, ext, &e, record_buf(q, s), RECORD_BUF)) {
         s->ahead = 1;
         s->waiter = -1;
         DLFS_COUNT(&q->counters, records_ahead, 1);
@@ -624,9 +624,7 @@ static void free_queue(struct queue *q)
         if (q->ent[i].payload)
             munmap(q->ent[i].payload, PAYLOAD);
     }
-    for (int k = 0; k < RECORDS; k++)
-        if (q->rec[k].buf)
-            munmap(q->rec[k].buf, RECORD_BUF);
+    dlfs_hugebuf_unmap(q->records, RECORDS * (size_t)RECORD_BUF);
     free(q->reply.scratch);
     if (q->wake_fd >= 0)
         close(q->wake_fd);
