@@ -20,7 +20,7 @@ setup(
             "dlfs._native",
             sources=["native/module.c", "native/fusehook.c", "native/engine.c", "native/uring.c", "native/answer.c",
                      "native/shm.c", "native/indexview.c", "native/indexobj.c", "native/cacheregion.c",
-                     "native/cacheowner.c", "native/direct.c", "native/hugearena.c", "native/hugebuf.c", "native/chunkfiles.c", "native/diskcache.c", "native/remote.c", "native/rangeserve.c"],
+                     "native/cacheowner.c", "native/direct.c", "native/hugearena.c", "native/hugebuf.c", "native/ahead.c", "native/chunkfiles.c", "native/diskcache.c", "native/remote.c", "native/rangeserve.c"],
             depends=["native/fusehook.h", "native/engine.h", "native/answer.h", "native/shm.h", "native/indexview.h",
                      "native/module.h", "native/cacheregion.h", "native/chunkfiles.h", "native/hash.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration", *fuse3_cflags()],

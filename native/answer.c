@@ -23,6 +23,7 @@
 
 #include "answer.h"
 #include "remote.h"
+#include "ahead.h"
 #include "chunkfiles.h"
 #include "diskcache.h"
 
@@ -432,6 +433,10 @@ static void unpin_all(const struct dlfs_serve *sv, struct dlfs_reply *rp)
         big_give(rp->big);
         rp->big = 0;
     }
+    if (rp->ahead) {
+        dlfs_ahead_give(rp->ahead, 0);
+        rp->ahead = 0;
+    }
 }
 
 void dlfs_serve_local_free(int local_dir, struct dlfs_sums *sums, struct dlfs_chunk_files *files)
@@ -795,14 +800,28 @@ static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
 }
 
 /* A whole uncompressed record (no block sums: small) of a local chunk, read into the scratch buffer
- * and checked against its checksum (as dlfs/format/chunk.py's decode_record). */
-static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
+ * (or already read at its file's LOOKUP: ahead.h) and checked against its checksum (as
+ * dlfs/format/chunk.py's decode_record). */
+static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64_t ext, const struct dlfs_extent *e,
                        struct dlfs_counters *c)
 {
+    const char *early;
+    const struct dlfs_chunk_ref *held;
+    int slot = dlfs_ahead_take(ext, &early, &held, c);
+    if (slot) {
+        if (check_record(e, early, held, c) < 0) {
+            dlfs_ahead_give(slot, 1);
+            return -1;
+        }
+        rp->ahead = slot; /* given back once the reply is sent */
+        add(rp, early, e->raw_len);
+        return 0;
+    }
     struct dlfs_chunk_ref f;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
     if (record_file(sv, e, id, 1, &f) < 0)
         return fetch_record(rp, e, id, c);
+    dlfs_ahead_missed();
     char *got = direct_record(sv, &f, rp, e);
     if (!got) {
         got = rp->scratch;
@@ -846,7 +865,7 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
             rp->record_ext = ext;
             return 1;
         }
-        return read_record(sv, rp, e, c);
+        return read_record(sv, rp, ext, e, c);
     }
     return -1;
 }

@@ -76,6 +76,7 @@ struct dlfs_reply {
     uint32_t async_max;  /* and records with block sums whose span is up to this, into the reply's own buffer */
     uint64_t record_ext; /* with DLFS_RECORD: the record the READ wants */
     int big;             /* 1 + the shared buffer (DLFS_BIG_BUFFERS) the reply's bytes are in, until it is sent; 0 none */
+    int ahead;           /* the slot of a record read at its LOOKUP (ahead.h) the bytes are in, until sent; 0 none */
 };
 
 /* Buffers shared by the /dev/fuse threads for whole records with block sums (256 KiB to 1 MiB) fetched

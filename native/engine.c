@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "ahead.h"
 #include "diskcache.h"
 #include "hugebuf.h"
 #include "remote.h"
@@ -366,7 +367,11 @@ static void handle(struct worker *w, const char *buf, size_t n)
         r = dlfs_answer(&E.serve, &rq, &w->reply, &w->counters);
     }
     if (r == DLFS_ANSWERED) {
+        uint64_t looked_up = in->opcode == FUSE_LOOKUP && !w->reply.out.error && !dlfs_uring_queues()
+                                 ? ((const struct fuse_entry_out *)w->reply.iov[1].iov_base)->nodeid : 0;
         send_reply(&w->reply);
+        if (looked_up) /* its file's record from the disk, while the reader opens it (ahead.h) */
+            dlfs_ahead_lookup(&E.serve, looked_up, &w->counters);
     } else if (r == DLFS_PARK) {
         dlfs_engine_park(buf, (uint32_t)n, &w->counters);
     } else if (r == DLFS_FORWARD) {
@@ -668,6 +673,7 @@ int dlfs_engine_release(void)
     E.nworkers = 0;
     close(E.devfd);
     close(E.wake_fd);
+    dlfs_ahead_reset(); /* its slots hold chunk files */
     dlfs_serve_local_free(E.serve.local_dir, E.serve.sums, E.serve.files);
     dlfs_remote_close(); /* no thread fetches any more: the connections Python handed over end here */
     dlfs_dcache_close();
