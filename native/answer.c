@@ -24,6 +24,7 @@
 #include "answer.h"
 #include "remote.h"
 #include "ahead.h"
+#include "hugebuf.h"
 #include "chunkfiles.h"
 #include "diskcache.h"
 
@@ -393,6 +394,7 @@ static struct {
     pthread_mutex_t lock;
     char *buf[DLFS_BIG_BUFFERS];
     int used[DLFS_BIG_BUFFERS];
+    char *region; /* the buffers, back to back on huge pages (hugebuf.h): O_DIRECT reads land in them */
 } big = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* A free shared buffer, taken: 1 + its index, or 0 if none (all in use, or no memory). */
@@ -403,12 +405,9 @@ static int big_take(void)
     for (int i = 0; i < DLFS_BIG_BUFFERS && !k; i++) {
         if (big.used[i])
             continue;
-        if (!big.buf[i]) {
-            void *m = mmap(NULL, DLFS_BIG_BUFFER, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (m == MAP_FAILED)
-                break;
-            big.buf[i] = m;
-        }
+        if (!big.region && !(big.region = dlfs_hugebuf_map(DLFS_BIG_BUFFERS * (size_t)DLFS_BIG_BUFFER)))
+            break;
+        big.buf[i] = big.region + (size_t)i * DLFS_BIG_BUFFER;
         big.used[i] = 1;
         k = i + 1;
     }
@@ -759,21 +758,18 @@ static int fetch_record(struct dlfs_reply *rp, const struct dlfs_extent *e, cons
     return 0;
 }
 
-/* A whole record with block sums of a chunk this machine does not hold, for a thread whose own buffer is
- * too small (/dev/fuse): fetched into a shared buffer, which the reply holds until it is sent. 0, or -1
- * (Python's: this machine's chunk, no buffer free, the fetch failed or its check). */
-static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
+/* A whole record with block sums, for a thread whose own buffer is too small (/dev/fuse): read from this
+ * machine's chunk file (O_DIRECT where it is page-aligned, as in version 3 chunks) or the disk cache's,
+ * or fetched, into a shared buffer, which the reply holds until it is sent. 0, or -1 (Python's: no buffer
+ * free, the read or fetch failed or its check). FUSE over io_uring reads it into the ring's own buffer. */
+static int whole_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const struct dlfs_extent *e,
                      struct dlfs_counters *c)
 {
-    if ((!dlfs_remote_on() && !dlfs_dcache_on()) || e->stored_len > DLFS_BIG_BUFFER || rp->big)
+    if ((sv->local_dir < 0 && !dlfs_remote_on() && !dlfs_dcache_on()) || e->stored_len > DLFS_BIG_BUFFER || rp->big)
         return -1;
     const uint8_t *id = dlfs_ix_chunk_id(&sv->ix, e->chunk);
     struct dlfs_chunk_ref f;
-    int cached = record_file(sv, e, id, 0, &f) == 0;
-    if (cached && !dlfs_dcache_ref(&f)) {
-        dlfs_chunk_put(&f, 0); /* this machine's: its blocks are read (read_blocks) */
-        return -1;
-    }
+    int cached = record_file(sv, e, id, 1, &f) == 0;
     if (!cached && !dlfs_remote_on())
         return -1;
     int k = big_take();
@@ -782,10 +778,20 @@ static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
             dlfs_chunk_put(&f, 0);
         return -1;
     }
-    char *buf = big.buf[k - 1];
+    char *buf = big.buf[k - 1], *got = buf;
     int bad = 0;
-    if (cached) { /* the disk cache's copy */
-        bad = check_record(e, pread_all(f.fd, buf, e->stored_len, (off_t)e->offset) < 0 ? NULL : buf, &f, c) < 0;
+    if (cached) { /* this machine's chunk file, or the disk cache's copy */
+        uint64_t lo = 0;
+        ssize_t n = -1;
+        if (f.direct >= 0 && dlfs_record_span(e, &lo) <= DLFS_BIG_BUFFER) {
+            n = pread(f.direct, buf, dlfs_record_span(e, &lo), (off_t)lo);
+            if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
+                dlfs_chunk_no_direct(&f);
+            got = buf + (e->offset - lo);
+        }
+        if (n < 0 || (uint64_t)n < e->offset - lo + e->stored_len) /* not read so: through the page cache */
+            got = pread_all(f.fd, buf, e->stored_len, (off_t)e->offset) < 0 ? NULL : buf;
+        bad = check_record(e, got, &f, c) < 0;
         dlfs_chunk_put(&f, bad);
     } else {
         bad = fetch_checked(e, id, buf, DLFS_BIG_BUFFER, c) < 0;
@@ -795,7 +801,7 @@ static int fetch_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
         return -1;
     }
     rp->big = k;
-    add(rp, buf, e->raw_len);
+    add(rp, got, e->raw_len);
     return 0;
 }
 
@@ -856,7 +862,7 @@ static int read_local(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
             rp->record_ext = ext;
             return 1;
         }
-        if (scan && !rp->async_records && whole_file && lo == 0 && hi == e->raw_len && fetch_big(sv, rp, e, c) == 0)
+        if (scan && !rp->async_records && whole_file && lo == 0 && hi == e->raw_len && whole_big(sv, rp, e, c) == 0)
             return 0;
         return sv->sums && size <= DLFS_RANDOM_READ_MAX ? read_blocks(sv, rp, ext, e, lo, hi, c) : -1;
     }

@@ -79,10 +79,11 @@ struct dlfs_reply {
     int ahead;           /* the slot of a record read at its LOOKUP (ahead.h) the bytes are in, until sent; 0 none */
 };
 
-/* Buffers shared by the /dev/fuse threads for whole records with block sums (256 KiB to 1 MiB) fetched
- * from data daemons in scan mode: a thread's own buffer (DLFS_REPLY_SCRATCH) holds only smaller ones.
- * Mapped on first use and kept: at most DLFS_BIG_BUFFERS * DLFS_BIG_BUFFER of memory, touched as used.
- * None free: the READ goes to Python. (FUSE over io_uring fetches into the ring entry's own buffer.) */
+/* Buffers shared by the /dev/fuse threads for whole records with block sums (256 KiB to 1 MiB) read from
+ * chunk files or the disk cache, or fetched from data daemons, in scan mode: a thread's own buffer
+ * (DLFS_REPLY_SCRATCH) holds only smaller ones. Mapped on first use, on huge pages, and kept: at most
+ * DLFS_BIG_BUFFERS * DLFS_BIG_BUFFER of memory rounded up to 2 MiB pages, touched as used. None free:
+ * the READ goes to Python. (FUSE over io_uring reads into the ring entry's own buffer.) */
 #define DLFS_BIG_BUFFERS 4
 #define DLFS_BIG_BUFFER ((1 << 20) + 4096)
 

@@ -485,11 +485,14 @@ def test_the_disk_cache_evicting_under_the_threads_reads_costs_no_byte(node: Nod
 
 
 @pytest.mark.timeout(120)
-def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: Node, tmp_path: Path) -> None:
+@pytest.mark.parametrize("io_uring", ["on", "off"], ids=["io-uring", "dev-fuse"])
+def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: Node, tmp_path: Path,
+                                                                        io_uring: str) -> None:
     # Files of 256 KiB-1 MiB are one record each with block sums, page-aligned in their chunk: in scan mode
     # a queue of FUSE over io_uring reads such a file whole with O_DIRECT into the READ's own reply
-    # buffer and checks the record's checksum, with no copy and no word to Python (4% of an epoch of
-    # ImageNet-like files, which Python once answered at ~1 ms of CPU each). A flipped byte: EIO.
+    # buffer (a /dev/fuse thread into one of a few shared ones) and checks the record's checksum, with no
+    # word to Python (4% of an epoch of ImageNet-like files, which Python once answered at ~1 ms of CPU
+    # each). A flipped byte: EIO.
     rng = random.Random(4)
     src = tmp_path / "src"
     src.mkdir()
@@ -510,7 +513,7 @@ def test_scan_mode_reads_files_of_one_big_record_straight_into_the_reply(node: N
         spoil(node, idx.chunk(ext.chunk).id, ext.record.offset + 200_000, 0x10)
         e1 = first_record(idx, "e1.jpg").record
         assert not e1.has_block_sums and e1.offset % 4096 and e1.offset % 4096 + e1.stored_len > 256 << 10, e1
-    mnt = node.mount("b", tmp_path / "mnt", "--cache-size", "1M", "--io-uring", "on")
+    mnt = node.mount("b", tmp_path / "mnt", "--cache-size", "1M", "--io-uring", io_uring)
     for rel in names[:30]:
         assert read_and_drop(mnt / rel) == files[rel], rel
     half = mount_stats_from_now(node.home, mnt)["engine"]  # read-ahead full of windows not yet read whole
