@@ -98,7 +98,7 @@ static void on_stop_signal(int sig)
     (void)sig;
 }
 
-/* Put back the stop signal's handler from before dlfs_engine_start (once no thread of ours can get it). */
+/* Let go of the workers' reply buffers (once no thread of ours can use them). */
 static void drop_scratch(void)
 {
     dlfs_hugebuf_unmap(E.scratch, E.scratch_size);
@@ -106,6 +106,7 @@ static void drop_scratch(void)
     E.scratch_size = 0;
 }
 
+/* Put back the stop signal's handler from before dlfs_engine_start (once no thread of ours can get it). */
 static void restore_stop_signal(void)
 {
     if (E.stop_installed && sigaction(stop_signal(), &E.old_stop, NULL) == 0)

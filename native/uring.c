@@ -98,7 +98,8 @@ struct record {
     uint64_t lo;
     uint32_t len;
     uint64_t age; /* when it was started, in the queue's count of starts (the oldest READ one is reused first) */
-    char *into;   /* where it is read: buf, or (a record too big for it) its READ's entry's payload */
+    char *into;   /* where it is read: its slot's buffer (record_buf), or (a record too big for it) its
+                   * READ's entry's payload */
 };
 enum { FREE, READING, READ };
 
