@@ -116,10 +116,10 @@ def test_io_uring_setting(tmp_path: Path) -> None:
     assert want_io_uring("on", param) is True and param.read_text() == "Y"
     # A dataset of big files: auto serves from /dev/fuse (and leaves the module's switch alone); on: a ring.
     param.write_text("N\n")
-    assert want_io_uring("auto", param, mean_file=URING_BIG_FILES) is False and param.read_text() == "N\n"
-    assert want_io_uring("auto", param, mean_file=URING_BIG_FILES - 1) is True
+    assert want_io_uring("auto", param, bulk_file=URING_BIG_FILES) is False and param.read_text() == "N\n"
+    assert want_io_uring("auto", param, bulk_file=URING_BIG_FILES - 1) is True
     param.write_text("N\n")
-    assert want_io_uring("on", param, mean_file=URING_BIG_FILES) is True and param.read_text() == "Y"
+    assert want_io_uring("on", param, bulk_file=URING_BIG_FILES) is True and param.read_text() == "Y"
 
 
 def test_direct_io_setting() -> None:
@@ -297,6 +297,25 @@ def test_io_uring_serves_the_same_tree_and_bytes(node: Node, tmp_path: Path, tre
 
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not URING_PARAM.exists(), reason="this kernel has no FUSE over io_uring (Linux 6.14+)")
+def test_big_shards_with_a_small_manifest_are_served_from_dev_fuse(node: Node, tmp_path: Path) -> None:
+    # The serving path follows where the bytes are: two shards of 16 MiB and a manifest average under 16
+    # MiB, yet every byte a reader wants is a shard's (FUSE over io_uring answers big reads on the
+    # reader's own CPU, slower for them: want_io_uring).
+    src = tmp_path / "src"
+    src.mkdir()
+    shards = {f"shard-{i}.bin": random.Random(i).randbytes(URING_BIG_FILES) for i in range(2)}
+    for rel, data in {**shards, "manifest.json": b'{"shards": 2}'}.items():
+        (src / rel).write_bytes(data)
+    node.ingest(src, "shards")
+    mnt = node.mount("shards", tmp_path / "mnt")
+    for rel, data in shards.items():
+        assert read_and_drop(mnt / rel) == data, rel
+    assert mount_stats(node.home, mnt)["engine"]["io_uring"] == "off"
+    assert "half the dataset's bytes are in files of 16 MiB or more" in node.mount_log("shards").read_text()
 
 
 @pytest.mark.timeout(120)

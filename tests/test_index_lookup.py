@@ -222,3 +222,41 @@ def test_the_index_holds_no_name_a_lookup_refuses() -> None:
         with pytest.raises(SourceError, match=r"cannot store the name .*: it " + why):
             w.add_dirents([(b"ok", 2), (bad, 3)])
     assert len(w.dirents) == DIRENT.size  # nothing of a refused directory was written
+
+
+def sized_index(path: Path, sizes: list[int]) -> Index:
+    """An index of one folder of regular files of these sizes (every one pointing at one small record:
+    what is measured here is the inode table)."""
+    c = ChunkWriter(1 << 16)
+    rec = c.add(b"x" * 10, compress=False)
+    cid, data = c.finish()
+    w = IndexWriter(1 + len(sizes), 1 << 16)
+    w.add_extent(0, rec)
+    w.add_chunk(cid, len(data), 0, 1)
+    ref, count = w.add_dirents([(f"f{i}".encode(), i + 2) for i in range(len(sizes))])
+    w.set_inode(1, DIR, 0, 0, 2, 0, 0, ref, count, 1)
+    for i, size in enumerate(sizes):
+        w.set_inode(i + 2, REG, 0, 0, 1, size, 0, 0, 1, 1)
+    buf = io.BytesIO()
+    w.write(buf)
+    path.write_bytes(buf.getvalue())
+    return Index(path)
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["c", "python"])
+def test_bulk_file_size_is_where_half_the_bytes_are(tmp_path: Path, helper: bool) -> None:
+    # What a mount chooses its serving path by (lifecycle.want_io_uring, want_direct_io): 8 shards of 16 MiB
+    # and a 148-byte manifest average under 16 MiB, but every byte read is a shard's.
+    mib = 1 << 20
+    cases = [([16 * mib] * 8 + [148], 16 * mib), ([110_000] * 1000, 1 << 16), ([110_000] * 100 + [40 * mib], 32 * mib),
+             ([110_000] * 1000 + [40 * mib], 1 << 16), ([0, 0], 0), ([], 0), ([1], 1)]
+    for n, (sizes, want) in enumerate(cases):
+        index = sized_index(tmp_path / f"{n}.idx", sizes)
+        try:
+            if not helper:
+                index._view = False  # the loop Python runs where the C helper is not built
+            elif native is None:
+                pytest.skip("dlfs's C helper is not built")
+            assert index.bulk_file_size() == want, (sizes[:3], len(sizes))
+        finally:
+            index.close()

@@ -64,7 +64,8 @@ from dlfs.wire.messages import META_DAEMON, VersionInfo, reply
 from dlfs.wire.protocol import Msg
 
 log = logging.getLogger(__name__)
-# Files at least this big on average: a mount serves from /dev/fuse rather than io_uring (want_io_uring).
+# Half of a dataset's bytes in files at least this big (Index.bulk_file_size): a mount serves from /dev/fuse
+# rather than io_uring (want_io_uring).
 # A ring answers a READ on the CPU that sent it, so the reader's copy of one window and the answer to
 # the next take turns on one CPU; from /dev/fuse a thread on the other answers meanwhile. Cold 16-40 MB
 # files: 0.70-0.83x local disk against 0.55-0.71x; warm, the slower round trip costs them ~3%.
@@ -165,15 +166,15 @@ def uring_memory() -> int:
     return per_cpu * (os.cpu_count() or 1)
 
 
-def want_direct_io(mode: str, dataset_bytes: int, mean_file: int | None, memory: int) -> bool:
+def want_direct_io(mode: str, dataset_bytes: int, bulk_file: int | None, memory: int) -> bool:
     """Whether files of DIRECT_IO_MIN or more are read past the kernel's page cache. `auto`: for a dataset
-    of big files (averaging DIRECT_IO_MIN or more) bigger than the memory this mount may use, whose every
-    epoch is cold anyway: the reader then copies each byte once, from the mount's cache, instead of the
-    kernel caching it in 4 KiB pages first (big files cold 1.06-1.12x local disk against 0.75-0.78x,
-    6 rounds each, 2026-12-05); `on`, `off`: as said."""
+    of big files (half its bytes in files of DIRECT_IO_MIN or more: `bulk_file`, Index.bulk_file_size)
+    bigger than the memory this mount may use, whose every epoch is cold anyway: the reader then copies
+    each byte once, from the mount's cache, instead of the kernel caching it in 4 KiB pages first (big
+    files cold 1.06-1.12x local disk against 0.75-0.78x, 6 rounds each, 2026-12-05); `on`, `off`: as said."""
     if mode != "auto":
         return mode == "on"
-    return mean_file is not None and mean_file >= DIRECT_IO_MIN and dataset_bytes > memory
+    return bulk_file is not None and bulk_file >= DIRECT_IO_MIN and dataset_bytes > memory
 
 
 def _kernel_at_least(major: int, minor: int) -> bool:
@@ -182,19 +183,20 @@ def _kernel_at_least(major: int, minor: int) -> bool:
 
 
 def want_io_uring(mode: str, param: Path = URING_PARAM, cache_size: int | None = None,
-                  mean_file: int | None = None) -> bool:
+                  bulk_file: int | None = None) -> bool:
     """Whether the engine serves through FUSE over io_uring. `auto`: where the kernel has it, switching
     the fuse module's enable_uring on as root if it is off (it only lets daemons that ask use rings,
     as this one does; without it a request often wakes a thread on another CPU), unless its buffers
     would hold more than a quarter of `cache_size` (many CPUs, a small memory limit), or the dataset's
-    files average `URING_BIG_FILES` or more (`mean_file`); `on`: the same, or a one-line error; `off`:
-    never."""
+    dataset's bytes are mostly in files of `URING_BIG_FILES` or more (`bulk_file`: half of them in files
+    at least that big, Index.bulk_file_size; a mean would let a few small files beside big shards
+    decide); `on`: the same, or a one-line error; `off`: never."""
     if mode == "off":
         return False
-    if mode == "auto" and mean_file is not None and mean_file >= URING_BIG_FILES:
-        log.info("FUSE over io_uring stays off: the files average %s, and big reads go faster from /dev/fuse, "
-                 "answered on another CPU while the reader copies (a ring answers on the reader's own); "
-                 "--io-uring on to use it anyway", human_bytes(mean_file))
+    if mode == "auto" and bulk_file is not None and bulk_file >= URING_BIG_FILES:
+        log.info("FUSE over io_uring stays off: half the dataset's bytes are in files of %s or more, and big "
+                 "reads go faster from /dev/fuse, answered on another CPU while the reader copies (a ring "
+                 "answers on the reader's own); --io-uring on to use it anyway", human_mib(bulk_file))
         return False
     if mode == "auto" and cache_size is not None and uring_memory() > cache_size // 4:
         log.info("FUSE over io_uring stays off: its buffers (%s for %d CPUs) would be over a quarter of the "
@@ -302,8 +304,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             await hold_version(stack, nursery, opts, info, label)
         ops = DlfsOperations(index, cache, label)
         totals = index.totals
-        mean_file = totals.bytes // totals.files if totals.files else None
-        direct_io = want_direct_io(opts.direct_io, totals.bytes, mean_file, opts.memory.effective)
+        bulk_file = index.bulk_file_size() or None
+        direct_io = want_direct_io(opts.direct_io, totals.bytes, bulk_file, opts.memory.effective)
         if direct_io:
             ops.direct_io_min = DIRECT_IO_MIN
             if native is not None:
@@ -338,7 +340,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         ended_by_kernel = False
 
         stack.callback(unmount)  # pyfuse3.close stops the engine and lets go of the index before index.close
-        uring = want_io_uring(opts.io_uring, cache_size=opts.cache_size, mean_file=mean_file)
+        uring = want_io_uring(opts.io_uring, cache_size=opts.cache_size, bulk_file=bulk_file)
         local_dir = os.fsencode(cache.fetcher.local.chunk_dir) if cache.fetcher.local is not None else None
         if start_engine(index, cache.shared, ENGINE_ROW, TIMEOUT, opts.threads, uring, ops.control_path,
                         CONTROL_XATTR, local_dir):
