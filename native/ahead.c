@@ -125,7 +125,8 @@ int dlfs_ahead_take(uint64_t ext, const char **data, const struct dlfs_chunk_ref
         until.tv_nsec += (DLFS_AHEAD_WAIT_MS % 1000) * 1000000L;
         until.tv_sec += DLFS_AHEAD_WAIT_MS / 1000 + until.tv_nsec / 1000000000L;
         until.tv_nsec %= 1000000000L;
-        while (A.s[k].state == READING && pthread_cond_timedwait(&A.done, &A.lock, &until) == 0)
+        while (A.s[k].state == READING && A.s[k].ext == ext &&
+               pthread_cond_timedwait(&A.done, &A.lock, &until) == 0)
             ;
         if (A.s[k].state != READ || A.s[k].ext != ext) /* failed, or freed and read again meanwhile */
             k = -1;
