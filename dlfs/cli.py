@@ -1321,13 +1321,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "may run on, here %(default)s)")
     sp.add_argument("--io-uring", choices=("auto", "on", "off"), default="auto",
                     help="serve through FUSE over io_uring, one queue per CPU (Linux 6.14+): auto uses it where the "
-                         "kernel has it, turning /sys/module/fuse/parameters/enable_uring on as root; on fails in "
-                         "one line where it cannot (default auto)")
+                         "kernel has it, turning /sys/module/fuse/parameters/enable_uring on as root, but for a "
+                         "dataset with half its bytes in files of 16 MiB or more (big reads are faster from "
+                         "/dev/fuse); on fails in one line where it cannot (default auto)")
     sp.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
                     help="read files of 1 MiB or more past the kernel's page cache: each read is answered from the "
                          "mount's cache, the one copy in memory (faster cold reads of big files; a file read again "
-                         "is fetched again). auto: for a dataset of such files bigger than the memory the mount may "
-                         "use, whose every epoch is cold anyway (default auto)")
+                         "is fetched again). auto: for a dataset with half its bytes in such files, bigger than the "
+                         "memory the mount may use, whose every epoch is cold anyway (default auto)")
     sp.add_argument("--nonempty", action="store_true",
                     help="mount onto a directory that has entries (the mount hides them until it ends); without it, "
                          "such a mountpoint is refused")
