@@ -266,6 +266,18 @@ def test_cache_pages_check_says_whether_windows_land_on_huge_pages(tmp_path: Pat
     assert memfd.status == "pass" and "a memfd" in memfd.detail and "advise" in memfd.detail
 
 
+def test_read_buffers_check_says_whether_reads_land_on_huge_pages(tmp_path: Path) -> None:
+    anon = tmp_path / "enabled"
+    anon.write_text("always [madvise] never\n")
+    on = doctor.check_read_buffers(anon)
+    assert on.status == "pass" and "2 MiB pages" in on.detail and "madvise" in on.detail
+    anon.write_text("always madvise [never]\n")
+    off = doctor.check_read_buffers(anon)
+    assert off.status == "warn" and "4 KiB pages" in off.detail and f"echo madvise > {anon}" in off.fix
+    missing = doctor.check_read_buffers(tmp_path / "absent")
+    assert missing.status == "info" and "no transparent huge pages" in missing.detail
+
+
 async def test_nodes_are_checked_at_once_within_their_bound(tmp_path: Path) -> None:
     """A daemon that accepts but never answers costs NODE_TIMEOUT, not one timeout per check."""
     silent = socket.socket()
