@@ -147,6 +147,14 @@ def check_engine(param: Path = Path("/sys/module/fuse/parameters/enable_uring"))
 SHMEM_HUGE = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
 
+def _chosen(knob: Path) -> str | None:
+    """The bracketed word of a kernel setting such as "always [madvise] never"; None without one."""
+    try:
+        return knob.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
 def check_cache_pages(shmem: Path = SHMEM_HUGE, private_tmpfs: bool = True, limited: bool | None = None) -> Check:
     """Whether a mount's cache can be on 2 MiB pages (dlfs/mount/slabs.py): then a window read from a
     local disk is one request of a few segments, not four of 254 pages (`private_tmpfs`: try that way;
@@ -165,10 +173,7 @@ def check_cache_pages(shmem: Path = SHMEM_HUGE, private_tmpfs: bool = True, limi
             return Check("cache pages", PASS, "2 MiB pages (a private tmpfs with huge=always)")
         except OSError as exc:
             why = str(exc).removeprefix("no huge-page cache arena: ")
-    try:  # the bracketed word of e.g. "always within_size advise [never] deny force"
-        policy = shmem.read_text().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        policy = ""
+    policy = _chosen(shmem) or ""
     if policy in ("always", "within_size", "advise", "force"):
         return Check("cache pages", PASS, f"2 MiB pages (a memfd: {shmem} says {policy})")
     return Check("cache pages", WARN, f"4 KiB pages ({why}; shared memory huge pages: "
@@ -183,9 +188,8 @@ ANON_HUGE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def check_read_buffers(anon: Path = ANON_HUGE) -> Check:
     """Whether the serving threads' buffers for reads from the disk (native/hugebuf.h) can be on 2 MiB
     pages: transparent huge pages for memory that asks (madvise) or all (always)."""
-    try:  # the bracketed word of "always [madvise] never"
-        policy = anon.read_text().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
+    policy = _chosen(anon)
+    if policy is None:
         return Check("read buffers", INFO, "4 KiB pages: this kernel has no transparent huge pages")
     if policy in ("always", "madvise"):
         return Check("read buffers", PASS, f"2 MiB pages for small files' reads from the disk ({anon} says {policy})")

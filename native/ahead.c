@@ -10,8 +10,6 @@
 #include "hugebuf.h"
 
 #define SLOT_BYTES DLFS_REPLY_SCRATCH
-#define SCORE_MIN 8 /* the score below which a LOOKUP starts no read (one in 16 still tries) */
-#define SCORE_MAX 32
 
 enum { FREE, READING, READ, TAKEN };
 
@@ -31,11 +29,11 @@ static struct {
     uint64_t starts;
     int score;
     unsigned probe;
-} A = {.lock = PTHREAD_MUTEX_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .score = SCORE_MAX / 2};
+} A = {.lock = PTHREAD_MUTEX_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .score = DLFS_AHEAD_SCORE_MAX / 2};
 
 static void rescore(int by)
 {
-    A.score = A.score + by < 0 ? 0 : A.score + by > SCORE_MAX ? SCORE_MAX : A.score + by;
+    A.score = dlfs_ahead_rescore(A.score, by);
 }
 
 static int find(uint64_t ext)
@@ -53,7 +51,7 @@ static void set_free(struct slot *s)
 }
 
 /* A slot to read into: a free one, else the oldest read that no READ has taken (its LOOKUP foretold
- * nothing: the score drops 4 times what a taken one raises it); -1 if every slot is busy. */
+ * nothing: the score drops); -1 if every slot is busy. */
 static int claim(void)
 {
     int oldest = -1;
@@ -64,7 +62,7 @@ static int claim(void)
             oldest = k;
     }
     if (oldest >= 0) {
-        rescore(-4);
+        rescore(-DLFS_AHEAD_MISS);
         dlfs_chunk_put(&A.s[oldest].f, 0);
         set_free(&A.s[oldest]);
     }
@@ -81,7 +79,7 @@ void dlfs_ahead_lookup(const struct dlfs_serve *sv, uint64_t ino, struct dlfs_co
     if (!A.buf)
         __atomic_store_n(&A.buf, dlfs_hugebuf_map(DLFS_AHEAD_SLOTS * (size_t)SLOT_BYTES), __ATOMIC_RELAXED);
     int k = -1;
-    if (A.buf && !(A.score < SCORE_MIN && A.probe++ % 16) && find(ext) < 0 && (k = claim()) >= 0) {
+    if (A.buf && !dlfs_ahead_skip(A.score, &A.probe) && find(ext) < 0 && (k = claim()) >= 0) {
         A.s[k] = (struct slot){.state = READING, .ext = ext, .age = ++A.starts};
         __atomic_store_n(&A.busy, A.busy + 1, __ATOMIC_RELAXED);
     }
@@ -168,6 +166,6 @@ void dlfs_ahead_reset(void)
         A.s[k].state = FREE;
     }
     A.busy = 0;
-    A.score = SCORE_MAX / 2;
+    A.score = DLFS_AHEAD_SCORE_MAX / 2;
     pthread_mutex_unlock(&A.lock);
 }

@@ -11,6 +11,26 @@
 #include "answer.h"
 
 #define DLFS_AHEAD_SLOTS 8 /* records read so at once, each in DLFS_REPLY_SCRATCH bytes of one huge page */
+
+/* How well LOOKUPs have foretold READs lately, here and on the rings (uring.c): each READ that found its
+ * record read raises a score by 1, each read no READ took lowers it by DLFS_AHEAD_MISS; below
+ * DLFS_AHEAD_SCORE_MIN one LOOKUP in DLFS_AHEAD_PROBE still reads. It starts halfway to the most. */
+#define DLFS_AHEAD_SCORE_MIN 8
+#define DLFS_AHEAD_SCORE_MAX 32
+#define DLFS_AHEAD_MISS 4
+#define DLFS_AHEAD_PROBE 16
+
+/* The score moved by `by`, within 0..DLFS_AHEAD_SCORE_MAX. */
+static inline int dlfs_ahead_rescore(int score, int by)
+{
+    return score + by < 0 ? 0 : score + by > DLFS_AHEAD_SCORE_MAX ? DLFS_AHEAD_SCORE_MAX : score + by;
+}
+
+/* Whether a LOOKUP starts no read at this score (`probe`: the LOOKUPs let pass so far). */
+static inline int dlfs_ahead_skip(int score, unsigned *probe)
+{
+    return score < DLFS_AHEAD_SCORE_MIN && (*probe)++ % DLFS_AHEAD_PROBE;
+}
 #define DLFS_AHEAD_WAIT_MS 1000 /* the longest a READ waits for a read of its record under way */
 
 /* After a LOOKUP of `ino` was answered: where a READ of the file would read its record from the disk

@@ -782,9 +782,10 @@ static int whole_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
     int bad = 0;
     if (cached) { /* this machine's chunk file, or the disk cache's copy */
         uint64_t lo = 0;
+        uint32_t span = dlfs_record_span(e, &lo);
         ssize_t n = -1;
-        if (f.direct >= 0 && dlfs_record_span(e, &lo) <= DLFS_BIG_BUFFER) {
-            n = pread(f.direct, buf, dlfs_record_span(e, &lo), (off_t)lo);
+        if (f.direct >= 0 && span <= DLFS_BIG_BUFFER) {
+            n = pread(f.direct, buf, span, (off_t)lo);
             if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
                 dlfs_chunk_no_direct(&f);
             got = buf + (e->offset - lo);

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "ahead.h"
 #include "hugebuf.h"
 
 /* The kernel's io_uring FUSE ABI (include/uapi/linux/fuse.h since 6.14; newer than this system's headers). */
@@ -60,8 +61,6 @@ enum { CMD_REGISTER = 1, CMD_COMMIT_AND_FETCH = 2 };
 #define RECORD_BUF DLFS_REPLY_SCRATCH   /* a slot's buffer: every record without block sums fits */
 _Static_assert((RECORDS & (RECORDS - 1)) == 0, "a record's slot is the low bits of its read's user_data");
 #define AHEAD_SLOTS 4                   /* slots that may wait for READs their LOOKUPs foretold */
-#define AHEAD_MIN 8                     /* the score below which a LOOKUP starts no read (see ahead()) */
-#define AHEAD_MAX 32
 #define REGISTER_TRIES 10000            /* 1 ms apart: INIT must be answered first */
 
 struct ring {
@@ -111,7 +110,7 @@ struct queue {
     struct record rec[RECORDS];
     char *records; /* the records' buffers, RECORD_BUF bytes each: one huge page (hugebuf.h) */
     uint64_t starts;
-    int score; /* how well LOOKUPs have foretold READs lately (AHEAD_MIN..AHEAD_MAX) */
+    int score; /* how well LOOKUPs have foretold READs lately (ahead.h) */
     unsigned probe;
     pthread_mutex_t lock; /* `waiting`/`ready` of its entries, against Python's thread */
     struct dlfs_reply reply;
@@ -261,10 +260,9 @@ static void to_python(struct queue *q, int i, int park);
 
 /* --- records read from the disk on the ring -------------------------------------------------- */
 
-/* Move the score by `by`, within 0..AHEAD_MAX. */
 static void rescore(struct queue *q, int by)
 {
-    q->score = q->score + by < 0 ? 0 : q->score + by > AHEAD_MAX ? AHEAD_MAX : q->score + by;
+    q->score = dlfs_ahead_rescore(q->score, by);
 }
 
 static struct record *record_of(struct queue *q, uint64_t ext)
@@ -297,7 +295,7 @@ static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, 
     if (!best)
         return NULL;
     if (best->state == READ) {
-        rescore(q, -4);
+        rescore(q, -DLFS_AHEAD_MISS);
         dlfs_chunk_put(&best->f, 0);
         best->state = FREE;
     }
@@ -389,15 +387,14 @@ static int record_read(struct queue *q, const struct dlfs_serve *sv, int i, uint
 
 /* A LOOKUP of inode `ino` was answered: where a READ of the file would be read from the disk, start
  * reading it now. Only while LOOKUPs foretell READs (a walk that only stats files would read each of
- * them for nothing): each READ of the disk raises the score, each read no READ claimed lowers it 4 times
- * as much, and below AHEAD_MIN one LOOKUP in 16 still tries. */
+ * them for nothing: the score, ahead.h). */
 static void ahead(struct queue *q, const struct dlfs_serve *sv, uint64_t ino)
 {
     uint64_t ext;
     struct dlfs_extent e;
     if (!ino || !dlfs_record_wanted(sv, ino, &ext, &e) || record_of(q, ext))
         return;
-    if (q->score < AHEAD_MIN && q->probe++ % 16)
+    if (dlfs_ahead_skip(q->score, &q->probe))
         return;
     uint64_t at;
     if (dlfs_record_span(&e, &at) > RECORD_BUF)
@@ -536,7 +533,7 @@ static void *queue_main(void *arg)
     q->has_ring = 1;
     q->reply.async_records = 1;
     q->reply.async_max = PAYLOAD;
-    q->score = AHEAD_MAX / 2;
+    q->score = DLFS_AHEAD_SCORE_MAX / 2;
     for (int k = 0; k < RECORDS; k++) {
         q->rec[k].state = FREE;
         q->rec[k].waiter = -1;
