@@ -286,7 +286,7 @@ class Index:
             if h.intdigest() != body_sum:
                 raise CorruptData(f"index {self.path}: checksum mismatch (corrupt file)")
             self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        self._view: Any = None  # dlfs._native.IndexView from the first lookup on; False without the helper
+        self._view: Any = None  # dlfs._native.IndexView from the first lookup or bulk_file_size on; False without the helper
         t = self.totals
         self._chunks = HEADER.size
         self._inodes = self._chunks + _align(t.chunks * CHUNK.size)
