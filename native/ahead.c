@@ -2,10 +2,8 @@
 #define _GNU_SOURCE
 #include "ahead.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "hugebuf.h"
 
@@ -86,22 +84,16 @@ void dlfs_ahead_lookup(const struct dlfs_serve *sv, uint64_t ino, struct dlfs_co
     pthread_mutex_unlock(&A.lock);
     if (k < 0)
         return;
-    char *into = A.buf + (size_t)k * SLOT_BYTES;
     struct dlfs_chunk_ref f;
     uint32_t len;
-    int ok = 0;
-    if (dlfs_record_plan(sv, &e, SLOT_BYTES, &f, &lo, &len) == 0) {
-        ssize_t n = pread(f.direct, into, len, (off_t)lo);
-        if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
-            dlfs_chunk_no_direct(&f);
-        ok = n >= 0 && (uint64_t)n >= e.offset - lo + e.stored_len;
-        if (!ok)
-            dlfs_chunk_put(&f, 0); /* the READ reads it itself, and says what is wrong */
-    }
+    const char *data = NULL;
+    if (dlfs_record_plan(sv, &e, SLOT_BYTES, &f, &lo, &len) == 0 &&
+        !(data = dlfs_record_direct(&f, &e, A.buf + (size_t)k * SLOT_BYTES, SLOT_BYTES)))
+        dlfs_chunk_put(&f, 0); /* the READ reads it itself, and says what is wrong */
     pthread_mutex_lock(&A.lock);
-    if (ok) {
+    if (data) {
         A.s[k].f = f;
-        A.s[k].data = into + (e.offset - lo);
+        A.s[k].data = data;
         A.s[k].state = READ;
         DLFS_COUNT(c, records_ahead, 1);
     } else {

@@ -11,6 +11,7 @@
 #include "answer.h"
 
 #define DLFS_AHEAD_SLOTS 8 /* records read so at once, each in DLFS_REPLY_SCRATCH bytes of one huge page */
+#define DLFS_AHEAD_WAIT_MS 1000 /* the longest a READ waits for a read of its record under way */
 
 /* How well LOOKUPs have foretold READs lately, here and on the rings (uring.c): each READ that found its
  * record read raises a score by 1, each read no READ took lowers it by DLFS_AHEAD_MISS; below
@@ -31,7 +32,6 @@ static inline int dlfs_ahead_skip(int score, unsigned *probe)
 {
     return score < DLFS_AHEAD_SCORE_MIN && (*probe)++ % DLFS_AHEAD_PROBE;
 }
-#define DLFS_AHEAD_WAIT_MS 1000 /* the longest a READ waits for a read of its record under way */
 
 /* After a LOOKUP of `ino` was answered: where a READ of the file would read its record from the disk
  * (dlfs_record_wanted), read it now into a slot (this thread, for the disk's time). */

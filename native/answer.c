@@ -715,25 +715,28 @@ static int fetch_checked(const struct dlfs_extent *e, const uint8_t *id, char *b
     return 0;
 }
 
-/* Record `e` of a held chunk file read from the disk straight into the scratch buffer: O_DIRECT, the
- * range widened to whole pages, so no page cache is allocated and dropped again (RWF_DONTCACHE's way:
- * 0.61-0.62x local disk in a 1 GiB cgroup against 0.72-0.80x so). Where its bytes start there, or NULL:
- * then a plain read. */
-static char *direct_record(const struct dlfs_serve *sv, struct dlfs_chunk_ref *f, struct dlfs_reply *rp,
-                           const struct dlfs_extent *e)
+/* O_DIRECT, the range widened to whole pages, so no page cache is allocated and dropped again
+ * (RWF_DONTCACHE's way: 0.61-0.62x local disk in a 1 GiB cgroup against 0.72-0.80x so). */
+const char *dlfs_record_direct(struct dlfs_chunk_ref *f, const struct dlfs_extent *e, char *into, size_t room)
 {
-    char *base = (char *)(((uintptr_t)rp->scratch + DIRECT_ALIGN - 1) & ~(uintptr_t)(DIRECT_ALIGN - 1));
-    size_t room = rp->scratch_size - (size_t)(base - rp->scratch);
     uint64_t lo;
     uint32_t len = dlfs_record_span(e, &lo);
     if (len > room || f->direct < 0)
         return NULL;
-    ssize_t n = pread(f->direct, base, len, (off_t)lo);
+    ssize_t n = pread(f->direct, into, len, (off_t)lo);
     if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
         dlfs_chunk_no_direct(f);
     if (n < (ssize_t)(e->offset + e->stored_len - lo))
         return NULL;
-    return base + (e->offset - lo);
+    return into + (e->offset - lo);
+}
+
+/* Record `e` of a held chunk file read from the disk straight into the scratch buffer (dlfs_record_direct):
+ * where its bytes start there, or NULL: then a plain read. */
+static const char *direct_record(struct dlfs_chunk_ref *f, struct dlfs_reply *rp, const struct dlfs_extent *e)
+{
+    char *base = (char *)(((uintptr_t)rp->scratch + DIRECT_ALIGN - 1) & ~(uintptr_t)(DIRECT_ALIGN - 1));
+    return dlfs_record_direct(f, e, base, rp->scratch_size - (size_t)(base - rp->scratch));
 }
 
 /* Whether record `e` (of chunk `id`) is read from a file on this machine's disk (its chunk file, or the
@@ -778,19 +781,12 @@ static int whole_big(const struct dlfs_serve *sv, struct dlfs_reply *rp, const s
             dlfs_chunk_put(&f, 0);
         return -1;
     }
-    char *buf = big.buf[k - 1], *got = buf;
+    char *buf = big.buf[k - 1];
+    const char *got = buf;
     int bad = 0;
     if (cached) { /* this machine's chunk file, or the disk cache's copy */
-        uint64_t lo = 0;
-        uint32_t span = dlfs_record_span(e, &lo);
-        ssize_t n = -1;
-        if (f.direct >= 0 && span <= DLFS_BIG_BUFFER) {
-            n = pread(f.direct, buf, span, (off_t)lo);
-            if (n < 0 && errno == EINVAL) /* a file system that opens O_DIRECT but will not read so */
-                dlfs_chunk_no_direct(&f);
-            got = buf + (e->offset - lo);
-        }
-        if (n < 0 || (uint64_t)n < e->offset - lo + e->stored_len) /* not read so: through the page cache */
+        got = dlfs_record_direct(&f, e, buf, DLFS_BIG_BUFFER);
+        if (!got) /* not read so: through the page cache */
             got = pread_all(f.fd, buf, e->stored_len, (off_t)e->offset) < 0 ? NULL : buf;
         bad = check_record(e, got, &f, c) < 0;
         dlfs_chunk_put(&f, bad);
@@ -829,12 +825,9 @@ static int read_record(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint6
     if (record_file(sv, e, id, 1, &f) < 0)
         return fetch_record(rp, e, id, c);
     dlfs_ahead_missed();
-    char *got = direct_record(sv, &f, rp, e);
-    if (!got) {
-        got = rp->scratch;
-        if (pread_all(f.fd, got, e->stored_len, (off_t)e->offset) < 0)
-            got = NULL;
-    }
+    const char *got = direct_record(&f, rp, e);
+    if (!got)
+        got = pread_all(f.fd, rp->scratch, e->stored_len, (off_t)e->offset) < 0 ? NULL : rp->scratch;
     int bad = check_record(e, got, &f, c) < 0;
     dlfs_chunk_put(&f, bad);
     if (bad)

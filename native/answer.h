@@ -149,6 +149,10 @@ uint32_t dlfs_record_span(const struct dlfs_extent *e, uint64_t *lo);
  * record starts e->offset - *lo bytes into what is read. -1 if it cannot be read so. */
 int dlfs_record_plan(const struct dlfs_serve *sv, const struct dlfs_extent *e, uint32_t room,
                      struct dlfs_chunk_ref *f, uint64_t *lo, uint32_t *len);
+/* Record `e` of held chunk file `f` read with O_DIRECT into `into` (page-aligned, `room` bytes): where its
+ * first byte landed, or NULL where it cannot be read so (too big, no O_DIRECT, short, a file system that
+ * refuses O_DIRECT reads: remembered in f). */
+const char *dlfs_record_direct(struct dlfs_chunk_ref *f, const struct dlfs_extent *e, char *into, size_t room);
 /* The reply to READ `unique` of the whole record `e`, whose stored bytes are `data` (NULL: the read
  * failed), read from `f`: DLFS_ANSWERED once they pass their check, else DLFS_FORWARD (Python reads it
  * again from the replicas and says what is wrong). */
