@@ -943,6 +943,55 @@ int dlfs_record_fetch(const struct dlfs_serve *sv, struct dlfs_reply *rp, uint64
     return record_reply(rp, unique, &e, into, c);
 }
 
+/* Read-ahead READs (bigger than DLFS_RANDOM_READ_MAX) that nothing here could answer, sent to Python
+ * lately: one a slot, by inode. The kernel sends a file's first READs together, and Python asks for their
+ * windows (and the stream's next ones) on the first: the others wait here for that, as READs of a window
+ * being fetched do, rather than reach Python each as a miss of its own and wait there (big files read
+ * whole, cold, with a 4 MiB kernel read-ahead: 118 READs to Python a pass of 32 files, 32 so). They wait
+ * until the first's record lands, Python has answered it (dlfs_read_answered), or START_WAIT_NS. Slots are
+ * overwritten and read without a lock: a torn one only sends a READ to Python, or holds it until a wake-up. */
+#define START_SLOTS 64
+#define START_WAIT_NS (50 * 1000000ull)
+static struct {
+    uint64_t ino, ext, ns, waited;
+} starts[START_SLOTS];
+
+static uint64_t mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* A read-ahead READ of inode `ino`, extent `ext`, that nothing here can answer: 1 if it waits for the READ
+ * of the same file sent to Python before it; else it goes to Python, noted as the one the next ones wait for. */
+static int start_wait(const struct dlfs_serve *sv, uint64_t ino, uint64_t ext)
+{
+    unsigned k = (unsigned)(ino % START_SLOTS);
+    uint64_t now = mono_ns(), first = __atomic_load_n(&starts[k].ext, __ATOMIC_RELAXED);
+    if (__atomic_load_n(&starts[k].ino, __ATOMIC_RELAXED) == ino &&
+        now - __atomic_load_n(&starts[k].ns, __ATOMIC_RELAXED) < START_WAIT_NS && first < sv->shm->h.n_extents &&
+        __atomic_load_n(&sv->shm->entries[first], __ATOMIC_ACQUIRE) == 0) {
+        __atomic_store_n(&starts[k].waited, 1, __ATOMIC_RELAXED);
+        return 1;
+    }
+    __atomic_store_n(&starts[k].ino, 0, __ATOMIC_RELAXED); /* no reader takes a half-written slot as this file's */
+    __atomic_store_n(&starts[k].ns, now, __ATOMIC_RELAXED);
+    __atomic_store_n(&starts[k].ext, ext, __ATOMIC_RELAXED);
+    __atomic_store_n(&starts[k].waited, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&starts[k].ino, ino, __ATOMIC_RELEASE);
+    return 0;
+}
+
+int dlfs_read_answered(uint64_t ino)
+{
+    unsigned k = (unsigned)(ino % START_SLOTS);
+    if (__atomic_load_n(&starts[k].ino, __ATOMIC_ACQUIRE) != ino)
+        return 0;
+    __atomic_store_n(&starts[k].ns, 0, __ATOMIC_RELAXED);
+    return (int)__atomic_exchange_n(&starts[k].waited, 0, __ATOMIC_RELAXED);
+}
+
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                  struct dlfs_counters *c)
 {
@@ -980,6 +1029,12 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
                     DLFS_COUNT(c, reads, 1);
                     DLFS_COUNT(c, read_bytes, end - off);
                     return DLFS_ANSWERED;
+                }
+                if (got < 0 && r->size > DLFS_RANDOM_READ_MAX && rp->n < DLFS_REPLY_IOV &&
+                    sv->consume && start_wait(sv, rq->in->nodeid, i)) {
+                    unpin_all(sv, rp);
+                    rp->n = 1;
+                    return DLFS_PARK;
                 }
                 goto miss;
             }

@@ -532,6 +532,14 @@ static PyObject *wake_parked(PyObject *self, PyObject *unused)
     return PyLong_FromLong(n);
 }
 
+static PyObject *read_answered(PyObject *self, PyObject *arg)
+{
+    unsigned long long ino = PyLong_AsUnsignedLongLong(arg);
+    if (ino == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(dlfs_read_answered(ino));
+}
+
 static PyObject *engine_running(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(dlfs_engine_running());
@@ -577,6 +585,9 @@ static PyMethodDef methods[] = {
     {"set_direct_io", set_direct_io, METH_O,
      "set_direct_io(min): files of min bytes or more open FOPEN_DIRECT_IO, the rest keep their pages (0: no_open)."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},
+    {"read_answered", read_answered, METH_O,
+     "read_answered(ino): Python answered a READ of this inode; True if READs of it were parked behind it "
+     "(they look again at the next wake_parked)."},
     {"wake_parked", wake_parked, METH_NOARGS,
      "Answer the READs parked for records that have landed (and pass on the rest that wait no more); how many."},
     {"fuse_hooked", fuse_hooked, METH_NOARGS,

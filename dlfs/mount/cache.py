@@ -148,6 +148,7 @@ class ChunkCache:
         self._bigger = index.totals.bytes > self.held.readahead_cap
         self._inflight: dict[int, trio.Event] = {}  # extent -> its fetch's end (one fetch for concurrent misses)
         self._inflight_size = 0
+        self._wake_asked = trio.Event()  # a window a READ waited for landed: wake the parked ones after its reply
         self._prefetch = prefetch
         # Windows (their first extent) waiting for a prefetch worker, with their tickets: read-ahead
         # reaches the disk in the order it was queued (the workers are scheduled in any order).
@@ -430,6 +431,12 @@ class ChunkCache:
         if self.held.served(ext, nbytes):
             self._consumed(ext)
 
+    def answered(self, ino: int) -> None:
+        """A READ of inode `ino` is answered here (or failed): the READs of that file that the serving
+        threads parked behind it (native/answer.c's start_wait) look again, after its reply."""
+        if native is not None and self.shared is not None and native.read_answered(ino):
+            self._wake_asked.set()
+
     def _consumed(self, ext: int) -> None:
         """The kernel has every byte of extent `ext`: drop it (its slab is free once it holds no other
         record), and move on the stream whose window it was in."""
@@ -440,12 +447,16 @@ class ChunkCache:
             self._stream_ahead(ext, *stream)
 
     async def unpark_stale(self, every: float = 1.0) -> None:
-        """Run for the mount's life: let the engine pass on READs parked too long (each fetch's end
-        wakes the parked READs anyway; this bounds the wait of any that a lost wake-up would strand)."""
+        """Run for the mount's life: wake the READs parked for a window that a READ in Python waited for,
+        once that READ is answered (it is the reader's next bytes; the parked ones come after it in the
+        file, and answering them first held its reply up by a copy each); and every `every` seconds
+        in any case, so that the engine passes on READs parked too long (a lost wake-up strands none)."""
         if native is None or self.shared is None:
             return
         while True:
-            await trio.sleep(every)
+            with trio.move_on_after(every):
+                await self._wake_asked.wait()
+            self._wake_asked = trio.Event()
             native.wake_parked()
 
     async def drain_consumed(self) -> None:
@@ -471,16 +482,20 @@ class ChunkCache:
             self.shared.set_pending(run, True)
         return done
 
-    def _unclaim(self, run: list[int], length: int, done: trio.Event) -> None:
+    def _unclaim(self, run: list[int], length: int, done: trio.Event, urgent: bool = False) -> None:
         self._inflight_size -= length
         for i in run:
             self._inflight.pop(i, None)
         done.set()
         if self.shared is not None:
-            # Published (or failed) first, then no longer pending, then the parked READs looked at.
+            # Published (or failed) first, then no longer pending, then the parked READs looked at: at once
+            # for read-ahead, after the reply for a READ that waited here (`urgent`; unpark_stale).
             self.shared.set_pending(run, False)
             if native is not None:
-                native.wake_parked()
+                if urgent:
+                    self._wake_asked.set()
+                else:
+                    native.wake_parked()
 
     async def _fetch(self, run: list[int], need: int | None, direct: bool = False,
                      order: int | None = None) -> bytes | memoryview | None:
@@ -520,7 +535,7 @@ class ChunkCache:
         finally:
             if not slab_kept and slab != NO_SLAB:
                 (self.slabs.release_part if part else self.slabs.give)(slab)
-            self._unclaim(run, length, done)
+            self._unclaim(run, length, done, urgent=need is not None)
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,

@@ -173,7 +173,10 @@ class DlfsOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         # A view into the cache block is enough: pyfuse3 copies it straight into the reply.
         t0 = perf_counter()
-        data = await self._read(fh, off, size)
+        try:
+            data = await self._read(fh, off, size)
+        finally:
+            self.cache.answered(fh)
         self.reads += 1
         self.bytes_read += len(data)
         self.read_seconds.observe(perf_counter() - t0)
