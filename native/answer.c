@@ -983,6 +983,11 @@ static int start_wait(const struct dlfs_serve *sv, uint64_t ino, uint64_t ext)
     return 0;
 }
 
+void dlfs_read_starts_reset(void)
+{
+    memset(starts, 0, sizeof starts);
+}
+
 int dlfs_read_answered(uint64_t ino)
 {
     unsigned k = (unsigned)(ino % START_SLOTS);

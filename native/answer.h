@@ -140,6 +140,8 @@ enum { DLFS_FORWARD = 0, DLFS_ANSWERED = 1, DLFS_NO_REPLY = 2, DLFS_PARK = 3, DL
 /* Python answered a READ of inode `ino`: the READs of that file parked behind it (answer.c's start_wait)
  * wait no more for it, and look again at the next dlfs_engine_wake. 1 if any did wait for it. */
 int dlfs_read_answered(uint64_t ino);
+/* Forget every READ sent to Python (the engine is released: the next mount's inodes are other files). */
+void dlfs_read_starts_reset(void);
 
 /* Whether a READ of inode `ino` would now be a DLFS_RECORD (scan mode; a file of one small record that
  * may be on this machine's disk, not in the cache and not being fetched into it): 1 with its extent in *ext and

@@ -675,6 +675,7 @@ int dlfs_engine_release(void)
     close(E.devfd);
     close(E.wake_fd);
     dlfs_ahead_reset(); /* its slots hold chunk files */
+    dlfs_read_starts_reset();
     dlfs_serve_local_free(E.serve.local_dir, E.serve.sums, E.serve.files);
     dlfs_remote_close(); /* no thread fetches any more: the connections Python handed over end here */
     dlfs_dcache_close();
