@@ -956,19 +956,12 @@ static struct {
     uint64_t ino, ext, ns, waited;
 } starts[START_SLOTS];
 
-static uint64_t mono_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
 /* A read-ahead READ of inode `ino`, extent `ext`, that nothing here can answer: 1 if it waits for the READ
  * of the same file sent to Python before it; else it goes to Python, noted as the one the next ones wait for. */
 static int start_wait(const struct dlfs_serve *sv, uint64_t ino, uint64_t ext)
 {
     unsigned k = (unsigned)(ino % START_SLOTS);
-    uint64_t now = mono_ns(), first = __atomic_load_n(&starts[k].ext, __ATOMIC_RELAXED);
+    uint64_t now = dlfs_now_ns(), first = __atomic_load_n(&starts[k].ext, __ATOMIC_RELAXED);
     if (__atomic_load_n(&starts[k].ino, __ATOMIC_RELAXED) == ino &&
         now - __atomic_load_n(&starts[k].ns, __ATOMIC_RELAXED) < START_WAIT_NS && first < sv->shm->h.n_extents &&
         __atomic_load_n(&sv->shm->entries[first], __ATOMIC_ACQUIRE) == 0) {

@@ -7,10 +7,19 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #include "chunkfiles.h"
 #include "indexview.h"
 #include "shm.h"
+
+/* CLOCK_MONOTONIC in nanoseconds: the serving threads' waits and bounds. */
+static inline uint64_t dlfs_now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
 
 #define DLFS_REPLY_IOV 32 /* header + pieces of a READ spanning several records */
 /* A serving thread's buffer for encoded replies and records read from chunk files: every record

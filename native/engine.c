@@ -231,13 +231,6 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
 
 /* --- READs parked until their window lands ---------------------------------------------------- */
 
-static uint64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
 /* A reply to a request that was not answered by the thread that read it: into its ring entry if it came
  * through io_uring, else to /dev/fuse (as Python's replies go). */
 static void send_late(struct dlfs_reply *rp)
@@ -283,7 +276,7 @@ void dlfs_engine_park(const void *buf, uint32_t len, struct dlfs_counters *c)
         dlfs_engine_forward(buf, len);
         return;
     }
-    p->since_ns = now_ns();
+    p->since_ns = dlfs_now_ns();
     p->len = len;
     memcpy(p->data, buf, len);
     pthread_mutex_lock(&P.lock);
@@ -302,7 +295,7 @@ void dlfs_engine_park(const void *buf, uint32_t len, struct dlfs_counters *c)
 int dlfs_engine_wake(void)
 {
     int answered = 0;
-    uint64_t now = now_ns();
+    uint64_t now = dlfs_now_ns();
     pthread_mutex_lock(&P.lock);
     uint64_t before = P.counters.parked_answered;
     for (int i = 0; i < P.n;) {
@@ -577,7 +570,7 @@ static int join_by(pthread_t t, uint64_t deadline_ns)
 {
     for (;;) {
         pthread_kill(t, stop_signal());
-        uint64_t now = now_ns(), wait = 20 * 1000 * 1000;
+        uint64_t now = dlfs_now_ns(), wait = 20 * 1000 * 1000;
         if (deadline_ns > now && deadline_ns - now < wait)
             wait = deadline_ns - now;
         struct timespec at; /* pthread_timedjoin_np's deadline is on the real-time clock */
@@ -590,7 +583,7 @@ static int join_by(pthread_t t, uint64_t deadline_ns)
         }
         if (pthread_timedjoin_np(t, NULL, &at) == 0)
             return 0;
-        if (now_ns() >= deadline_ns)
+        if (dlfs_now_ns() >= deadline_ns)
             return -1;
     }
 }
@@ -606,7 +599,7 @@ int dlfs_engine_stop(void)
     for (int i = 0; i < E.nworkers; i++)
         if (E.workers[i].started)
             pthread_kill(E.workers[i].thread, stop_signal());
-    uint64_t deadline = now_ns() + (uint64_t)DLFS_STOP_SECONDS * 1000000000u;
+    uint64_t deadline = dlfs_now_ns() + (uint64_t)DLFS_STOP_SECONDS * 1000000000u;
     int left = dlfs_uring_stop(deadline);
     for (int i = 0; i < E.nworkers; i++) {
         if (!E.workers[i].started)

@@ -688,9 +688,8 @@ int dlfs_uring_start(int devfd)
 /* Join `t` by CLOCK_MONOTONIC `deadline_ns` (one try at least); 0 if it ended. */
 static int join_by(pthread_t t, uint64_t deadline_ns)
 {
-    struct timespec now, at;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    uint64_t n = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    struct timespec at;
+    uint64_t n = dlfs_now_ns();
     uint64_t wait = deadline_ns > n ? deadline_ns - n : 20 * 1000 * 1000;
     clock_gettime(CLOCK_REALTIME, &at); /* pthread_timedjoin_np's deadline is on the real-time clock */
     at.tv_sec += (time_t)(wait / 1000000000u);
