@@ -13,10 +13,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "engine.h"
+#include "hash.h"
 #include "module.h"
 
 #define CONSUMED_RING 65536 /* extents consumed and not yet dropped by the cache */
 #define TAKE_BATCH 4096
+#define LAND_MAX 4096 /* records of one window landed in C at most (a 4 MiB window of 1-byte files: 4,096) */
 
 typedef struct {
     PyObject_HEAD
@@ -228,6 +231,100 @@ static PyObject *owner_set_pending(CacheOwner *o, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* One record of a window landing: where its stored bytes lie in the slab, and their checksum. */
+struct landing {
+    uint64_t ext, at, sum;
+    uint32_t len;
+};
+
+/* land(fd, offset, nbytes, slab, at, records) -> (read, bad): a window read from a chunk file straight
+ * into its slab and, all with no GIL, each record checked (xxh3 of its stored bytes) and, if every one is
+ * good, published and the READs parked for them answered at once (the disk's thread, not the event
+ * loop's turn). `records`: (ext, its offset in the slab, stored length, checksum) each, uncompressed.
+ * `read`: bytes read (fewer than asked at the file's end); `bad`: the first record short or failing its
+ * check (nothing is published then: the caller reads the window its own way), else -1. OSError as pread. */
+static PyObject *owner_land(CacheOwner *o, PyObject *args)
+{
+    int fd;
+    unsigned long long off, nbytes, slab, at;
+    PyObject *records;
+    if (!PyArg_ParseTuple(args, "iKKKKO", &fd, &off, &nbytes, &slab, &at, &records) ||
+        dlfs_in_range(slab, o->r.shm.h.nslabs, "slab") < 0)
+        return NULL;
+    uint64_t slab_size = o->r.shm.h.slab_size;
+    if (at > slab_size || nbytes > slab_size - at) {
+        PyErr_Format(PyExc_ValueError, "%llu bytes at %llu outside a slab of %llu", nbytes, at,
+                     (unsigned long long)slab_size);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(records, "land takes a sequence of records");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > LAND_MAX) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "a window of %zd records (1 to %d)", n, LAND_MAX);
+    }
+    struct landing *recs = PyMem_Malloc((size_t)n * sizeof *recs);
+    if (!recs) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long ext, rat, sum;
+        unsigned int len;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKIK;a record is (ext, at, length, checksum)", &ext,
+                              &rat, &len, &sum) ||
+            dlfs_in_range(ext, o->r.shm.h.n_extents, "extent") < 0) {
+            PyMem_Free(recs);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (rat > slab_size || len > slab_size - rat) {
+            PyMem_Free(recs);
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "record %llu (%u bytes at %llu) outside a slab", ext, len, rat);
+        }
+        recs[i] = (struct landing){.ext = ext, .at = rat, .sum = sum, .len = len};
+    }
+    Py_DECREF(seq);
+    char *base = (char *)o->r.shm.mem + slab * slab_size;
+    uint64_t got = 0;
+    Py_ssize_t bad = -1;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < nbytes) {
+        ssize_t r = pread(fd, base + at + got, nbytes - got, (off_t)(off + got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            err = errno;
+            break;
+        }
+        if (r == 0)
+            break; /* the file's end: records past it are short */
+        got += (uint64_t)r;
+    }
+    for (Py_ssize_t i = 0; !err && i < n && bad < 0; i++)
+        if (recs[i].at + recs[i].len > at + got || dlfs_xxh3(base + recs[i].at, recs[i].len) != recs[i].sum)
+            bad = i;
+    if (!err && bad < 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            /* A record published anew has sent the kernel nothing yet. */
+            __atomic_store_n(&o->consume.served[recs[i].ext], 0, __ATOMIC_RELAXED);
+            dlfs_shm_publish(&o->r.shm, recs[i].ext, slab, (uint32_t)recs[i].at);
+        }
+        dlfs_engine_wake();
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(recs);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("Kn", (unsigned long long)got, bad);
+}
+
 static PyObject *owner_take_consumed(CacheOwner *o, PyObject *unused)
 {
     uint32_t got[TAKE_BATCH];
@@ -298,6 +395,9 @@ static PyMethodDef owner_methods[] = {
      "reset_served(ext): the record is kept anew (outside a slab): nothing of it has been sent."},
     {"set_pending", (PyCFunction)owner_set_pending, METH_VARARGS,
      "set_pending(exts, on): these records are (no longer) being fetched; the engine parks READs of them."},
+    {"land", (PyCFunction)owner_land, METH_VARARGS,
+     "land(fd, offset, nbytes, slab, at, records) -> (read, bad): a window read into its slab, its records "
+     "(ext, at, length, checksum) checked and, all good, published and their parked READs answered, with no GIL."},
     {"take_consumed", (PyCFunction)owner_take_consumed, METH_NOARGS,
      "take_consumed() -> [ext]: records the serving threads completed, for the cache to drop."},
     {NULL},

@@ -276,6 +276,8 @@ async def test_a_corrupt_replica_and_a_corrupt_local_copy_are_passed_over(tmp_pa
                 blocks.fetcher.local = cache.fetcher.local
                 assert bytes(await blocks.read(1, 98_304, 102_400, 1, 2)) == payloads[1][98_304:102_400]
                 if local:
+                    # Nothing of a window with a bad record was published as it landed (LocalChunks.land).
+                    assert cache.fetcher.local is not None and cache.fetcher.local.landed == 0
                     # One fallback: after its first failed check the bad file is passed over (LocalChunks.failed)
                     # until it is replaced, so the random read goes to the replica at once.
                     assert cache.fetcher.local is not None and cache.fetcher.local.fallbacks == 1, cache.fetcher.local.stats()
@@ -283,6 +285,47 @@ async def test_a_corrupt_replica_and_a_corrupt_local_copy_are_passed_over(tmp_pa
                     assert cache.fetcher.corrupt == 1 and cache.fetcher.failovers == 1 and blocks.fetcher.corrupt == 1, cache.stats()
                 assert blocks.block_reads == 1
             n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_local_window_is_checked_and_published_in_c_as_it_lands(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A window of this machine's chunk file is read into its slab, checked and published in C, before the
+    # event loop hears of it: the serving threads may then send a record whole to the kernel (consumed)
+    # before the cache keeps the window. That record must be dropped as any consumed one is, not kept.
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(17, [20_000, 30_000, 300_000])])
+        cache = ChunkCache(index, client, capacity=8 * (1 << 20), readahead=1 << 20, prefetch=False)
+        if cache.shared is None:
+            pytest.skip("the C helper is not built")
+        local = cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        land = local.land
+        seen: dict[int, tuple[int, int] | None] = {}
+
+        async def land_then_consume(*args: Any, **kw: Any) -> int | None:
+            start = await land(*args, **kw)
+            for ext in range(3):  # published already, before the cache kept anything
+                seen[ext] = cache.where(ext)
+            if start is not None:  # the serving threads send record 1 whole, and the cache hears of it
+                assert cache.shared.served(1, len(payloads[1]), len(payloads[1]))
+                cache._consumed(1)
+            return start
+
+        monkeypatch.setattr(local, "land", land_then_consume)
+        assert bytes(await cache.record(0)) == payloads[0]
+        if not local.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert local.landed == 1 and all(seen[ext] is not None for ext in range(3)), seen
+        for ext in (0, 2):  # kept, where C published them, with the right bytes
+            slab, off = cache.where(ext)
+            at = slab * cache.slab_size + off
+            assert bytes(cache.slabs.arena[at : at + len(payloads[ext])]) == payloads[ext] and ext in cache
+        assert 1 not in cache and cache.where(1) is None and cache.held.consumed == 1
+        for ext in (0, 2):
+            cache.consume(ext, len(payloads[ext]))
+        assert cache.stats()["cached_bytes"] == 0 and cache.slabs.has_free()
+        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)

@@ -134,6 +134,9 @@ def test_big_files_streamed_cold_are_byte_exact_and_wait_in_c(cold: Cold) -> Non
         locked = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmLck:"))
     assert locked >= index.stat().st_size > 0, (locked, index)
     assert eng["parked_answered"] - eng0["parked_answered"] == parked and eng["parked_forwarded"] == eng0["parked_forwarded"]
+    # Its windows were read, checked and published in C as they landed (cache.py's _land), a window at
+    # least for each file of more than a READ.
+    assert after["windows_landed"] - before["windows_landed"] >= sum(size > MiB for size in BIG_SIZES.values())
     # The first READ of each file reaches Python (nothing is coming yet); most of the rest do not.
     assert python < (after["reads"] - before["reads"]) / 2, (python, after["reads"] - before["reads"])
 

@@ -286,6 +286,52 @@ POPULATE_READ_ONLY = textwrap.dedent("""
 """)
 
 
+def test_land_publishes_a_window_only_if_every_record_checks(region: Region, tmp_path: Path) -> None:
+    """owner.land reads a range of a chunk file into a slab and publishes its records where they lie,
+    only if every one is whole and matches its checksum; otherwise it says which is bad and publishes
+    none. Its arguments are held to the arena's bounds."""
+    cid, data, recs, _ = make_chunk(1, records=4)
+    path = tmp_path / "chunk"
+    path.write_bytes(data)
+    mount, at = region.mount, 512
+    base = recs[0].offset
+    n = recs[-1].offset + recs[-1].stored_len - base
+
+    def records(sums: list[int]) -> list[tuple[int, int, int, int]]:
+        return [(ext, at + r.offset - base, r.stored_len, s) for ext, (r, s) in enumerate(zip(recs, sums))]
+
+    good = [r.checksum for r in recs]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        bad = list(good)
+        bad[2] ^= 1
+        assert mount.land(fd, base, n, 2, at, records(bad)) == (n, 2)
+        assert [mount.where(e) for e in (0, 2, 3)] == [None] * 3 and mount.where(1) == (0, 0)  # as it was
+        short = len(data) - base - 10  # the file ends inside the last record: it is short, so bad
+        assert mount.land(fd, base, n, 2, at, records(good)) == (n, -1)
+        for ext, r in enumerate(recs):
+            assert mount.where(ext) == (2, at + r.offset - base)
+            start = 2 * SLAB + at + r.offset - base
+            assert region.arena[start : start + r.stored_len] == data[r.offset : r.offset + r.stored_len]
+        with open(path, "r+b") as f:
+            f.truncate(base + short)
+        assert mount.land(fd, base, n, 3, 0, [(0, recs[-1].offset - base, recs[-1].stored_len, good[-1])]) == (short, 0)
+        with pytest.raises(IndexError):
+            mount.land(fd, base, n, NSLABS, 0, records(good))
+        with pytest.raises(ValueError):
+            mount.land(fd, base, SLAB, 2, at, records(good))  # past the slab's end
+        with pytest.raises(ValueError):
+            mount.land(fd, base, n, 2, at, [(0, SLAB - 10, 20, 0)])
+        with pytest.raises(ValueError):
+            mount.land(fd, base, n, 2, at, [])
+        with pytest.raises(IndexError):
+            mount.land(fd, base, n, 2, at, [(region.index.totals.extents, at, 10, 0)])
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        mount.land(fd, base, n, 2, at, records(good))  # closed
+
+
 def test_populate_never_writes() -> None:
     """Where MADV_POPULATE_WRITE is missing (before Linux 5.14; `fallback` forces that path) pages are
     faulted in by reading them: over memory mapped read-only it neither faults nor changes a byte, and

@@ -50,7 +50,7 @@ from dlfs.format.index import Extent, Index
 from dlfs.mount.diskcache import SOURCE as DISK_CACHE
 from dlfs.mount.fetcher import Buffer, Fetcher, verify_window
 from dlfs.mount.held import Held
-from dlfs.mount.localchunks import DIRECT_ALIGN, THREAD_BYTES, ticket
+from dlfs.mount.localchunks import DIRECT_ALIGN, LAND_MAX, THREAD_BYTES, ticket
 from dlfs.mount.planner import Planner, window_reach, window_size
 from dlfs.mount.slabs import NO_SLAB, Slabs
 from dlfs.native import native
@@ -148,6 +148,7 @@ class ChunkCache:
         self._bigger = index.totals.bytes > self.held.readahead_cap
         self._inflight: dict[int, trio.Event] = {}  # extent -> its fetch's end (one fetch for concurrent misses)
         self._inflight_size = 0
+        self._early: set[int] = set()  # landed in C and sent whole to the kernel before _land kept them
         self._wake_asked = trio.Event()  # a window a READ waited for landed: wake the parked ones after its reply
         self._prefetch = prefetch
         # Windows (their first extent) waiting for a prefetch worker, with their tickets: read-ahead
@@ -441,6 +442,8 @@ class ChunkCache:
         """The kernel has every byte of extent `ext`: drop it (its slab is free once it holds no other
         record), and move on the stream whose window it was in."""
         if not self.held.take_consumed(ext):
+            if ext in self._inflight:  # published as it landed (_land), not kept here yet: _land drops it
+                self._early.add(ext)
             return
         stream = self.planner.sent(ext)
         if stream is not None:  # a streamed window is being read: keep the stream ahead of it
@@ -486,6 +489,7 @@ class ChunkCache:
         self._inflight_size -= length
         for i in run:
             self._inflight.pop(i, None)
+            self._early.discard(i)
         done.set()
         if self.shared is not None:
             # Published (or failed) first, then no longer pending, then the parked READs looked at: at once
@@ -530,12 +534,50 @@ class ChunkCache:
             return raw
 
         try:
+            if into is not None and self._lands_in_c(extents):
+                landed = await self._land(run, extents, chunk.id, base, length, slab, at_part, len(into), part, need,
+                                          direct, order)
+                if landed is not None:
+                    slab_kept = True
+                    return landed[0]
             return await self.fetcher.ranges(chunk.id, [(base, length)], into, keep,
                                              urgent=need is not None, order=order, least=least)
         finally:
             if not slab_kept and slab != NO_SLAB:
                 (self.slabs.release_part if part else self.slabs.give)(slab)
             self._unclaim(run, length, done, urgent=need is not None)
+
+    def _lands_in_c(self, extents: list[Extent]) -> bool:
+        """Whether a window of these records may land in C (LocalChunks.land): read from this machine's
+        chunk file, every record uncompressed (its stored bytes are its bytes) and few enough."""
+        return (self.shared is not None and self.fetcher.local is not None and len(extents) <= LAND_MAX
+                and all(not e.record.flags & FLAG_LZ4 and e.record.raw_len == e.record.stored_len for e in extents))
+
+    async def _land(self, run: list[int], extents: list[Extent], cid: bytes, base: int, length: int, slab: int,
+                    at: int, room: int, part: int, need: int | None, direct: bool,
+                    order: int | None) -> tuple[bytes | memoryview | None] | None:
+        """The window read from this machine's chunk file into `slab` (at `at`, `room` bytes), checked,
+        published and its parked READs answered in C as it lands (LocalChunks.land), then kept here as
+        _keep keeps a window: (`need`'s bytes,), or None if it did not land so (the usual path then)."""
+        local = self.fetcher.local
+        assert local is not None
+        start = await local.land(cid, base, length, self.shared, slab, at, room,
+                                 [(i, e.record.offset, e.record.stored_len, e.record.checksum)
+                                  for i, e in zip(run, extents)], urgent=need is not None, order=order)
+        if start is None:
+            return None
+        offsets = {i: start + e.record.offset - base for i, e in zip(run, extents)}
+        kept: dict[int, bytes | memoryview] = {i: self.slabs.view(slab, o, e.record.stored_len)
+                                                for (i, o), e in zip(offsets.items(), extents)}
+        self.held.add(slab, 0, kept, offsets, direct, part, published=True)
+        self.fetcher.count_local(length)
+        if need is None:
+            self.prefetched_bytes += length
+        for i in run:  # sent whole to the kernel between its landing and now: dropped now
+            if i in self._early:
+                self._early.discard(i)
+                self._consumed(i)
+        return (kept[need] if need is not None else None,)
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,

@@ -97,10 +97,10 @@ class Held:
         return self.resident_size + self.scratch_size
 
     def add(self, slab: int, own: int, records: dict[int, bytes | memoryview], offsets: dict[int, int],
-            direct: bool = False, part: int = 0) -> None:
+            direct: bool = False, part: int = 0, published: bool = False) -> None:
         """Keep fetched records as one block (in `slab`, or NO_SLAB; `own`: its bytes outside the arena;
         `part`: the bytes of a packed slab it has, 0 for the whole slab); `offsets` are those lying whole
-        in the slab, published."""
+        in the slab, published (here, or already as they landed: `published`)."""
         bid = self._next_block
         self._next_block += 1
         nbytes = own + ((part or self.slabs.slab_size) if slab != NO_SLAB else 0)
@@ -109,7 +109,7 @@ class Held:
         self.own_size += own
         for ext, raw in records.items():
             self.records[ext] = (raw, bid)
-        if self.shared is not None:
+        if self.shared is not None and not published:
             for ext in records:  # publishing counts the record afresh too
                 if ext in offsets:
                     self.shared.publish(ext, slab, offsets[ext])

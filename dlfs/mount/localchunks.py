@@ -53,6 +53,7 @@ WINDOW_LANE_MIN = 1 << 20
 # Records of a batch (dlfs.direct misses read alone) in flight at once: one at a time, a batch of 256
 # took a disk's latency each (~4.5k files/s of ~110 KB here).
 BATCH_DEPTH = 8
+LAND_MAX = 4096  # records of a window landed in C at most (native/cacheowner.c's LAND_MAX)
 # Linux 6.14+: a buffered read that leaves no page cache behind (the kernel keeps what it is sent for
 # the FUSE file: one copy of each byte in memory is enough). Cleared where the kernel has no such flag.
 RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
@@ -263,6 +264,7 @@ class LocalChunks:
         self.direct = True  # O_DIRECT works on this file system (until it says otherwise)
         self._opening: dict[bytes, trio.Event] = {}  # chunks whose files a thread is opening
         self.reads = self.bytes = self.fallbacks = self.direct_reads = 0
+        self.landed = 0  # windows read, checked and published in C as they landed (land)
         self.open_files = open_files_budget()
         self.opened_ahead = 0  # chunk files opened by open_ahead, before a read asked
         self._batch: ThreadPoolExecutor | None = None  # read_records' readers, made at its first batch
@@ -453,6 +455,45 @@ class LocalChunks:
         self.direct_reads += not cached
         return into[start : start + n]
 
+    async def land(self, cid: bytes, off: int, n: int, owner: Any, slab: int, at: int, room: int,
+                   records: list[tuple[int, int, int, int]], urgent: bool = False,
+                   order: int | None = None) -> int | None:
+        """Bytes [off, off+n) of the chunk read into `slab` at `at` (a disk thread), their records
+        (ext, offset in the chunk, stored length, checksum: uncompressed) checked and published in C
+        with no GIL, and the READs parked for them answered there, as the window lands (owner.land):
+        where the bytes start in the slab. None where this cannot be done here or something failed
+        (not here, short, a bad record: nothing is published then), for the caller's usual path, which
+        reads the window again and says what is wrong."""
+        if not self._kept(cid):
+            await self._open(cid)
+        fd = self._fd(cid)
+        if fd is None or not self.direct:
+            return None
+        cached = all_cached(fd, off, n)
+        lo, hi = (off, off + n) if cached else direct_span(off, n)
+        src = fd if cached else self._direct_fd(cid)
+        if src is None or hi - lo > room:
+            return None
+        start = at + off - lo
+        recs = [(ext, start + roff - off, length, csum) for ext, roff, length, csum in records]
+        src = os.dup(src)  # its own: no eviction here can close it under the thread
+        try:
+            got, bad = await self.disk.run(owner.land, src, lo, hi - lo, slab, at, recs, nbytes=hi - lo,
+                                           urgent=urgent, order=order)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and not cached:
+                self.direct = False  # this file system takes O_DIRECT opens but not their reads
+            return None
+        finally:
+            os.close(src)
+        if bad >= 0:
+            return None
+        self.reads += 1
+        self.bytes += n
+        self.direct_reads += not cached
+        self.landed += 1
+        return start
+
     async def read_ranges(self, cid: bytes, ranges: list[tuple[int, int]],
                           into: memoryview | None = None, urgent: bool = False,
                           order: int | None = None) -> list[memoryview] | None:
@@ -592,7 +633,8 @@ class LocalChunks:
 
     def stats(self) -> dict[str, int]:
         return {"local_reads": self.reads, "local_bytes": self.bytes, "local_fallbacks": self.fallbacks,
-                "local_direct_reads": self.direct_reads, "local_open_files": len(self._fds),
+                "local_direct_reads": self.direct_reads, "local_landed": self.landed,
+                "local_open_files": len(self._fds),
                 "local_opened_ahead": self.opened_ahead, "local_slow_opens": self.slow_opens}
 
 

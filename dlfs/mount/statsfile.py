@@ -99,6 +99,8 @@ class MountStats:
             # fetched_bytes on one node; a local copy that fails its check counts here, its good bytes
             # in fetched_bytes under the replica that had them
             "in_place_bytes": (c.fetcher.local.bytes if c.fetcher.local is not None else 0) + block_bytes,
+            # windows of this machine's chunk files read, checked and published in C as they landed
+            "windows_landed": c.fetcher.local.landed if c.fetcher.local is not None else 0,
             "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
             # the serving threads' connections to each data node (scan mode's fetches), where they fetch
