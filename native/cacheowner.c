@@ -66,6 +66,13 @@ fail:
     return NULL;
 }
 
+/* Record `ext` is whole in `slab` at `off`: published, and (published anew) nothing of it sent yet. */
+static void publish_record(CacheOwner *o, uint64_t ext, uint64_t slab, uint32_t off)
+{
+    __atomic_store_n(&o->consume.served[ext], 0, __ATOMIC_RELAXED);
+    dlfs_shm_publish(&o->r.shm, ext, slab, off);
+}
+
 static PyObject *owner_publish(CacheOwner *o, PyObject *args)
 {
     unsigned long long ext, slab, off;
@@ -76,9 +83,7 @@ static PyObject *owner_publish(CacheOwner *o, PyObject *args)
         PyErr_Format(PyExc_ValueError, "offset %llu outside a slab", off);
         return NULL;
     }
-    /* A record published anew has sent the kernel nothing yet. */
-    __atomic_store_n(&o->consume.served[ext], 0, __ATOMIC_RELAXED);
-    dlfs_shm_publish(&o->r.shm, ext, slab, (uint32_t)off);
+    publish_record(o, ext, slab, (uint32_t)off);
     Py_RETURN_NONE;
 }
 
@@ -309,11 +314,8 @@ static PyObject *owner_land(CacheOwner *o, PyObject *args)
         if (recs[i].at + recs[i].len > at + got || dlfs_xxh3(base + recs[i].at, recs[i].len) != recs[i].sum)
             bad = i;
     if (!err && bad < 0) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            /* A record published anew has sent the kernel nothing yet. */
-            __atomic_store_n(&o->consume.served[recs[i].ext], 0, __ATOMIC_RELAXED);
-            dlfs_shm_publish(&o->r.shm, recs[i].ext, slab, (uint32_t)recs[i].at);
-        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            publish_record(o, recs[i].ext, slab, (uint32_t)recs[i].at);
         dlfs_engine_wake();
     }
     Py_END_ALLOW_THREADS
@@ -523,7 +525,8 @@ int dlfs_owner_add_types(PyObject *module)
     Py_INCREF(&CacheOwnerType);
     if (PyModule_AddObject(module, "CacheOwner", (PyObject *)&CacheOwnerType) < 0)
         return -1;
-    if (PyModule_AddIntConstant(module, "SLAB_LIMIT", DLFS_SHM_SLAB_LIMIT) < 0)
+    if (PyModule_AddIntConstant(module, "SLAB_LIMIT", DLFS_SHM_SLAB_LIMIT) < 0 ||
+        PyModule_AddIntConstant(module, "LAND_MAX", LAND_MAX) < 0)
         return -1;
     return PyModule_AddFunctions(module, functions);
 }

@@ -32,6 +32,7 @@ import trio
 from dlfs.client.cluster import ClusterClient
 from dlfs.data.store import boot_id, chunk_path
 from dlfs.errors import DlfsError
+from dlfs.native import native
 from dlfs.pagecache import all_cached
 from dlfs.wire.messages import DataStatus, reply
 from dlfs.wire.protocol import Msg
@@ -53,7 +54,7 @@ WINDOW_LANE_MIN = 1 << 20
 # Records of a batch (dlfs.direct misses read alone) in flight at once: one at a time, a batch of 256
 # took a disk's latency each (~4.5k files/s of ~110 KB here).
 BATCH_DEPTH = 8
-LAND_MAX = 4096  # records of a window landed in C at most (native/cacheowner.c's LAND_MAX)
+LAND_MAX = getattr(native, "LAND_MAX", 0)  # records of a window landed in C at most (native/cacheowner.c)
 # Linux 6.14+: a buffered read that leaves no page cache behind (the kernel keeps what it is sent for
 # the FUSE file: one copy of each byte in memory is enough). Cleared where the kernel has no such flag.
 RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
