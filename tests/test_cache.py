@@ -329,6 +329,27 @@ async def test_a_local_window_is_checked_and_published_in_c_as_it_lands(tmp_path
 
 
 @pytest.mark.timeout(60)
+async def test_a_window_lands_in_c_from_the_page_cache_where_there_is_no_o_direct(tmp_path: Path) -> None:
+    # A file system that takes no O_DIRECT (or a window the page cache holds): the window is copied
+    # from the page cache into its slab, and still checked and published in C as it lands.
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(19, [20_000, 300_000, 30_000])])
+        cache = ChunkCache(index, client, capacity=8 * (1 << 20), readahead=1 << 20, prefetch=False)
+        if cache.shared is None:
+            pytest.skip("the C helper is not built")
+        local = cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        local.direct = False
+        assert bytes(await cache.record(1)) == payloads[1]
+        assert local.landed == 1 and local.direct_reads == 0 and local.fallbacks == 0
+        for ext in range(3):
+            slab, off = cache.where(ext)
+            at = slab * cache.slab_size + off
+            assert bytes(cache.slabs.arena[at : at + len(payloads[ext])]) == payloads[ext]
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
 async def test_local_chunk_files_fill_shared_slabs_and_big_records_keep_their_own_memory(tmp_path: Path) -> None:
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)

@@ -468,12 +468,15 @@ class LocalChunks:
         if not self._kept(cid):
             await self._open(cid)
         fd = self._fd(cid)
-        if fd is None or not self.direct:
+        if fd is None:
             return None
-        cached = all_cached(fd, off, n)
+        # From the disk straight into the slab (O_DIRECT, page-aligned), or copied from the page cache where
+        # it holds the window or the file system takes no O_DIRECT.
+        dfd = self._direct_fd(cid) if self.direct and not all_cached(fd, off, n) else None
+        cached = dfd is None
         lo, hi = (off, off + n) if cached else direct_span(off, n)
-        src = fd if cached else self._direct_fd(cid)
-        if src is None or hi - lo > room:
+        src = fd if dfd is None else dfd
+        if hi - lo > room:
             return None
         start = at + off - lo
         recs = [(ext, start + roff - off, length, csum) for ext, roff, length, csum in records]
