@@ -226,6 +226,32 @@ async def _stored(tmp_path: Path, client: ClusterClient, specs: list[NodeSpec],
 
 
 @pytest.mark.timeout(60)
+async def test_a_files_first_read_in_a_new_generation_keeps_its_next_windows_coming(tmp_path: Path) -> None:
+    # A file read whole, then read again once the kernel dropped its pages: the first read of the second
+    # pass is a miss of a record the kernel was sent (a new generation), and the file's next windows,
+    # passed over as sent a moment before, must be asked for at once, not once its first window is read.
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(23, [300_000] * 6)])
+        cache = ChunkCache(index, client, capacity=16 << 20, readahead=1 << 20)
+        n.start_soon(cache.prefetch_worker)
+        first, end = 0, len(payloads)  # the six records as one file, streamed
+        for _ in range(2):
+            for ext in range(first, end):
+                got = await cache.read(ext, 0, len(payloads[ext]), first, end, 1 << 20)
+                assert bytes(got) == payloads[ext]
+                cache.consume(ext, len(got))
+            await trio.testing.wait_all_tasks_blocked()
+            assert cache.stats()["cached_bytes"] == 0
+        generations = cache.planner.generations
+        got = await cache.read(first, 0, len(payloads[first]), first, end, 1 << 20)
+        assert cache.planner.generations == generations + 1
+        later = cache.planner.window_of(first)[1]  # the first record of the file's next window
+        assert later < end and (later in cache or later in cache._inflight or later in cache._queued), later
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
 async def test_concurrent_misses_of_one_window_share_one_fetch(tmp_path: Path) -> None:
     async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
         client = ClusterClient(Cluster([spec], key, 1, "test"), n)

@@ -357,7 +357,9 @@ class ChunkCache:
             waited = True
             await pending.wait()  # someone is fetching it; look again when they are done
         self.misses += 1
-        self.planner.asked_again(ext)
+        if self.planner.asked_again(ext) and stream is not None:
+            # A new generation: the file's next windows, passed over above as sent to the kernel, are wanted again.
+            self._stream_ahead(ext, *stream)
         room = self._readahead_room()
         if direct:
             room = self._direct_window(ext, room)
