@@ -313,19 +313,29 @@ async def test_a_corrupt_replica_and_a_corrupt_local_copy_are_passed_over(tmp_pa
             n.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def _landing_cache(tmp_path: Path, seed: int,
+                         sizes: list[int]) -> AsyncIterator[tuple[ChunkCache, LocalChunks, list[bytes]]]:
+    """One chunk of records of `sizes` on a one-node cluster, and a cache with the C helper that reads it
+    from its chunk file (windows of 1 MiB): its windows land in C."""
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
+        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(seed, sizes)])
+        cache = ChunkCache(index, client, capacity=8 << 20, readahead=1 << 20, prefetch=False)
+        if cache.shared is None:
+            pytest.skip("the C helper is not built")
+        local = cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+        yield cache, local, payloads
+        n.cancel_scope.cancel()
+
+
 @pytest.mark.timeout(60)
 async def test_a_local_window_is_checked_and_published_in_c_as_it_lands(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # A window of this machine's chunk file is read into its slab, checked and published in C, before the
     # event loop hears of it: the serving threads may then send a record whole to the kernel (consumed)
     # before the cache keeps the window. That record must be dropped as any consumed one is, not kept.
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(17, [20_000, 30_000, 300_000])])
-        cache = ChunkCache(index, client, capacity=8 * (1 << 20), readahead=1 << 20, prefetch=False)
-        if cache.shared is None:
-            pytest.skip("the C helper is not built")
-        local = cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+    async with _landing_cache(tmp_path, 17, [20_000, 30_000, 300_000]) as (cache, local, payloads):
         land = local.land
         seen: dict[int, tuple[int, int] | None] = {}
 
@@ -351,20 +361,13 @@ async def test_a_local_window_is_checked_and_published_in_c_as_it_lands(tmp_path
         for ext in (0, 2):
             cache.consume(ext, len(payloads[ext]))
         assert cache.stats()["cached_bytes"] == 0 and cache.slabs.has_free()
-        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)
 async def test_a_window_lands_in_c_from_the_page_cache_where_there_is_no_o_direct(tmp_path: Path) -> None:
     # A file system that takes no O_DIRECT (or a window the page cache holds): the window is copied
     # from the page cache into its slab, and still checked and published in C as it lands.
-    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
-        client = ClusterClient(Cluster([spec], key, 1, "test"), n)
-        index, payloads = await _stored(tmp_path, client, [spec], [_big_chunk(19, [20_000, 300_000, 30_000])])
-        cache = ChunkCache(index, client, capacity=8 * (1 << 20), readahead=1 << 20, prefetch=False)
-        if cache.shared is None:
-            pytest.skip("the C helper is not built")
-        local = cache.fetcher.local = LocalChunks(tmp_path / "home" / "data" / "chunks", spec.name)
+    async with _landing_cache(tmp_path, 19, [20_000, 300_000, 30_000]) as (cache, local, payloads):
         local.direct = False
         assert bytes(await cache.record(1)) == payloads[1]
         assert local.landed == 1 and local.direct_reads == 0 and local.fallbacks == 0
@@ -372,7 +375,6 @@ async def test_a_window_lands_in_c_from_the_page_cache_where_there_is_no_o_direc
             slab, off = cache.where(ext)
             at = slab * cache.slab_size + off
             assert bytes(cache.slabs.arena[at : at + len(payloads[ext])]) == payloads[ext]
-        n.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(60)
