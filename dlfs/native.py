@@ -78,17 +78,19 @@ def engine_threads() -> int:
 
 
 def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: int, io_uring: bool,
-                 control_path: bytes | None, xattr_name: bytes, local_dir: bytes | None = None) -> bool:
+                 control_path: bytes | None, xattr_name: bytes, local_dir: bytes | None = None,
+                 bulk: bool = False) -> bool:
     """Native threads take the mounted session's /dev/fuse over and answer from `index` and the shared
     cache `shared` (pinning through `row`), and random reads inside big records from this machine's
     chunk files in `local_dir`; False where they cannot (no helper, or pyfuse3's session was not made
-    through the hook): pyfuse3 then serves every request itself."""
+    through the hook): pyfuse3 then serves every request itself. `bulk`: a dataset of big files, whose
+    threads take any free CPU and never preempt a reader as they wake (native/engine.c)."""
     if not fuse_hooked():
         return False
     assert native is not None
     return bool(native.engine_start(index.sections(), shared, row=row, timeout=timeout, threads=threads,
                                     io_uring=io_uring, xattr_name=xattr_name if control_path is not None else None,
-                                    xattr_value=control_path, local_dir=local_dir))
+                                    xattr_value=control_path, local_dir=local_dir, bulk=bulk))
 
 
 def engine_stats() -> dict[str, Any]:

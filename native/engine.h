@@ -28,8 +28,9 @@ int dlfs_engine_owns(struct fuse_session *se);
  * answered natively. */
 void dlfs_engine_protocol(unsigned major, unsigned minor);
 /* Start `threads` readers of /dev/fuse (and io_uring queues if `uring`), answering from `sv`
- * (copied; what it points to must stay valid until dlfs_engine_release). 0, or -1 with errno set. */
-int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring);
+ * (copied; what it points to must stay valid until dlfs_engine_release). `bulk`: a dataset of big files,
+ * whose readers are neither pinned nor preempt a reader as they wake (engine.c). 0, or -1 with errno set. */
+int dlfs_engine_start(const struct dlfs_serve *sv, int threads, int uring, int bulk);
 /* The most threads `dlfs_engine_start` takes (EINVAL past it); `native.ENGINE_MAX_THREADS` to Python. */
 #define DLFS_ENGINE_MAX_THREADS 256
 /* Before the real unmount: stop handing requests to Python (its loop has ended). */

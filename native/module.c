@@ -144,13 +144,13 @@ int dlfs_engine_halt(int release)
 static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"sections", "shared", "row", "timeout", "threads", "io_uring", "xattr_name",
-                            "xattr_value", "local_dir", NULL};
+                            "xattr_value", "local_dir", "bulk", NULL};
     PyObject *sections, *shared = Py_None, *xname = Py_None, *xvalue = Py_None, *local_dir = Py_None;
     unsigned long long row = 0;
     double timeout = 0;
-    int threads = 1, uring = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipOOO", names, &PyTuple_Type, &sections, &shared, &row,
-                                     &timeout, &threads, &uring, &xname, &xvalue, &local_dir))
+    int threads = 1, uring = 0, bulk = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O|$KdipOOOp", names, &PyTuple_Type, &sections, &shared, &row,
+                                     &timeout, &threads, &uring, &xname, &xvalue, &local_dir, &bulk))
         return NULL;
     if (threads < 1) {
         PyErr_SetString(PyExc_ValueError, "threads must be at least 1");
@@ -191,7 +191,7 @@ static PyObject *engine_start(PyObject *self, PyObject *args, PyObject *kw)
         kept.xattr_name = xname;
         kept.xattr_value = xvalue;
     }
-    if (dlfs_engine_start(&sv, threads, uring) < 0) {
+    if (dlfs_engine_start(&sv, threads, uring, bulk) < 0) {
         int err = errno;
         release_kept();
         if (err == ENOTCONN)
@@ -547,9 +547,10 @@ static PyObject *engine_running(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"engine_start", (PyCFunction)(void (*)(void))engine_start, METH_VARARGS | METH_KEYWORDS,
-     "engine_start(sections, shared=None, *, row, timeout, threads, io_uring, xattr_name, xattr_value, local_dir) "
-     "-> bool: native threads take the mounted session's device over and answer "
-     "from this index and shared cache; False if pyfuse3's session was not made through the hook."},
+     "engine_start(sections, shared=None, *, row, timeout, threads, io_uring, xattr_name, xattr_value, local_dir, "
+     "bulk) -> bool: native threads take the mounted session's device over and answer "
+     "from this index and shared cache (bulk: a dataset of big files, its threads neither pinned nor preempting "
+     "readers); False if pyfuse3's session was not made through the hook."},
     {"answer", (PyCFunction)(void (*)(void))answer, METH_VARARGS | METH_KEYWORDS,
      "answer(sections, request, *, timeout, xattr_name, xattr_value, local_dir) -> "
      "(kind, reply): one FUSE request as the serving threads answer it (kind: answered, forward, no_reply)."},

@@ -141,6 +141,31 @@ def test_big_files_streamed_cold_are_byte_exact_and_wait_in_c(cold: Cold) -> Non
     assert python < (after["reads"] - before["reads"]) / 2, (python, after["reads"] - before["reads"])
 
 
+def _serving_threads(pid: int) -> list[tuple[int, set[int]]]:
+    """(scheduling policy, CPUs it may run on) of each of process `pid`'s /dev/fuse serving threads."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            stat = f.read()
+        if stat[stat.index("(") + 1 : stat.rindex(")")].startswith("dlfs-serve-"):
+            policy = int(stat[stat.rindex(")") + 2 :].split()[38])  # field 41 of proc(5)
+            out.append((policy, os.sched_getaffinity(int(tid))))
+    return out
+
+
+def test_a_big_file_datasets_threads_take_any_cpu_and_never_preempt_its_readers(cold: Cold) -> None:
+    """A dataset of big files: its serving threads are SCHED_BATCH (a READ's wake-up does not stop the
+    reader's copy on its CPU) and may run on any CPU (not pinned to the reader's); a dataset of small
+    files keeps them pinned, one per CPU (the warm round trip), at the usual policy."""
+    allowed = os.sched_getaffinity(0)
+    big = _serving_threads(_idle(cold, cold.mnt / "big")["pid"])
+    small = _serving_threads(_idle(cold, cold.small_mnt)["pid"])
+    assert big and all(policy == os.SCHED_BATCH and cpus == allowed for policy, cpus in big), big
+    assert small and all(policy == os.SCHED_OTHER for policy, _ in small), small
+    if len(small) >= len(allowed):
+        assert all(len(cpus) == 1 for _, cpus in small), small
+
+
 @pytest.mark.timeout(120)
 def test_a_files_first_reads_wait_in_c_for_the_one_python_fetches(cold: Cold) -> None:
     """With a 4 MiB kernel read-ahead (an admin's choice) the kernel sends a file's first four READs at

@@ -182,6 +182,13 @@ def _kernel_at_least(major: int, minor: int) -> bool:
     return m is not None and (int(m.group(1)), int(m.group(2))) >= (major, minor)
 
 
+def big_files(bulk_file: int | None) -> bool:
+    """Whether a dataset is one of big files: half its bytes in files of URING_BIG_FILES or more
+    (`bulk_file`: Index.bulk_file_size). Its serving threads answer from /dev/fuse, free to move and
+    never preempting a reader (native/engine.c), not on the reader's own CPU."""
+    return bulk_file is not None and bulk_file >= URING_BIG_FILES
+
+
 def want_io_uring(mode: str, param: Path = URING_PARAM, cache_size: int | None = None,
                   bulk_file: int | None = None) -> bool:
     """Whether the engine serves through FUSE over io_uring. `auto`: where the kernel has it, switching
@@ -193,7 +200,7 @@ def want_io_uring(mode: str, param: Path = URING_PARAM, cache_size: int | None =
     decide); `on`: the same, or a one-line error; `off`: never."""
     if mode == "off":
         return False
-    if mode == "auto" and bulk_file is not None and bulk_file >= URING_BIG_FILES:
+    if mode == "auto" and bulk_file is not None and big_files(bulk_file):
         log.info("FUSE over io_uring stays off: half the dataset's bytes are in files of %s or more, and big "
                  "reads go faster from /dev/fuse, answered on another CPU while the reader copies (a ring "
                  "answers on the reader's own); --io-uring on to use it anyway", human_mib(bulk_file))
@@ -342,10 +349,12 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
         stack.callback(unmount)  # pyfuse3.close stops the engine and lets go of the index before index.close
         uring = want_io_uring(opts.io_uring, cache_size=opts.cache_size, bulk_file=bulk_file)
         local_dir = os.fsencode(cache.fetcher.local.chunk_dir) if cache.fetcher.local is not None else None
+        bulk = big_files(bulk_file) and not uring
         if start_engine(index, cache.shared, ENGINE_ROW, TIMEOUT, opts.threads, uring, ops.control_path,
-                        CONTROL_XATTR, local_dir):
+                        CONTROL_XATTR, local_dir, bulk=bulk):
             log.info("%s: %d native threads serve the mount%s%s; misses go to Python", label, opts.threads,
-                     ", with FUSE over io_uring" if uring else "",
+                     ", with FUSE over io_uring" if uring else
+                     " on any CPU, never preempting a reader (a dataset of big files)" if bulk else "",
                      f", files of {human_mib(DIRECT_IO_MIN)} or more past the page cache" if direct_io else "")
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
             # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
