@@ -22,6 +22,7 @@ from damage import inode_of
 from dlfs.bench.baselines import drop_caches
 from dlfs.cgroup import memory_limit
 from dlfs.format.index import Index
+from dlfs.procs import stat_fields
 
 pytestmark = [needs_fuse, pytest.mark.serial]  # it drops the page cache between reads
 MiB = 1 << 20
@@ -144,12 +145,12 @@ def test_big_files_streamed_cold_are_byte_exact_and_wait_in_c(cold: Cold) -> Non
 def _serving_threads(pid: int) -> list[tuple[int, set[int]]]:
     """(scheduling policy, CPUs it may run on) of each of process `pid`'s /dev/fuse serving threads."""
     out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            stat = f.read()
-        if stat[stat.index("(") + 1 : stat.rindex(")")].startswith("dlfs-serve-"):
-            policy = int(stat[stat.rindex(")") + 2 :].split()[38])  # field 41 of proc(5)
-            out.append((policy, os.sched_getaffinity(int(tid))))
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            if not f.read().startswith("dlfs-serve-"):
+                continue
+        policy = int(stat_fields(tid)[38])  # field 41 of proc(5)
+        out.append((policy, os.sched_getaffinity(tid)))
     return out
 
 
