@@ -990,6 +990,19 @@ int dlfs_read_answered(uint64_t ino)
     return (int)__atomic_exchange_n(&starts[k].waited, 0, __ATOMIC_RELAXED);
 }
 
+/* A read-ahead READ of inode `ino` answered from the cache: if the file's next record (`next`, before
+ * `file_end`) is neither here nor coming, the cache is told, so that its stream starts now and not at the
+ * first READ that misses (a file whose first record came in a neighbour's window: its stream started at
+ * the READ across that record's end, which then waited for the next window in Python). */
+static void hint_next(const struct dlfs_serve *sv, uint64_t ino, uint64_t next, uint64_t file_end)
+{
+    if (!sv->consume || !sv->shm || next >= file_end || next >= sv->shm->h.n_extents || ino > UINT32_MAX ||
+        next > UINT32_MAX || __atomic_load_n(&sv->shm->entries[next], __ATOMIC_ACQUIRE) != 0 ||
+        dlfs_consume_pending(sv->consume, next))
+        return;
+    dlfs_consume_hint(sv->consume, (uint32_t)ino, (uint32_t)next);
+}
+
 static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct dlfs_reply *rp,
                  struct dlfs_counters *c)
 {
@@ -1002,7 +1015,7 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
         return DLFS_ANSWERED; /* end of file: no bytes */
     }
     uint64_t off = r->offset, end = off + r->size < (uint64_t)n.size ? off + r->size : (uint64_t)n.size;
-    uint64_t pos = 0, got = 0;
+    uint64_t pos = 0, got = 0, last = n.ref;
     for (uint64_t i = n.ref; i < (uint64_t)n.ref + n.count && pos < end; i++) {
         struct dlfs_extent e;
         if (dlfs_ix_extent(&sv->ix, i, &e) < 0)
@@ -1044,11 +1057,14 @@ static int read_(const struct dlfs_serve *sv, const struct dlfs_req *rq, struct 
             rp->npins++;
             add(rp, buf + lo, hi - lo);
             got += hi - lo;
+            last = i;
         }
         pos = next;
     }
     if (got != end - off) /* the extents end before the file does: Python reports it */
         goto miss;
+    if (r->size > DLFS_RANDOM_READ_MAX)
+        hint_next(sv, rq->in->nodeid, last + 1, (uint64_t)n.ref + n.count);
     DLFS_COUNT(c, reads, 1);
     DLFS_COUNT(c, read_bytes, got);
     return DLFS_ANSWERED;

@@ -343,6 +343,22 @@ static PyObject *owner_take_consumed(CacheOwner *o, PyObject *unused)
     return out;
 }
 
+static PyObject *owner_take_hints(CacheOwner *o, PyObject *unused)
+{
+    uint64_t got[DLFS_HINTS_MAX];
+    uint32_t n = dlfs_consume_take_hints(&o->consume, got);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *v = Py_BuildValue("(kk)", (unsigned long)(got[i] >> 32), (unsigned long)(got[i] & 0xffffffffu));
+        if (!v) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static PyObject *owner_consumed_fd(CacheOwner *o, void *unused)
 {
     return PyLong_FromLong(o->consume.wake_fd);
@@ -402,6 +418,8 @@ static PyMethodDef owner_methods[] = {
      "(ext, at, length, checksum) checked and, all good, published and their parked READs answered, with no GIL."},
     {"take_consumed", (PyCFunction)owner_take_consumed, METH_NOARGS,
      "take_consumed() -> [ext]: records the serving threads completed, for the cache to drop."},
+    {"take_hints", (PyCFunction)owner_take_hints, METH_NOARGS,
+     "take_hints() -> [(ino, ext)]: files read in order whose next record is neither cached nor coming."},
     {NULL},
 };
 

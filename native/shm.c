@@ -283,6 +283,41 @@ void dlfs_consume_push(struct dlfs_consume *c, uint32_t ext)
     }
 }
 
+static void consume_signal(struct dlfs_consume *c)
+{
+    uint64_t one = 1;
+    if (write(c->wake_fd, &one, sizeof one) < 0) {
+        /* EAGAIN: the counter is saturated, so it is readable already */
+    }
+}
+
+void dlfs_consume_hint(struct dlfs_consume *c, uint32_t ino, uint32_t ext)
+{
+    uint64_t h = (uint64_t)ino << 32 | ext;
+    int wake = 0;
+    pthread_mutex_lock(&c->lock);
+    int known = 0;
+    for (uint32_t i = 0; i < c->nhints && !known; i++)
+        known = c->hints[i] == h;
+    if (!known && c->nhints < DLFS_HINTS_MAX) {
+        wake = c->nhints == 0;
+        c->hints[c->nhints++] = h;
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (wake)
+        consume_signal(c);
+}
+
+uint32_t dlfs_consume_take_hints(struct dlfs_consume *c, uint64_t *out)
+{
+    pthread_mutex_lock(&c->lock);
+    uint32_t n = c->nhints;
+    memcpy(out, c->hints, n * sizeof *out);
+    c->nhints = 0;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
 uint32_t dlfs_consume_take(struct dlfs_consume *c, uint32_t *out, uint32_t max)
 {
     uint64_t drained;

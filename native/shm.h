@@ -120,6 +120,7 @@ uint64_t dlfs_shm_clear_row(const struct dlfs_shm *s, uint64_t row, uint64_t *re
 /* What the kernel has been sent of each record (mount side only, never shared): once all of a record's
  * bytes have gone out, the record is *consumed* and its extent is queued for the cache to drop (the
  * kernel keeps the pages). Counted by whoever replies: the serving threads or the Python handlers. */
+#define DLFS_HINTS_MAX 64 /* stream hints waiting for the cache at most (more are dropped: the next READ hints again) */
 struct dlfs_consume {
     uint32_t *served;  /* bytes per extent, reset when the record is published again */
     uint8_t *pending;  /* 1 per extent while the cache fetches it: a READ of it waits in C (engine.c) */
@@ -127,8 +128,12 @@ struct dlfs_consume {
     pthread_mutex_t lock;
     uint32_t *ring;    /* extents consumed and not yet taken by the cache */
     uint32_t cap, len;
-    int wake_fd;       /* an eventfd, readable while the ring is not empty */
+    int wake_fd;       /* an eventfd, readable while the ring or the hints are not empty */
     uint64_t dropped;  /* consumed extents the full ring could not hold (the cache evicts them in time) */
+    /* Files read in order whose next record is neither here nor coming: (inode << 32 | extent) each, for
+     * the cache to start the file's stream (a file whose first records a neighbour's window brought). */
+    uint64_t hints[DLFS_HINTS_MAX];
+    uint32_t nhints;
 };
 
 /* 0, or -1 with errno set. */
@@ -150,4 +155,8 @@ static inline void dlfs_consume_set_pending(struct dlfs_consume *c, uint64_t ext
 }
 /* Move up to `max` queued extents to `out`; how many. */
 uint32_t dlfs_consume_take(struct dlfs_consume *c, uint32_t *out, uint32_t max);
+/* Tell the cache that inode `ino` is read in order and wants extent `ext`, which is neither here nor coming. */
+void dlfs_consume_hint(struct dlfs_consume *c, uint32_t ino, uint32_t ext);
+/* Move the waiting hints to `out` (DLFS_HINTS_MAX of room); how many. */
+uint32_t dlfs_consume_take_hints(struct dlfs_consume *c, uint64_t *out);
 #endif

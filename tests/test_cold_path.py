@@ -22,6 +22,7 @@ from damage import inode_of
 from dlfs.bench.baselines import drop_caches
 from dlfs.cgroup import memory_limit
 from dlfs.format.index import Index
+from dlfs.mount.planner import chunk_windows, window_size
 from dlfs.procs import stat_fields
 
 pytestmark = [needs_fuse, pytest.mark.serial]  # it drops the page cache between reads
@@ -275,6 +276,46 @@ def test_concurrent_readers_at_different_offsets_and_one_that_stops_halfway(cold
         t.join(60)
     for s in starts:
         assert got[s] == want[s:], f"from offset {s}"
+
+
+@pytest.mark.timeout(120)
+def test_a_file_whose_first_record_came_with_a_neighbour_streams_from_its_first_read(cold: Cold,
+                                                                                     tmp_path: Path) -> None:
+    """File b's first record shares a window with the end of file a, so reading a brings it; b's first
+    READs are then answered in C and none reaches Python. The serving threads tell the cache that b's next
+    record is neither here nor coming, and b's stream starts at once: its next windows are fetched while
+    the reader is still in its first record (they were not, until a READ across that record's end missed
+    and waited in Python for the window)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(7)
+    (src / "a").write_bytes(rng.randbytes(4 * MiB + MiB // 2))
+    (src / "b").write_bytes(b_bytes := rng.randbytes(14 * MiB))
+    cold.node.ingest(src, "neighbours")
+    idx = Index(cold.node.home / "meta/index/neighbours/1.idx")
+    try:
+        a, b = (idx.inode(inode_of(idx, name)) for name in ("a", "b"))
+        b0 = idx.extent(b.ref)
+        windows = chunk_windows(idx, b0.chunk, window_size(idx, 4 * MiB))
+        # The premise: a's last record and b's first are one window (a chunk's last 4 MiB hold both).
+        assert idx.extent(a.ref + a.count - 1).chunk == b0.chunk and not set(windows) & {b.ref}, windows
+        first_len = b0.record.raw_len
+    finally:
+        idx.close()
+    mnt = cold.node.mount("neighbours", tmp_path / "mnt")
+    try:
+        drop_caches()
+        assert _read(mnt / "a") == (src / "a").read_bytes()
+        before = _idle(cold, mnt)
+        with open(mnt / "b", "rb") as f:
+            assert f.read(MiB) == b_bytes[:MiB]  # inside b's first record, which is here
+            after = mount_stats(cold.node.home, mnt, until=lambda s: s["fetches"] > before["fetches"], timeout=10.0)
+            assert after["python_reads"] == before["python_reads"], "b's first READs were answered in C"
+            assert after["fetches"] > before["fetches"] and after["streams_hinted"] > before["streams_hinted"], (
+                f"b's next windows were not fetched while its reader was in its first record ({first_len} bytes)")
+            assert f.read() == b_bytes[MiB:]
+    finally:
+        cold.node.umount(mnt)
 
 
 @pytest.mark.timeout(120)

@@ -158,6 +158,7 @@ class ChunkCache:
         self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
         self.hits = self.misses = self.prefetched_bytes = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
+        self.hinted = 0  # streams the serving threads started (see _hinted)
         self._direct_chunks: deque[int] = deque(maxlen=DIRECT_RECENT)  # chunks of the latest direct misses
 
     def close(self) -> None:
@@ -451,6 +452,15 @@ class ChunkCache:
         if stream is not None:  # a streamed window is being read: keep the stream ahead of it
             self._stream_ahead(ext, *stream)
 
+    def _hinted(self, ino: int, ext: int) -> None:
+        """The serving threads answered a read-ahead READ of inode `ino` from here, and its next record,
+        extent `ext`, is neither here nor coming: the file is read in order, so its stream starts now (its
+        first records came in a neighbour's window, and no READ of it reached Python)."""
+        node = self.index.inode(ino)
+        if node.ref < ext < node.ref + node.count:
+            self.hinted += 1
+            self._stream_ahead(ext - 1, node.ref, node.ref + node.count)
+
     async def unpark_stale(self, every: float = 1.0) -> None:
         """Run for the mount's life: wake the READs parked for a window that a READ in Python waited for,
         once that READ is answered (it is the reader's next bytes; the parked ones come after it in the
@@ -472,6 +482,8 @@ class ChunkCache:
             await trio.lowlevel.wait_readable(self.shared.consumed_fd)
             for ext in self.shared.take_consumed():
                 self._consumed(ext)
+            for ino, ext in self.shared.take_hints():
+                self._hinted(ino, ext)
             self._readahead_room()
 
     # --- fetching a window ---
@@ -637,7 +649,7 @@ class ChunkCache:
 
     def stats(self) -> dict[str, int]:
         out = {"hits": self.hits, "misses": self.misses, "stream_waits": self.planner.stream_waits,
-               "block_reads": self.block_reads, "generations": self.planner.generations,
+               "block_reads": self.block_reads, "generations": self.planner.generations, "hinted": self.hinted,
                "prefetched_bytes": self.prefetched_bytes, "consumed": self.held.consumed,
                "evictions": self.held.evictions, "cached_bytes": self.held.cached_bytes,
                "retired_slabs": self.slabs.retired, "retired_pinned": self.slabs.retired_pinned,

@@ -101,6 +101,8 @@ class MountStats:
             "in_place_bytes": (c.fetcher.local.bytes if c.fetcher.local is not None else 0) + block_bytes,
             # windows of this machine's chunk files read, checked and published in C as they landed
             "windows_landed": c.fetcher.local.landed if c.fetcher.local is not None else 0,
+            # files read in order whose stream the serving threads started (no READ of theirs missed yet)
+            "streams_hinted": c.hinted,
             "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
             "by_node": {n: {"fetches": fetches_by.get(n, 0), "bytes": fetched_by.get(n, 0)} for n in nodes},
             # the serving threads' connections to each data node (scan mode's fetches), where they fetch
