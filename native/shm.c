@@ -264,6 +264,15 @@ int dlfs_consume_add(struct dlfs_consume *c, uint64_t ext, uint32_t n, uint32_t 
     return before < len && before + (uint64_t)n >= len;
 }
 
+/* Make the ring's eventfd readable. */
+static void consume_signal(struct dlfs_consume *c)
+{
+    uint64_t one = 1;
+    if (write(c->wake_fd, &one, sizeof one) < 0) {
+        /* EAGAIN: the counter is saturated, so it is readable already */
+    }
+}
+
 void dlfs_consume_push(struct dlfs_consume *c, uint32_t ext)
 {
     int wake = 0;
@@ -275,20 +284,8 @@ void dlfs_consume_push(struct dlfs_consume *c, uint32_t ext)
         c->dropped++;
     }
     pthread_mutex_unlock(&c->lock);
-    if (wake) {
-        uint64_t one = 1;
-        if (write(c->wake_fd, &one, sizeof one) < 0) {
-            /* EAGAIN: the counter is saturated, so it is readable already */
-        }
-    }
-}
-
-static void consume_signal(struct dlfs_consume *c)
-{
-    uint64_t one = 1;
-    if (write(c->wake_fd, &one, sizeof one) < 0) {
-        /* EAGAIN: the counter is saturated, so it is readable already */
-    }
+    if (wake)
+        consume_signal(c);
 }
 
 void dlfs_consume_hint(struct dlfs_consume *c, uint32_t ino, uint32_t ext)
@@ -331,11 +328,7 @@ uint32_t dlfs_consume_take(struct dlfs_consume *c, uint32_t *out, uint32_t max)
     c->len -= n;
     int more = c->len > 0;
     pthread_mutex_unlock(&c->lock);
-    if (more) {
-        uint64_t one = 1;
-        if (write(c->wake_fd, &one, sizeof one) < 0) {
-            /* saturated: readable already */
-        }
-    }
+    if (more)
+        consume_signal(c);
     return n;
 }
