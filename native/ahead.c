@@ -24,14 +24,13 @@ static struct {
     struct slot s[DLFS_AHEAD_SLOTS];
     char *buf; /* the slots' buffers, mapped on the first read */
     int busy;  /* slots not FREE: read without the lock, so a READ with none to look at takes no lock */
-    uint64_t starts;
-    int score;
-    unsigned probe;
-} A = {.lock = PTHREAD_MUTEX_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .score = DLFS_AHEAD_SCORE_MAX / 2};
+    uint64_t starts; /* reads started: the next one's age */
+    struct dlfs_ahead_score sc;
+} A = {.lock = PTHREAD_MUTEX_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .sc = DLFS_AHEAD_SCORE_INIT};
 
 static void rescore(int by)
 {
-    A.score = dlfs_ahead_rescore(A.score, by);
+    dlfs_ahead_rescore(&A.sc, by, A.starts);
 }
 
 static int find(uint64_t ext)
@@ -60,7 +59,7 @@ static int claim(void)
             oldest = k;
     }
     if (oldest >= 0) {
-        rescore(-DLFS_AHEAD_MISS);
+        dlfs_ahead_unused(&A.sc, A.s[oldest].age, A.starts);
         dlfs_chunk_put(&A.s[oldest].f, 0);
         set_free(&A.s[oldest]);
     }
@@ -77,8 +76,8 @@ void dlfs_ahead_lookup(const struct dlfs_serve *sv, uint64_t ino, struct dlfs_co
     if (!A.buf)
         __atomic_store_n(&A.buf, dlfs_hugebuf_map(DLFS_AHEAD_SLOTS * (size_t)SLOT_BYTES), __ATOMIC_RELAXED);
     int k = -1;
-    if (A.buf && !dlfs_ahead_skip(A.score, &A.probe) && find(ext) < 0 && (k = claim()) >= 0) {
-        A.s[k] = (struct slot){.state = READING, .ext = ext, .age = ++A.starts};
+    if (A.buf && !dlfs_ahead_skip(&A.sc) && find(ext) < 0 && (k = claim()) >= 0) {
+        A.s[k] = (struct slot){.state = READING, .ext = ext, .age = A.starts++};
         __atomic_store_n(&A.busy, A.busy + 1, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&A.lock);
@@ -158,6 +157,6 @@ void dlfs_ahead_reset(void)
         A.s[k].state = FREE;
     }
     A.busy = 0;
-    A.score = DLFS_AHEAD_SCORE_MAX / 2;
+    A.sc = (struct dlfs_ahead_score)DLFS_AHEAD_SCORE_INIT;
     pthread_mutex_unlock(&A.lock);
 }

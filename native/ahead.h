@@ -13,24 +13,44 @@
 #define DLFS_AHEAD_SLOTS 8 /* records read so at once, each in DLFS_REPLY_SCRATCH bytes of one huge page */
 #define DLFS_AHEAD_WAIT_MS 1000 /* the longest a READ waits for a read of its record under way */
 
-/* How well LOOKUPs have foretold READs lately, here and on the rings (uring.c): each READ that found its
- * record read raises a score by 1, each read no READ took lowers it by DLFS_AHEAD_MISS; below
+/* How well LOOKUPs have foretold READs lately, here and on each ring (uring.c): each READ that found
+ * its record read raises the score by 1, each read no READ took lowers it by DLFS_AHEAD_MISS; below
  * DLFS_AHEAD_SCORE_MIN one LOOKUP in DLFS_AHEAD_PROBE still reads. It starts halfway to the most. */
 #define DLFS_AHEAD_SCORE_MIN 8
 #define DLFS_AHEAD_SCORE_MAX 32
 #define DLFS_AHEAD_MISS 4
 #define DLFS_AHEAD_PROBE 16
 
-/* The score moved by `by`, within 0..DLFS_AHEAD_SCORE_MAX. */
-static inline int dlfs_ahead_rescore(int score, int by)
+struct dlfs_ahead_score {
+    int score;
+    unsigned probe; /* LOOKUPs let pass so far */
+    uint64_t rose;  /* the age (its set's count of starts) of the first read since it last rose to the least */
+};
+#define DLFS_AHEAD_SCORE_INIT {.score = DLFS_AHEAD_SCORE_MAX / 2}
+
+/* The score moved by `by` (within 0..DLFS_AHEAD_SCORE_MAX); `next` is the age the next read started gets. */
+static inline void dlfs_ahead_rescore(struct dlfs_ahead_score *s, int by, uint64_t next)
 {
-    return score + by < 0 ? 0 : score + by > DLFS_AHEAD_SCORE_MAX ? DLFS_AHEAD_SCORE_MAX : score + by;
+    int was = s->score;
+    s->score = was + by < 0 ? 0 : was + by > DLFS_AHEAD_SCORE_MAX ? DLFS_AHEAD_SCORE_MAX : was + by;
+    if (was < DLFS_AHEAD_SCORE_MIN && s->score >= DLFS_AHEAD_SCORE_MIN)
+        s->rose = next;
 }
 
-/* Whether a LOOKUP starts no read at this score (`probe`: the LOOKUPs let pass so far). */
-static inline int dlfs_ahead_skip(int score, unsigned *probe)
+/* A read started at `age` that no READ took, let go: it lowers the score only while LOOKUPs read, and
+ * if started since they last began to. Below the least only READs move the score: the reads a walk that
+ * stats files left behind, and its probes', counted when reused after READs came back, kept LOOKUPs
+ * from reading for ~4 READs each. */
+static inline void dlfs_ahead_unused(struct dlfs_ahead_score *s, uint64_t age, uint64_t next)
 {
-    return score < DLFS_AHEAD_SCORE_MIN && (*probe)++ % DLFS_AHEAD_PROBE;
+    if (s->score >= DLFS_AHEAD_SCORE_MIN && age >= s->rose)
+        dlfs_ahead_rescore(s, -DLFS_AHEAD_MISS, next);
+}
+
+/* Whether a LOOKUP starts no read at this score. */
+static inline int dlfs_ahead_skip(struct dlfs_ahead_score *s)
+{
+    return s->score < DLFS_AHEAD_SCORE_MIN && s->probe++ % DLFS_AHEAD_PROBE;
 }
 
 /* After a LOOKUP of `ino` was answered: where a READ of the file would read its record from the disk

@@ -109,9 +109,8 @@ struct queue {
     struct entry ent[ENTRIES];
     struct record rec[RECORDS];
     char *records; /* the records' buffers, RECORD_BUF bytes each: one huge page (hugebuf.h) */
-    uint64_t starts;
-    int score; /* how well LOOKUPs have foretold READs lately (ahead.h) */
-    unsigned probe;
+    uint64_t starts;            /* records started: the next one's age */
+    struct dlfs_ahead_score sc; /* how well LOOKUPs have foretold READs lately (ahead.h) */
     pthread_mutex_t lock; /* `waiting`/`ready` of its entries, against Python's thread */
     struct dlfs_reply reply;
     struct dlfs_counters counters;
@@ -262,7 +261,7 @@ static void to_python(struct queue *q, int i, int park);
 
 static void rescore(struct queue *q, int by)
 {
-    q->score = dlfs_ahead_rescore(q->score, by);
+    dlfs_ahead_rescore(&q->sc, by, q->starts);
 }
 
 static struct record *record_of(struct queue *q, uint64_t ext)
@@ -295,7 +294,7 @@ static struct record *record_slot(struct queue *q, const struct dlfs_serve *sv, 
     if (!best)
         return NULL;
     if (best->state == READ) {
-        rescore(q, -DLFS_AHEAD_MISS);
+        dlfs_ahead_unused(&q->sc, best->age, q->starts);
         dlfs_chunk_put(&best->f, 0);
         best->state = FREE;
     }
@@ -394,7 +393,7 @@ static void ahead(struct queue *q, const struct dlfs_serve *sv, uint64_t ino)
     struct dlfs_extent e;
     if (!ino || !dlfs_record_wanted(sv, ino, &ext, &e) || record_of(q, ext))
         return;
-    if (dlfs_ahead_skip(q->score, &q->probe))
+    if (dlfs_ahead_skip(&q->sc))
         return;
     uint64_t at;
     if (dlfs_record_span(&e, &at) > RECORD_BUF)
@@ -533,7 +532,7 @@ static void *queue_main(void *arg)
     q->has_ring = 1;
     q->reply.async_records = 1;
     q->reply.async_max = PAYLOAD;
-    q->score = DLFS_AHEAD_SCORE_MAX / 2;
+    q->sc = (struct dlfs_ahead_score)DLFS_AHEAD_SCORE_INIT;
     for (int k = 0; k < RECORDS; k++) {
         q->rec[k].state = FREE;
         q->rec[k].waiter = -1;
