@@ -183,6 +183,45 @@ async def test_a_stream_keeps_its_next_windows_in_flight(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(60)
+async def test_two_streams_windows_are_fetched_in_the_order_their_readers_want_them(tmp_path: Path) -> None:
+    """Two files read in order at once, each keeping its next windows in flight: the prefetch workers
+    take the window wanted soonest (k windows ahead of its reader: k window-reads from now), not the one
+    queued first. In the order queued, the burst of windows one reader's file start queued held back
+    the other reader's next window, whose READ then went to Python to fetch it itself."""
+    async with running_node(tmp_path / "home") as (spec, key), trio.open_nursery() as n:
+        client = ClusterClient(Cluster([spec], key, 1, "test", local=spec.name), n)
+        index, payloads, _ = await _dataset(tmp_path, client, spec, n_chunks=4)
+        cache = ChunkCache(index, client, capacity=64 * SLAB, readahead=SLAB)
+        cache._window_ns = 1_000_000_000  # a window-read a second: the few microseconds between the two streams' queueing never reorder them
+        fetched: list[int] = []
+        fetch = cache._fetch
+
+        async def noted(run: list[int], need: int | None, **kw: Any) -> Any:
+            fetched.append(cache.planner.window_of(run[0])[0])
+            return await fetch(run, need, **kw)
+
+        cache._fetch = noted  # type: ignore[method-assign]
+
+        def windows(first: int, end: int) -> list[int]:  # those after the first's, to the file's end
+            out, nxt = [], cache.planner.window_of(first)[1]
+            while nxt < end:
+                out.append(nxt)
+                nxt = cache.planner.window_of(nxt)[1]
+            return out
+
+        files = [(0, 16), (16, 32)]
+        for first, end in files:  # both readers at their file's start: each queues its whole lookahead
+            cache._stream_ahead(first, first, end)
+        a, b = (windows(*f) for f in files)
+        assert 2 <= len(a) and 2 <= len(b)  # the premise: each file is several windows
+        n.start_soon(cache.prefetch_worker)  # one worker: it fetches one window at a time, in its order
+        await trio_wait_for(lambda: len(fetched) == len(a) + len(b) and not cache._inflight, 10, "the windows")
+        want = [w for k in range(max(len(a), len(b))) for w in (a[k:k + 1] + b[k:k + 1])]
+        assert fetched == want, (fetched, a, b)
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
 async def test_a_second_cold_epoch_reads_ahead_as_the_first(tmp_path: Path) -> None:
     """Records sent whole to the kernel are passed over by read-ahead only until the kernel asks for
     one again (it dropped pages): the second epoch then fetches windows, not single records."""

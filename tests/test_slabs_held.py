@@ -88,6 +88,21 @@ def test_a_pinned_slab_is_retired_until_its_pin_goes() -> None:
 
 
 @needs_native
+def test_a_slab_retired_for_a_moment_is_taken_again_before_fresh_memory() -> None:
+    # A serving thread's pin outlives its record's drop by microseconds (it is still copying the last
+    # bytes); once the pin is gone the slab is what the next window takes, not a fresh one: 16 retired
+    # slabs stood idle through a pass of 2 streams while fresh memory was faulted in for their windows.
+    slabs, owner, held = _held(8)
+    slab = slabs.take()
+    held.add(slab, 0, {5: slabs.view(slab)[:4096]}, {5: 0})
+    owner.pin_for(0, slab)
+    assert held.evict_for_slab() and slabs._retired == [slab]  # dropped while pinned
+    owner.unpin_for(0, slab)  # the copy ends; nothing asks for the retired count meanwhile
+    assert slabs.take() == slab and slabs._taken_high == slab  # no fresh slab touched
+    slabs.close()
+
+
+@needs_native
 def test_records_fetched_alone_share_a_slab_which_is_free_again_with_its_last_part() -> None:
     from dlfs.mount.slabs import PART_ALIGN
 

@@ -32,8 +32,8 @@ missed file while the resident part keeps hitting. Concurrent misses of one wind
 from __future__ import annotations
 
 import ctypes
+import heapq
 import logging
-import math
 import mmap
 import os
 from collections import deque
@@ -51,13 +51,19 @@ from dlfs.mount.diskcache import SOURCE as DISK_CACHE
 from dlfs.mount.fetcher import Buffer, Fetcher, verify_window
 from dlfs.mount.held import Held
 from dlfs.mount.localchunks import DIRECT_ALIGN, LAND_MAX, THREAD_BYTES, ticket
-from dlfs.mount.planner import Planner, window_reach, window_size
+from dlfs.mount.planner import STREAM_WINDOWS_MAX, Planner, window_reach, window_size
 from dlfs.mount.slabs import NO_SLAB, Slabs
 from dlfs.native import native
 from dlfs.units import human_bytes
 
 log = logging.getLogger(__name__)
 PREFETCH_WORKERS = 4  # windows fetched ahead at once: enough to keep a disk (or a node) busy
+# Read-ahead reaches the disk (or a node) in the order its readers will want it: a window k windows
+# ahead of its reader is wanted k window-reads from now, at about this rate (a reader copying from the
+# page cache here). Queued first come first served, one reader's burst of windows at a file's start
+# held the other's next window back, whose READ then reached Python and fetched it itself. The rest
+# of a small file's chunk (whatever order an epoch reads it in) is wanted after any stream's windows.
+READER_RATE = 1 << 30
 DIRECT_CLIENTS = 256  # rows of the shared pin table: processes attached through dlfs.direct at once
 ENGINE_ROW = DIRECT_CLIENTS  # the row the mount's own serving threads pin through
 MIN_AUTO_CACHE = 64 << 20  # the smallest default cache: a few windows and the scratch area
@@ -151,11 +157,14 @@ class ChunkCache:
         self._early: set[int] = set()  # landed in C and sent whole to the kernel before _land kept them
         self._wake_asked = trio.Event()  # a window a READ waited for landed: wake the parked ones after its reply
         self._prefetch = prefetch
-        # Windows (their first extent) waiting for a prefetch worker, with their tickets: read-ahead
-        # reaches the disk in the order it was queued (the workers are scheduled in any order).
+        # Windows (their first extent) waiting for a prefetch worker, with their tickets (when each is
+        # wanted: READER_RATE), taken earliest first; a window queued again for sooner gets a second entry
+        # in the heap, and the first is passed over.
         self._queued: dict[int, int] = {}
         self._of_chunk: set[int] = set()  # those of them queued as the rest of a small file's chunk
-        self._queue_send, self._queue_recv = trio.open_memory_channel[int](math.inf)
+        self._queue: list[tuple[int, int]] = []  # (ticket, window) heap
+        self._queue_ready = trio.Semaphore(0)  # one per entry in the heap
+        self._window_ns = self.slab_size * 1_000_000_000 // READER_RATE
         self.hits = self.misses = self.prefetched_bytes = 0
         self.block_reads = 0  # random reads served from just the blocks they asked for
         self.hinted = 0  # streams the serving threads started (see _hinted)
@@ -619,23 +628,36 @@ class ChunkCache:
         """The file of extents [first, file_end) is read in order, now at extent `ext`: keep its next
         windows here or queued. The serving threads answer the reads of what arrived without a word to
         Python, so it is each consumed record of a streamed window that moves the stream on."""
-        for start in self.planner.ahead(ext, first, file_end, self._present, self._room_for_window):
-            self._queue_window(start)
+        for start, k in self.planner.ahead_by(ext, first, file_end, self._present, self._room_for_window):
+            self._queue_window(start, windows_ahead=k)
 
-    def _queue_window(self, start: int, of_chunk: bool = False) -> None:
-        """Queue the window starting at extent `start` for the prefetch workers (`of_chunk`: the rest of a
-        small file's chunk, which scan mode's latch cancels; a stream's windows it does not)."""
-        if self._prefetch and start not in self._queued:
-            self._queued[start] = ticket()
-            if of_chunk:
-                self._of_chunk.add(start)
-            self._queue_send.send_nowait(start)
+    def _queue_window(self, start: int, of_chunk: bool = False, windows_ahead: int = STREAM_WINDOWS_MAX) -> None:
+        """Queue the window starting at extent `start` for the prefetch workers, wanted once its reader has
+        read `windows_ahead` windows (`of_chunk`: the rest of a small file's chunk, which scan mode's
+        latch cancels; a stream's windows it does not)."""
+        if not self._prefetch:
+            return
+        order = ticket(windows_ahead * self._window_ns)
+        queued = self._queued.get(start)
+        if queued is not None and queued <= order:
+            return
+        self._queued[start] = order
+        if of_chunk and queued is None:
+            self._of_chunk.add(start)
+        elif not of_chunk:
+            self._of_chunk.discard(start)
+        heapq.heappush(self._queue, (order, start))
+        self._queue_ready.release()
 
     async def prefetch_worker(self) -> None:
         """Run for the mount's life (PREFETCH_WORKERS of them): fetch the queued windows' records that
-        are not here yet, a slab each, while read-ahead has room."""
-        async for start in self._queue_recv:
-            order = self._queued.pop(start, None)
+        are not here yet, a slab each, while read-ahead has room, the earliest wanted first."""
+        while True:
+            await self._queue_ready.acquire()
+            order, start = heapq.heappop(self._queue)
+            if self._queued.get(start) != order:
+                continue  # queued again for sooner: that entry is the one
+            del self._queued[start]
             of_chunk = start in self._of_chunk
             self._of_chunk.discard(start)
             lo, hi = self.planner.window_of(start)

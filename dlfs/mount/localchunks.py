@@ -182,20 +182,27 @@ def _read_records(jobs: list[RecordJob], pool: ThreadPoolExecutor) -> list[tuple
     return list(pool.map(_read_record, jobs))
 
 
-_tickets = itertools.count()
+_last_ticket = 0
 
 
-def ticket() -> int:
-    """A place in the disk queue's order, taken when a read is decided on (read-ahead queued in file
-    order keeps that order, however its tasks are scheduled before they reach the queue)."""
-    return next(_tickets)
+def ticket(later_ns: int = 0) -> int:
+    """A place in the disk queue's order: when the read is wanted, in monotonic ns. Taken when a read is
+    decided on, it is now (read-ahead queued in file order keeps that order, however its tasks are
+    scheduled before they reach the queue: strictly increasing); `later_ns` on, for read-ahead a reader
+    is expected to want that much later."""
+    global _last_ticket
+    at = time.monotonic_ns() + later_ns
+    if later_ns:
+        return at
+    _last_ticket = max(at, _last_ticket + 1)
+    return _last_ticket
 
 
 class DiskQueue:
     """Reads of local files by threads of its own, one per lane (windows, small reads: see
     WINDOW_LANE_MIN), in each lane those a reader waits for (urgent) first, the rest in the order of
-    their tickets (by default, the order asked); each read's result is handed back to the event loop,
-    while its thread goes straight on to the next read."""
+    their tickets (when each is wanted: by default, the order asked); each read's result is handed
+    back to the event loop, while its thread goes straight on to the next read."""
 
     def __init__(self) -> None:
         Jobs = queue.PriorityQueue[tuple[int, int, int, Any]]

@@ -141,15 +141,21 @@ class Planner:
         """The file of extents [first, file_end) is read in order, now at extent `ext`: the windows
         (their first extents) to queue so that as many as its depth are here or coming, while `room()`
         says read-ahead may grow."""
+        return [start for start, _ in self.ahead_by(ext, first, file_end, present, room)]
+
+    def ahead_by(self, ext: int, first: int, file_end: int, present: Present,
+                 room: Callable[[], bool]) -> list[tuple[int, int]]:
+        """ahead()'s windows, each with how many windows come before it from the reader's next one (0:
+        that one): the order a reader wants them in."""
         depth = self._depth.get(first, STREAM_WINDOWS)
         nxt = self.window_of(ext)[1]
         out = []
-        for _ in range(depth):
+        for k in range(depth):
             if nxt >= file_end or not room():
                 break
             self._streaming[nxt] = (first, file_end)
             if self.needed(nxt, present):
-                out.append(nxt)
+                out.append((nxt, k))
             nxt = self.window_of(nxt)[1]
         return out
 

@@ -100,7 +100,12 @@ class Slabs:
         return bool(self._free)
 
     def take(self) -> int:
-        """A free slab (has_free() must be true)."""
+        """A free slab (has_free() must be true): one used before where there is one, retired ones
+        included."""
+        if self._retired and self._free[-1] > self._taken_high:
+            # A serving thread's pin outlives its record's drop by microseconds: without this, each slab
+            # retired so waited for the free list to empty while fresh memory was touched in its place.
+            self.reclaim_retired()
         slab = self._free.pop()
         self._punched.discard(slab)
         if slab > self._taken_high:
