@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from time import monotonic_ns
 from typing import Any
 
 import trio
@@ -191,7 +192,7 @@ def ticket(later_ns: int = 0) -> int:
     scheduled before they reach the queue: strictly increasing); `later_ns` on, for read-ahead a reader
     is expected to want that much later."""
     global _last_ticket
-    at = time.monotonic_ns() + later_ns
+    at = monotonic_ns() + later_ns
     if later_ns:
         return at
     _last_ticket = max(at, _last_ticket + 1)
