@@ -190,7 +190,14 @@ class ChunkCache:
         return self.held.resident_size + self._inflight_size + more <= cap
 
     def _room_for_window(self) -> bool:
-        return self._room(self.slab_size)
+        """Room for a stream's next window; where read-ahead is full, partly read windows give way, the
+        one fetched longest ago first. In a random order of big files those are files' last windows,
+        kept for the first records of the file after each in its chunk, which that order reads much
+        later if at all this epoch: they filled read-ahead, and streams stopped reading ahead."""
+        while not self._room(self.slab_size):
+            if not self.held.evict_oldest_partial():
+                return False
+        return True
 
     def _make_room(self) -> bool:
         """Drop the oldest resident blocks until a window fits: for a dlfs.direct miss. Its clients read

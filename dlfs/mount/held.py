@@ -167,6 +167,14 @@ class Held:
         self._drop(next(iter(self._resident)), evicted=True)
         return True
 
+    def evict_oldest_partial(self) -> bool:
+        """Drop the resident block fetched longest ago of those partly consumed; False if none is."""
+        victim = next((bid for bid in self._resident if self._blocks[bid].partial), None)
+        if victim is None:
+            return False
+        self._drop(victim, evicted=True)
+        return True
+
     def shed(self, nbytes: int) -> None:
         """Drop read-ahead not yet read, least useful first, until `nbytes` of it are gone."""
         dropped = 0

@@ -151,11 +151,13 @@ class Planner:
         nxt = self.window_of(ext)[1]
         out = []
         for k in range(depth):
-            if nxt >= file_end or not room():
+            if nxt >= file_end:
                 break
-            self._streaming[nxt] = (first, file_end)
             if self.needed(nxt, present):
+                if not room():  # asked only for a window to fetch: making room may drop another
+                    break
                 out.append((nxt, k))
+            self._streaming[nxt] = (first, file_end)
             nxt = self.window_of(nxt)[1]
         return out
 
