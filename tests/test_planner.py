@@ -3,6 +3,7 @@ cache, no I/O: an index file of real chunk records and the planner's answers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from test_cache import _big_chunk
@@ -57,21 +58,27 @@ def test_reads_become_sequential_as_the_kernel_or_a_reader_shows_it(tmp_path: Pa
     assert p.sequential(10, 0, 4096, first=8)
 
 
+def _windows(p: Planner, ext: int, first: int, end: int, present: Callable[[int], bool],
+             room: Callable[[], bool]) -> list[int]:
+    """Planner.ahead's windows, without their distances."""
+    return [w for w, _ in p.ahead(ext, first, end, present, room)]
+
+
 def test_a_stream_keeps_its_depth_of_windows_ahead_within_its_file_and_room(tmp_path: Path) -> None:
     index = _index(tmp_path, chunks=12)
     p = Planner(index, WINDOW)
     file_end = index.totals.extents  # one file of every record
-    ahead = p.ahead(0, 0, file_end, _nothing, lambda: True)
+    ahead = _windows(p, 0, 0, file_end, _nothing, lambda: True)
     assert len(ahead) == STREAM_WINDOWS
     assert ahead[0] == p.window_of(0)[1] and all(p.window_of(w)[0] == w for w in ahead)
-    # What is here or coming is not asked for again, but still counts toward the depth.
+    # What is here or coming is not asked for again, but still counts toward the depth (and the distance).
     here = set(range(ahead[0], ahead[2]))
     again = p.ahead(0, 0, file_end, here.__contains__, lambda: True)
-    assert again == ahead[2:]
+    assert again == [(w, k) for k, w in enumerate(ahead)][2:]
     # No room: nothing more. Near the file's end: only what is left of it.
     assert p.ahead(0, 0, file_end, _nothing, lambda: False) == []
     last = p.window_of(file_end - 1)[0]
-    assert p.ahead(last - 1, 0, file_end, _nothing, lambda: True) == [last]
+    assert _windows(p, last - 1, 0, file_end, _nothing, lambda: True) == [last]
     # A reader that outran its windows gets more of them, up to the most.
     for _ in range(5):
         p.deepen(0)
@@ -82,7 +89,7 @@ def test_a_stream_keeps_its_depth_of_windows_ahead_within_its_file_and_room(tmp_
 def test_a_consumed_window_moves_its_stream_on(tmp_path: Path) -> None:
     index = _index(tmp_path, chunks=12)
     p = Planner(index, WINDOW)
-    ahead = p.ahead(0, 0, index.totals.extents, _nothing, lambda: True)
+    ahead = _windows(p, 0, 0, index.totals.extents, _nothing, lambda: True)
     assert p.sent(ahead[0]) == (0, index.totals.extents)  # read from a window read ahead: go on
     assert p.sent(ahead[0] + 1) is None  # that window's move was made
     assert p.sent(0) is None  # not read ahead of a stream

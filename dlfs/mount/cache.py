@@ -635,7 +635,7 @@ class ChunkCache:
         """The file of extents [first, file_end) is read in order, now at extent `ext`: keep its next
         windows here or queued. The serving threads answer the reads of what arrived without a word to
         Python, so it is each consumed record of a streamed window that moves the stream on."""
-        for start, k in self.planner.ahead_by(ext, first, file_end, self._present, self._room_for_window):
+        for start, k in self.planner.ahead(ext, first, file_end, self._present, self._room_for_window):
             self._queue_window(start, windows_ahead=k)
 
     def _queue_window(self, start: int, of_chunk: bool = False, windows_ahead: int = STREAM_WINDOWS_MAX) -> None:

@@ -137,16 +137,12 @@ class Planner:
             self._streams.popitem(last=False)
         return (lo == 0 and ext == first) or run >= SEQUENTIAL_AFTER or size > RANDOM_READ_MAX
 
-    def ahead(self, ext: int, first: int, file_end: int, present: Present, room: Callable[[], bool]) -> list[int]:
+    def ahead(self, ext: int, first: int, file_end: int, present: Present,
+              room: Callable[[], bool]) -> list[tuple[int, int]]:
         """The file of extents [first, file_end) is read in order, now at extent `ext`: the windows
         (their first extents) to queue so that as many as its depth are here or coming, while `room()`
-        says read-ahead may grow."""
-        return [start for start, _ in self.ahead_by(ext, first, file_end, present, room)]
-
-    def ahead_by(self, ext: int, first: int, file_end: int, present: Present,
-                 room: Callable[[], bool]) -> list[tuple[int, int]]:
-        """ahead()'s windows, each with how many windows come before it from the reader's next one (0:
-        that one): the order a reader wants them in."""
+        says read-ahead may grow; each with how many windows come before it from the reader's next one
+        (0: that one), the order a reader wants them in."""
         depth = self._depth.get(first, STREAM_WINDOWS)
         nxt = self.window_of(ext)[1]
         out = []
