@@ -158,10 +158,10 @@ class ChunkCache:
         self._wake_asked = trio.Event()  # a window a READ waited for landed: wake the parked ones after its reply
         self._prefetch = prefetch
         # Windows (their first extent) waiting for a prefetch worker, with their tickets (when each is
-        # wanted: READER_RATE), taken earliest first; a window queued again for sooner gets a second entry
-        # in the heap, and the first is passed over.
-        self._queued: dict[int, int] = {}
-        self._of_chunk: set[int] = set()  # those of them queued as the rest of a small file's chunk
+        # wanted: READER_RATE) and whether they were queued as the rest of a small file's chunk, taken
+        # earliest first; a window queued again for sooner gets a second entry in the heap, and the first
+        # is passed over.
+        self._queued: dict[int, tuple[int, bool]] = {}
         self._queue: list[tuple[int, int]] = []  # (ticket, window) heap
         self._queue_ready = trio.Semaphore(0)  # one per entry in the heap
         self._window_ns = self.slab_size * 1_000_000_000 // READER_RATE
@@ -646,13 +646,9 @@ class ChunkCache:
             return
         order = ticket(windows_ahead * self._window_ns)
         queued = self._queued.get(start)
-        if queued is not None and queued <= order:
+        if queued is not None and queued[0] <= order:
             return
-        self._queued[start] = order
-        if of_chunk and queued is None:
-            self._of_chunk.add(start)
-        elif not of_chunk:
-            self._of_chunk.discard(start)
+        self._queued[start] = (order, of_chunk and (queued is None or queued[1]))
         heapq.heappush(self._queue, (order, start))
         self._queue_ready.release()
 
@@ -662,11 +658,11 @@ class ChunkCache:
         while True:
             await self._queue_ready.acquire()
             order, start = heapq.heappop(self._queue)
-            if self._queued.get(start) != order:
+            queued = self._queued.get(start)
+            if queued is None or queued[0] != order:
                 continue  # queued again for sooner: that entry is the one
             del self._queued[start]
-            of_chunk = start in self._of_chunk
-            self._of_chunk.discard(start)
+            of_chunk = queued[1]
             lo, hi = self.planner.window_of(start)
             run = [i for i in range(lo, hi) if self.planner.needed(i, self._present)]
             if not run or not self._room(self.slab_size) or (of_chunk and self.scan_latched):
