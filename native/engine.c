@@ -258,10 +258,8 @@ static int settle(struct parked *p, int give_up)
         r = dlfs_answer(&E.serve, &rq, &P.reply, &P.counters);
     }
     if (r == DLFS_ANSWERED) {
-        /* Counted before the reply wakes its reader: a snapshot that counts the READ (dlfs_answer did)
-         * counts how it ended too, as a reader that has its bytes may look at once. */
-        DLFS_COUNT(&P.counters, parked_answered, 1);
         send_late(&P.reply);
+        DLFS_COUNT(&P.counters, parked_answered, 1);
         return 1;
     }
     if (r == DLFS_PARK && !give_up)
