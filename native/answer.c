@@ -963,7 +963,7 @@ static int start_wait(const struct dlfs_serve *sv, uint64_t ino, uint64_t ext)
     unsigned k = (unsigned)(ino % START_SLOTS);
     uint64_t now = dlfs_now_ns(), first = __atomic_load_n(&starts[k].ext, __ATOMIC_RELAXED);
     if (__atomic_load_n(&starts[k].ino, __ATOMIC_RELAXED) == ino &&
-        now - __atomic_load_n(&starts[k].ns, __ATOMIC_RELAXED) < START_WAIT_NS && first < sv->shm->h.n_extents &&
+        now < __atomic_load_n(&starts[k].ns, __ATOMIC_RELAXED) + START_WAIT_NS && first < sv->shm->h.n_extents &&
         __atomic_load_n(&sv->shm->entries[first], __ATOMIC_ACQUIRE) == 0) {
         __atomic_store_n(&starts[k].waited, 1, __ATOMIC_RELAXED);
         return 1;

@@ -184,7 +184,7 @@ int dlfs_chunk_get(struct dlfs_chunk_files *t, int dir, uint64_t ci, const uint8
             f = &ways[w];
             break;
         }
-    if (f && !f->failed && now - f->checked >= DLFS_LOCAL_RECHECK_NS) {
+    if (f && !f->failed && now >= f->checked + DLFS_LOCAL_RECHECK_NS) {
         if (still_there(dir, f, path))
             f->checked = now;
         else

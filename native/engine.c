@@ -296,11 +296,12 @@ void dlfs_engine_park(const void *buf, uint32_t len, struct dlfs_counters *c)
 int dlfs_engine_wake(void)
 {
     int answered = 0;
-    uint64_t now = dlfs_now_ns();
     pthread_mutex_lock(&P.lock);
-    uint64_t before = P.counters.parked_answered;
+    /* Read under the lock, and compared without a difference that could wrap: a READ parked after a `now`
+     * taken before it would have looked 584 years old, and gone to Python at once, behind its window. */
+    uint64_t now = dlfs_now_ns(), before = P.counters.parked_answered;
     for (int i = 0; i < P.n;) {
-        if (settle(P.slot[i], now - P.slot[i]->since_ns > (uint64_t)DLFS_PARK_SECONDS * 1000000000u)) {
+        if (settle(P.slot[i], P.slot[i]->since_ns + (uint64_t)DLFS_PARK_SECONDS * 1000000000u < now)) {
             free(P.slot[i]);
             P.slot[i] = P.slot[--P.n];
         } else {

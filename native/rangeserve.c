@@ -220,7 +220,7 @@ static void sweep(void)
         return;
     L.swept = now;
     for (int k = 0; k < DLFS_LANES_MAX; k++)
-        if (L.lane[k].state == ARMED && now - L.lane[k].used >= DLFS_LANE_IDLE_S) {
+        if (L.lane[k].state == ARMED && now >= L.lane[k].used + DLFS_LANE_IDLE_S) {
             shut(k);
             COUNT(closed_idle, 1);
         }

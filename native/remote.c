@@ -168,7 +168,7 @@ static struct conn *take(struct node *nd)
         struct conn *c = &nd->conn[k];
         int idle = IDLE;
         if (__atomic_compare_exchange_n(&c->state, &idle, BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-            if (now - c->used < DLFS_REMOTE_IDLE_S)
+            if (now < c->used + DLFS_REMOTE_IDLE_S)
                 return c;
             drop(nd, c); /* the daemon may be closing it: let Python open a fresh one */
             idle = EMPTY;
