@@ -15,7 +15,8 @@ an RDMA READ cancelled with work requests posted closes its queue pair (dlfs/cli
 
 Riding out a restart: when a round gave no good bytes and some replica could not be reached, the read
 waits (RETRY_FIRST, growing to RETRY_MAX, cut short when any node answers again) and runs another round,
-until `retry_timeout` has passed since it began: then Unreachable (EIO). A replica that *answered*
+until `retry_timeout` has passed since it began to wait, or since the last of its silent replicas stopped
+answering if that is sooner: then Unreachable (EIO). A replica that *answered*
 (NotFound, or bytes that fail their check) is not asked again within the read: a restart does not
 change its answer, so a read whose every replica answered that way fails at once rather than waiting.
 """
@@ -121,7 +122,7 @@ class ReplicaReader:
         """(what `check` made of the first good bytes, those bytes) for ranges (offset, length) of chunk
         `cid`, the first landing in `into` where it can. `fetched` is told of every replica's bytes
         before they are checked (good or not). With `retry`, rounds repeat while a replica could not
-        be reached, for up to retry_timeout. CorruptData if replicas answered and none had good bytes,
+        be reached, for up to retry_timeout from the first that failed. CorruptData if replicas answered and none had good bytes,
         else Unreachable."""
         own = deadline = trio.current_time() + (self.retry_timeout if retry else 0.0)
         state = _Read()
@@ -145,8 +146,9 @@ class ReplicaReader:
                 # retry_timeout from then, not each its own (nodes down for good would cost every read the
                 # whole wait in turn).
                 silent = [self.client.failing_since(n) for n in state.errors if n not in state.answered]
+                deadline = own
                 if retry and self.retry_timeout and silent and None not in silent:
-                    deadline = min(deadline, max(t for t in silent if t is not None) + self.retry_timeout)
+                    deadline = min(own, max(t for t in silent if t is not None) + self.retry_timeout)
                 if not queue and state.errors and now >= deadline:
                     break
                 # A fetch never outlasts the read's own bound, nor (read-ahead, which a reader may wait for)
@@ -177,6 +179,10 @@ class ReplicaReader:
                     break
                 if waited_since is None:
                     waited_since = now
+                    # The bound counts from here, not from the first round's start: a read that began before
+                    # its replicas failed would end just before the last went silent for the bound, and the
+                    # reads right after it would ask that one again rather than fail at once.
+                    own = max(own, now + self.retry_timeout)
                     self._begin_wait(cid, state)
                 self.waits += 1
                 await self.client.wait_answer(min(wait, deadline - now))
