@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -262,10 +263,12 @@ class DlfsNode:
         """How `dlfs node` and `dlfs mount` are run (a subclass may start them inside a memory group)."""
         return argv
 
-    def cli(self, *args: str, timeout: float = CLI_TIMEOUT) -> str:
-        """Run `dlfs ARGS` against this node; its stdout, or a DlfsError with its last error line."""
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT, code: Path | None = None) -> str:
+        """Run `dlfs ARGS` against this node (with the dlfs of checkout `code`, its native module built in
+        place, where given); its stdout, or a DlfsError with its last error line."""
         argv = [sys.executable, "-m", "dlfs", *args]
-        proc = subprocess.run(self.wrap(argv) if args[:1] == ("mount",) else argv, env=self.env,
+        env = self.env if code is None else dict(self.env, PYTHONPATH=str(code))
+        proc = subprocess.run(self.wrap(argv) if args[:1] == ("mount",) else argv, env=env,
                               capture_output=True, text=True, timeout=timeout, check=False)
         if proc.returncode != 0:
             if self.proc is not None and self.proc.poll() is not None:  # the cause, not its symptom
@@ -366,13 +369,16 @@ class DlfsMount(System):
     VIA_DISK_CACHE = ("dlfs_disk_cache_quarter_cache", "dlfs --cache-dir, cache 1/4")
 
     def __init__(self, node: DlfsNode, dataset: str, mountpoint: Path, direct_io: bool = False,
-                 short_circuit: bool = True, cache_size: int | None = None, cache_dir: Path | None = None) -> None:
+                 short_circuit: bool = True, cache_size: int | None = None, cache_dir: Path | None = None,
+                 options: Sequence[str] = (), code: Path | None = None) -> None:
         super().__init__(mountpoint)
         self.node, self.dataset = node, dataset
         self.direct_io = direct_io  # mounted with --direct-io: then named dlfs_direct_io
         self.short_circuit = short_circuit
         self.cache_size = cache_size  # --cache-size, in bytes (None: the default)
         self.cache_dir = cache_dir  # --cache-dir (None: none)
+        self.options = list(options)  # more `dlfs mount` options, as given
+        self.code = code  # the checkout whose dlfs runs the mount (scripts/cold_ab.py); None: this one
         if direct_io:
             self.name, self.label = self.DIRECT_IO
         elif not short_circuit:
@@ -446,7 +452,7 @@ class DlfsMount(System):
                       *([] if self.short_circuit else ["--no-short-circuit"]),
                       *([] if self.cache_size is None else ["--cache-size", str(self.cache_size)]),
                       *([] if self.cache_dir is None else ["--cache-dir", str(self.cache_dir)]),
-                      self.dataset, str(self.root), timeout=300)
+                      *self.options, self.dataset, str(self.root), timeout=300, code=self.code)
         self.mount_seconds = time.perf_counter() - t0
         self.mounted = True
         self._pid = self.node.mount_pid(self.root)
