@@ -122,8 +122,8 @@ class ReplicaReader:
         """(what `check` made of the first good bytes, those bytes) for ranges (offset, length) of chunk
         `cid`, the first landing in `into` where it can. `fetched` is told of every replica's bytes
         before they are checked (good or not). With `retry`, rounds repeat while a replica could not
-        be reached, for up to retry_timeout from the first that failed. CorruptData if replicas answered and none had good bytes,
-        else Unreachable."""
+        be reached, for up to retry_timeout from when it began to wait (see the module's docstring).
+        CorruptData if replicas answered and none had good bytes, else Unreachable."""
         own = deadline = trio.current_time() + (self.retry_timeout if retry else 0.0)
         state = _Read()
         wait = RETRY_FIRST
