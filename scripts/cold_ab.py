@@ -20,7 +20,8 @@ chunk format. For example, the head against the commit before it, and --direct-i
 
 Each pass reads every file once, shuffled, with `open(path, "rb").read()` in --readers processes. Printed
 per pass: MB/s, files/s, the mount's CPU per file, the readers' CPU per GB, READs that reached the mount's
-Python, and MB read from the block device that holds --dir. Needs root and /dev/fuse.
+Python, MB read from the block device that holds --dir, and the cache memory the mount touched (fresh
+memory, which a VM that hands freed memory back to its host makes costly to fault in). Needs root and /dev/fuse.
 """
 
 from __future__ import annotations
@@ -69,23 +70,27 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, code, options.split())
 
 
-def python_reads(s: System) -> int | None:
-    """READs the mount's Python handlers answered so far, once it fetches nothing more (None: not a mount)."""
+def mount_figures(s: System) -> dict[str, int] | None:
+    """The mount's READs answered by its Python handlers and the cache memory it has touched, once it
+    fetches nothing more (None: not a mount)."""
     if not isinstance(s, DlfsMount):
         return None
     from dlfs.stats import read_sample
 
     s.mount_counters(time.time())
-    return int(read_sample(s.node.home, s.root.absolute())["python_reads"])
+    doc = read_sample(s.node.home, s.root.absolute())
+    return {"python_reads": int(doc["python_reads"]), "touched": int(doc["cache_touched"])}
 
 
 def one_pass(s: System, files: Sequence[str], readers: int, seed: int, disk: Any) -> dict[str, Any]:
     fresh_start(s)
-    before, read0 = python_reads(s), disk.read_bytes() if disk else 0
+    before, read0 = mount_figures(s), disk.read_bytes() if disk else 0
     e = timed_epoch(s, files, readers, seed=seed, read="open")
     e["device_mb"] = (disk.read_bytes() - read0) / 1e6 if disk else None
-    after = python_reads(s)
-    e["python_reads"] = after - before if after is not None and before is not None else None
+    after = mount_figures(s)
+    e["python_reads"] = after["python_reads"] - before["python_reads"] if after and before else None
+    # fresh memory the pass faulted in (a fresh mount: all of what its cache touched)
+    e["touched_mb"] = after["touched"] / 1e6 if after else None
     s.unmount()
     return e
 
@@ -95,8 +100,9 @@ def show(name: str, e: dict[str, Any], local: dict[str, Any] | None) -> str:
     cpu = f"{e['cpu_us_per_file']:8.0f}" if e.get("cpu_us_per_file") is not None else "       -"
     py = f"{e['python_reads']:6d}" if e.get("python_reads") is not None else "     -"
     dev = f"{e['device_mb']:7.0f}" if e.get("device_mb") is not None else "      -"
+    touched = f"{e['touched_mb']:7.0f}" if e.get("touched_mb") is not None else "      -"
     return (f"  {name:<12} {e['mb_per_s']:8.0f} {e['files_per_s']:8.0f} {ratio} {cpu} "
-            f"{e['reader_cpu_s_per_gb'] or 0:9.2f} {py} {dev}")
+            f"{e['reader_cpu_s_per_gb'] or 0:9.2f} {py} {dev} {touched}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = list(systems)
         rounds = opts.rounds or 2 * len(names)
         results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-        head = f"  {'':<12} {'MB/s':>8} {'files/s':>8} {'/local':>6} {'us/file':>8} {'reader s/GB':>9} {'to Py':>6} {'disk MB':>7}"
+        head = f"  {'':<12} {'MB/s':>8} {'files/s':>8} {'/local':>6} {'us/file':>8} {'reader s/GB':>9} {'to Py':>6} {'disk MB':>7} {'cache MB':>7}"
         for r in range(rounds):
             # Each system in each place, and after each other one, in turn: rotated, and reversed every other round.
             k = r // 2 % len(names)
