@@ -140,10 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     node.start()
     try:
         dataset = DATASETS[opts.files]
-        if dataset not in node.cli("datasets"):
-            print(f"ingesting {len(files)} files as {dataset}, untimed", flush=True)
-            other = next(f for f in DATASETS if f != opts.files)
-            node.cli("ingest", str(src), "--name", dataset, "--exclude", f"/{other}/", timeout=1800)
+        # Every run: a sample made again with other counts is a new version, an unchanged one none.
+        print(f"ingesting {len(files)} files as {dataset} (a new version only if they changed), untimed", flush=True)
+        other = next(f for f in DATASETS if f != opts.files)
+        node.cli("ingest", str(src), "--name", dataset, "--exclude", f"/{other}/", timeout=1800)
         systems["local"] = LocalDisk(src)
         for v in variants:
             m = DlfsMount(node, dataset, mnt / v.name, options=v.options, code=v.code)
