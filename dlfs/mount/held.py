@@ -169,6 +169,8 @@ class Held:
 
     def evict_oldest_partial(self) -> bool:
         """Drop the resident block fetched longest ago of those partly consumed; False if none is."""
+        if not self.partial:  # none anywhere: no walk of every resident block (read-ahead full of unread ones)
+            return False
         victim = next((bid for bid in self._resident if self._blocks[bid].partial), None)
         if victim is None:
             return False
