@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from dlfs.bench.baselines import DlfsMount, DlfsNode, LocalDisk, System, fresh_start, unmount_all_under  # noqa: E402
 from dlfs.bench.bigfiles import block_device  # noqa: E402
-from dlfs.bench.cold import DATASETS, make_dataset, mount_sample  # noqa: E402
+from dlfs.bench.cold import DATASETS, make_dataset  # noqa: E402
 from dlfs.bench.epoch import timed_epoch  # noqa: E402
 from dlfs.errors import DlfsError  # noqa: E402
 
@@ -69,15 +70,27 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, code, options.split())
 
 
+def mount_figures(s: System) -> dict[str, int] | None:
+    """The mount's READs answered by its Python handlers and the cache memory it has touched, once it
+    fetches nothing more (None: not a mount)."""
+    if not isinstance(s, DlfsMount):
+        return None
+    from dlfs.stats import read_sample
+
+    s.mount_counters(time.time())
+    doc = read_sample(s.node.home, s.root.absolute())
+    return {"python_reads": int(doc["python_reads"]), "touched": int(doc["cache_touched"])}
+
+
 def one_pass(s: System, files: Sequence[str], readers: int, seed: int, disk: Any) -> dict[str, Any]:
     fresh_start(s)
-    before, read0 = mount_sample(s), disk.read_bytes() if disk else 0
+    before, read0 = mount_figures(s), disk.read_bytes() if disk else 0
     e = timed_epoch(s, files, readers, seed=seed, read="open")
     e["device_mb"] = (disk.read_bytes() - read0) / 1e6 if disk else None
-    after = mount_sample(s)  # {} where `s` is no mount
-    e["python_reads"] = after["python_reads"] - before["python_reads"] if after else None
+    after = mount_figures(s)
+    e["python_reads"] = after["python_reads"] - before["python_reads"] if after and before else None
     # fresh memory the pass faulted in (a fresh mount: all of what its cache touched)
-    e["touched_mb"] = after["cache_touched"] / 1e6 if after else None
+    e["touched_mb"] = after["touched"] / 1e6 if after else None
     s.unmount()
     return e
 

@@ -94,7 +94,7 @@ def mount_sample(s: System) -> dict[str, Any]:
     engine = doc.get("engine") or {}
     return {"python_reads": doc["python_reads"], "misses": doc["cache_misses"], "fetches": doc["fetches"],
             "read_misses": engine.get("read_misses", 0), "parked": engine.get("parked", 0),
-            "in_place_bytes": doc["in_place_bytes"], "cache_touched": doc["cache_touched"]}
+            "in_place_bytes": doc["in_place_bytes"]}
 
 
 def _spent(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
