@@ -16,6 +16,7 @@
 #include "engine.h"
 #include "hash.h"
 #include "module.h"
+#include "remote.h"
 
 #define CONSUMED_RING 65536 /* extents consumed and not yet dropped by the cache */
 #define TAKE_BATCH 4096
@@ -242,19 +243,12 @@ struct landing {
     uint32_t len;
 };
 
-/* land(fd, offset, nbytes, slab, at, records) -> (read, bad): a window read from a chunk file straight
- * into its slab and, all with no GIL, each record checked (xxh3 of its stored bytes) and, if every one is
- * good, published and the READs parked for them answered at once (the disk's thread, not the event
- * loop's turn). `records`: (ext, its offset in the slab, stored length, checksum) each, uncompressed.
- * `read`: bytes read (fewer than asked at the file's end); `bad`: the first record short or failing its
- * check (nothing is published then: the caller reads the window its own way), else -1. OSError as pread. */
-static PyObject *owner_land(CacheOwner *o, PyObject *args)
+/* The records of a window landing at `at` of `slab` (`nbytes`): (ext, its offset in the slab, stored length,
+ * checksum) each, checked against the slab and the index; NULL with the exception set. */
+static struct landing *landing_of(CacheOwner *o, PyObject *records, unsigned long long slab, unsigned long long at,
+                                  unsigned long long nbytes, Py_ssize_t *count)
 {
-    int fd;
-    unsigned long long off, nbytes, slab, at;
-    PyObject *records;
-    if (!PyArg_ParseTuple(args, "iKKKKO", &fd, &off, &nbytes, &slab, &at, &records) ||
-        dlfs_in_range(slab, o->r.shm.h.nslabs, "slab") < 0)
+    if (dlfs_in_range(slab, o->r.shm.h.nslabs, "slab") < 0)
         return NULL;
     uint64_t slab_size = o->r.shm.h.slab_size;
     if (at > slab_size || nbytes > slab_size - at) {
@@ -268,12 +262,14 @@ static PyObject *owner_land(CacheOwner *o, PyObject *args)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n < 1 || n > LAND_MAX) {
         Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "a window of %zd records (1 to %d)", n, LAND_MAX);
+        PyErr_Format(PyExc_ValueError, "a window of %zd records (1 to %d)", n, LAND_MAX);
+        return NULL;
     }
     struct landing *recs = PyMem_Malloc((size_t)n * sizeof *recs);
     if (!recs) {
         Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long ext, rat, sum;
@@ -288,12 +284,49 @@ static PyObject *owner_land(CacheOwner *o, PyObject *args)
         if (rat > slab_size || len > slab_size - rat) {
             PyMem_Free(recs);
             Py_DECREF(seq);
-            return PyErr_Format(PyExc_ValueError, "record %llu (%u bytes at %llu) outside a slab", ext, len, rat);
+            PyErr_Format(PyExc_ValueError, "record %llu (%u bytes at %llu) outside a slab", ext, len, rat);
+            return NULL;
         }
         recs[i] = (struct landing){.ext = ext, .at = rat, .sum = sum, .len = len};
     }
     Py_DECREF(seq);
-    char *base = (char *)o->r.shm.mem + slab * slab_size;
+    *count = n;
+    return recs;
+}
+
+/* With no GIL: each record of a window whose bytes up to `end` of the slab at `base` are in, checked (xxh3
+ * of its stored bytes) and, if every one is good, published and the READs parked for them answered at
+ * once. The first record short or failing its check (nothing published then), else -1. */
+static Py_ssize_t land_checked(CacheOwner *o, char *base, uint64_t slab, uint64_t end, const struct landing *recs,
+                               Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (recs[i].at + recs[i].len > end || dlfs_xxh3(base + recs[i].at, recs[i].len) != recs[i].sum)
+            return i;
+    for (Py_ssize_t i = 0; i < n; i++)
+        publish_record(o, recs[i].ext, slab, (uint32_t)recs[i].at);
+    dlfs_engine_wake();
+    return -1;
+}
+
+/* land(fd, offset, nbytes, slab, at, records) -> (read, bad): a window read from a chunk file straight
+ * into its slab and, all with no GIL, its records checked and published and their parked READs answered
+ * (land_checked: the disk's thread, not the event loop's turn). `records`: (ext, its offset in the slab,
+ * stored length, checksum) each, uncompressed. `read`: bytes read (fewer than asked at the file's end);
+ * `bad`: the first record short or failing its check (nothing is published then: the caller reads the
+ * window its own way), else -1. OSError as pread. */
+static PyObject *owner_land(CacheOwner *o, PyObject *args)
+{
+    int fd;
+    unsigned long long off, nbytes, slab, at;
+    PyObject *records;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "iKKKKO", &fd, &off, &nbytes, &slab, &at, &records))
+        return NULL;
+    struct landing *recs = landing_of(o, records, slab, at, nbytes, &n);
+    if (!recs)
+        return NULL;
+    char *base = (char *)o->r.shm.mem + slab * o->r.shm.h.slab_size;
     uint64_t got = 0;
     Py_ssize_t bad = -1;
     int err = 0;
@@ -310,14 +343,8 @@ static PyObject *owner_land(CacheOwner *o, PyObject *args)
             break; /* the file's end: records past it are short */
         got += (uint64_t)r;
     }
-    for (Py_ssize_t i = 0; !err && i < n && bad < 0; i++)
-        if (recs[i].at + recs[i].len > at + got || dlfs_xxh3(base + recs[i].at, recs[i].len) != recs[i].sum)
-            bad = i;
-    if (!err && bad < 0) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            publish_record(o, recs[i].ext, slab, (uint32_t)recs[i].at);
-        dlfs_engine_wake();
-    }
+    if (!err)
+        bad = land_checked(o, base, slab, at + got, recs, n);
     Py_END_ALLOW_THREADS
     PyMem_Free(recs);
     if (err) {
@@ -325,6 +352,40 @@ static PyObject *owner_land(CacheOwner *o, PyObject *args)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return Py_BuildValue("Kn", (unsigned long long)got, bad);
+}
+
+/* land_remote(chunk, id, offset, nbytes, slab, at, records) -> bad, or None: land's window
+ * fetched from the data daemon the serving threads' route names for chunk number `chunk` (`id`), on one of
+ * their connections (remote.h), straight into the slab, then checked and published as land's. None where
+ * it was not fetched so (no route or idle connection, an error, a bound passed): the caller fetches it
+ * its own way, which says what went wrong. Blocks (no GIL) for the fetch, bounded. */
+static PyObject *owner_land_remote(CacheOwner *o, PyObject *args)
+{
+    unsigned long long chunk, off, nbytes, slab, at;
+    const uint8_t *id;
+    Py_ssize_t id_len, n;
+    PyObject *records;
+    if (!PyArg_ParseTuple(args, "Ky#KKKKO", &chunk, &id, &id_len, &off, &nbytes, &slab, &at, &records))
+        return NULL;
+    if (id_len != DLFS_CHUNK_ID)
+        return PyErr_Format(PyExc_ValueError, "a chunk id is %d bytes, not %zd", DLFS_CHUNK_ID, id_len);
+    if (nbytes > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "a window of %llu bytes", nbytes);
+    struct landing *recs = landing_of(o, records, slab, at, nbytes, &n);
+    if (!recs)
+        return NULL;
+    char *base = (char *)o->r.shm.mem + slab * o->r.shm.h.slab_size;
+    Py_ssize_t bad = -1;
+    int node;
+    Py_BEGIN_ALLOW_THREADS
+    node = dlfs_remote_range(chunk, id, off, (uint32_t)nbytes, base + at, NULL);
+    if (node > 0)
+        bad = land_checked(o, base, slab, at + nbytes, recs, n);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(recs);
+    if (node <= 0)
+        Py_RETURN_NONE;
+    return PyLong_FromSsize_t(bad);
 }
 
 static PyObject *owner_take_consumed(CacheOwner *o, PyObject *unused)
@@ -416,6 +477,9 @@ static PyMethodDef owner_methods[] = {
     {"land", (PyCFunction)owner_land, METH_VARARGS,
      "land(fd, offset, nbytes, slab, at, records) -> (read, bad): a window read into its slab, its records "
      "(ext, at, length, checksum) checked and, all good, published and their parked READs answered, with no GIL."},
+    {"land_remote", (PyCFunction)owner_land_remote, METH_VARARGS,
+     "land_remote(chunk, id, offset, nbytes, slab, at, records) -> bad or None: land's window fetched "
+     "from a data daemon on the serving threads' connections (None: not fetched so)"},
     {"take_consumed", (PyCFunction)owner_take_consumed, METH_NOARGS,
      "take_consumed() -> [ext]: records the serving threads completed, for the cache to drop."},
     {"take_hints", (PyCFunction)owner_take_hints, METH_NOARGS,

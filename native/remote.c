@@ -36,6 +36,7 @@ static struct {
     uint64_t n;
     uint64_t wanted, timeouts; /* every node's, summed: Python looks at the nodes only when one moved */
     unsigned wait_ms;          /* a fetch's bound (dlfs_remote_wait) */
+    int fetching;              /* fetches begun and not ended: the close waits for them (Python's threads fetch too) */
     struct node node[DLFS_REMOTE_NODES];
 } R = {.lock = PTHREAD_MUTEX_INITIALIZER, .wait_ms = DLFS_REMOTE_WAIT_MS};
 
@@ -234,13 +235,14 @@ static size_t encode_read_range(char *f, uint32_t req, const uint8_t *id, uint64
     return DLFS_WIRE_HEADER + k;
 }
 
-int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
-                     struct dlfs_counters *cnt)
+/* dlfs_remote_range, counted in R.fetching by the caller. */
+static int range_fetch(uint64_t chunk, const uint8_t *id, uint64_t offset, uint32_t length, char *buf,
+                       struct dlfs_counters *cnt)
 {
-    const uint16_t *route = __atomic_load_n(&R.route, __ATOMIC_ACQUIRE);
-    if (!route || !id || e->chunk >= R.n || e->stored_len > room)
+    const uint16_t *route = __atomic_load_n(&R.route, __ATOMIC_SEQ_CST);
+    if (!route || !id || chunk >= R.n)
         return -1;
-    unsigned slot = __atomic_load_n(&route[e->chunk], __ATOMIC_RELAXED);
+    unsigned slot = __atomic_load_n(&route[chunk], __ATOMIC_RELAXED);
     if (!slot)
         return -1;
     struct node *nd = &R.node[slot - 1];
@@ -257,7 +259,7 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
     errno = 0;
     char f[128], meta[256];
     uint32_t req = ++c->req;
-    size_t len = encode_read_range(f, req, id, e->offset, e->stored_len);
+    size_t len = encode_read_range(f, req, id, offset, length);
     if (dlfs_wire_send_all(c->fd, f, len, deadline) < 0 || recv_all(c->fd, f, DLFS_WIRE_HEADER, deadline) < 0)
         goto broken;
     struct dlfs_wire_head h;
@@ -278,17 +280,17 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
         __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
         /* That node will say the same next time (a chunk it lost, say): the chunk is Python's until the
          * route is made again, so its reads do not ask twice (Python tries the other replicas). */
-        __atomic_store_n((uint16_t *)&route[e->chunk], 0, __ATOMIC_RELAXED);
+        __atomic_store_n((uint16_t *)&route[chunk], 0, __ATOMIC_RELAXED);
         goto failed;
     }
-    if (data_len != e->stored_len || meta_len > sizeof meta || recv_all(c->fd, meta, meta_len, deadline) < 0 ||
+    if (data_len != length || meta_len > sizeof meta || recv_all(c->fd, meta, meta_len, deadline) < 0 ||
         recv_all(c->fd, buf, data_len, deadline) < 0)
         goto broken;
     c->used = dlfs_wire_seconds();
     __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
     ADD(&nd->reads, 1);
     ADD(&nd->bytes, data_len);
-    return 0;
+    return (int)slot;
 broken:
     if (errno == ETIMEDOUT || errno == EAGAIN || errno == EWOULDBLOCK) { /* silent past the bound: Python's to tell */
         ADD(&nd->timeouts, 1);
@@ -297,13 +299,39 @@ broken:
     drop(nd, c);
 failed:
     ADD(&nd->failures, 1);
-    DLFS_COUNT(cnt, remote_failures, 1);
+    if (cnt)
+        DLFS_COUNT(cnt, remote_failures, 1);
     return -1;
+}
+
+int dlfs_remote_range(uint64_t chunk, const uint8_t *id, uint64_t offset, uint32_t length, char *buf,
+                      struct dlfs_counters *cnt)
+{
+    /* Counted before the route is looked at, and the close clears the route before it looks at the count
+     * (both sequentially consistent): a fetch either sees no route or is waited for. */
+    __atomic_fetch_add(&R.fetching, 1, __ATOMIC_SEQ_CST);
+    int slot = range_fetch(chunk, id, offset, length, buf, cnt);
+    __atomic_fetch_sub(&R.fetching, 1, __ATOMIC_SEQ_CST);
+    return slot;
+}
+
+int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
+                     struct dlfs_counters *c)
+{
+    if (e->stored_len > room)
+        return -1;
+    return dlfs_remote_range(e->chunk, id, e->offset, e->stored_len, buf, c) < 0 ? -1 : 0;
 }
 
 void dlfs_remote_close(void)
 {
     pthread_mutex_lock(&R.lock);
+    uint16_t *t = R.route;
+    __atomic_store_n(&R.route, NULL, __ATOMIC_SEQ_CST); /* no fetch begins from now on */
+    /* A fetch still running (a Python thread's window) ends within its bound: its connection is its own till then. */
+    for (unsigned waited = 0; __atomic_load_n(&R.fetching, __ATOMIC_SEQ_CST) && waited < 2 * DLFS_REMOTE_WAIT_MS + 1000;
+         waited++)
+        usleep(1000);
     for (int s = 0; s < DLFS_REMOTE_NODES; s++) {
         for (int k = 0; k < DLFS_REMOTE_CONNS; k++) {
             struct conn *c = &R.node[s].conn[k];
@@ -313,8 +341,6 @@ void dlfs_remote_close(void)
             c->state = EMPTY;
         }
     }
-    uint16_t *t = R.route;
-    __atomic_store_n(&R.route, NULL, __ATOMIC_RELEASE);
     R.n = 0;
     R.wanted = R.timeouts = 0;
     R.wait_ms = DLFS_REMOTE_WAIT_MS;

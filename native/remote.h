@@ -61,6 +61,12 @@ int dlfs_remote_on(void);
  * An error answered for a chunk takes it off the route (Python's until the route is made again). */
 int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
                      struct dlfs_counters *c);
-/* Close every connection and forget the route (the serving threads have stopped). */
+/* Bytes [offset, offset + length) of chunk `chunk` (`id`) fetched into `buf` from the node its route names
+ * (a read-ahead window, landed in C by a Python thread: cacheowner.c): that node's slot (> 0), or -1
+ * (Python's to fetch: no route, no idle connection, an error, a bound passed, a reply of another length).
+ * Blocks for the fetch, bounded; `c` (the thread's counters) may be NULL. */
+int dlfs_remote_range(uint64_t chunk, const uint8_t *id, uint64_t offset, uint32_t length, char *buf,
+                      struct dlfs_counters *c);
+/* Close every connection and forget the route (the serving threads have stopped; a fetch still running is waited for, bounded). */
 void dlfs_remote_close(void);
 #endif

@@ -134,6 +134,9 @@ class ChunkCache:
         # Whether the serving threads fetch scan mode's records of other machines' chunks themselves
         # (remotereads.py): then a dataset bigger than read-ahead keeps to scan mode through a daemon too.
         self.threads_fetch = False
+        # Then read-ahead's windows of other machines' chunks are fetched on their connections and landed in C
+        # too (_land_remote), not received by the event loop.
+        self.landed_remote = 0  # windows so
         # Told the chunk of each record Python fetches alone (remotereads.RemoteReads.learn: a learned route).
         self.on_alone: Callable[[int], None] | None = None
         # Whether they read the records the disk cache holds from its files (diskreads.py): its fetches
@@ -570,6 +573,12 @@ class ChunkCache:
                 if landed is not None:
                     slab_kept = True
                     return landed[0]
+            if into is not None and self._lands_remote(extents, chunk.id, base, length, least):
+                landed = await self._land_remote(run, extents, extents[0].chunk, chunk.id, base, length, slab,
+                                                 at_part, part, need, direct)
+                if landed is not None:
+                    slab_kept = True
+                    return landed[0]
             return await self.fetcher.ranges(chunk.id, [(base, length)], into, keep,
                                              urgent=need is not None, order=order, least=least)
         finally:
@@ -601,6 +610,44 @@ class ChunkCache:
                                                 for (i, o), e in zip(offsets.items(), extents)}
         self.held.add(slab, 0, kept, offsets, direct, part, published=True)
         self.fetcher.count_local(length)
+        if need is None:
+            self.prefetched_bytes += length
+        for i in run:  # sent whole to the kernel between its landing and now: dropped now
+            if i in self._early:
+                self._early.discard(i)
+                self._consumed(i)
+        return (kept[need] if need is not None else None,)
+
+    def _lands_remote(self, extents: list[Extent], cid: bytes, base: int, length: int, least: int) -> bool:
+        """Whether a window of these records may be fetched and landed in C (_land_remote): the serving
+        threads fetch from the data daemons, every record is uncompressed and few enough, and the disk cache
+        (read before the replicas) does not hold the window."""
+        if (not self.threads_fetch or self.shared is None or len(extents) > LAND_MAX
+                or any(e.record.flags & FLAG_LZ4 or e.record.raw_len != e.record.stored_len for e in extents)):
+            return False
+        disk = self.fetcher.disk
+        return disk is None or not disk.holds(cid, [(base, length)], least)
+
+    async def _land_remote(self, run: list[int], extents: list[Extent], ci: int, cid: bytes, base: int, length: int,
+                           slab: int, at: int, part: int, need: int | None,
+                           direct: bool) -> tuple[bytes | memoryview | None] | None:
+        """The window fetched from the data daemon the serving threads' route names for its chunk, on one of
+        their connections (native/remote.h), straight into `slab` at `at`, checked, published and its parked
+        READs answered in C as it lands, by a thread: the event loop receives none of its bytes. Then kept here
+        as _land keeps one: (`need`'s bytes,), or None where it was not fetched so or a record failed its check
+        (the usual path then fetches it, from another replica if need be, and says what went wrong)."""
+        assert self.shared is not None
+        recs = [(i, at + e.record.offset - base, e.record.stored_len, e.record.checksum) for i, e in zip(run, extents)]
+        bad = await trio.to_thread.run_sync(self.shared.land_remote, ci, cid, base, length, slab, at, recs)
+        if bad is None or bad >= 0:
+            return None
+        offsets = {i: at + e.record.offset - base for i, e in zip(run, extents)}
+        kept: dict[int, bytes | memoryview] = {i: self.slabs.view(slab, o, e.record.stored_len)
+                                                for (i, o), e in zip(offsets.items(), extents)}
+        self.held.add(slab, 0, kept, offsets, direct, part, published=True)
+        if self.fetcher.disk is not None:  # copied now, as a replica's window is: the slab is reused once read
+            self.fetcher.disk.put(cid, [(base, length)], [self.slabs.view(slab, at, length)])
+        self.landed_remote += 1
         if need is None:
             self.prefetched_bytes += length
         for i in run:  # sent whole to the kernel between its landing and now: dropped now
@@ -678,6 +725,6 @@ class ChunkCache:
                "prefetched_bytes": self.prefetched_bytes, "consumed": self.held.consumed,
                "evictions": self.held.evictions, "cached_bytes": self.held.cached_bytes,
                "retired_slabs": self.slabs.retired, "retired_pinned": self.slabs.retired_pinned,
-               "own_bytes": self.held.own_size, "given_back_bytes": self.slabs.given_back,
+               "own_bytes": self.held.own_size, "landed_remote": self.landed_remote, "given_back_bytes": self.slabs.given_back,
                **self.fetcher.stats()}
         return out

@@ -377,7 +377,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
             if (cache.shared is not None and client.rdma is None
                     and not (cache.fetcher.local is not None and len(client.cluster.data_nodes) == 1)):
                 # (The last: one data node, and this machine is it: every chunk is read in place.)
-                remote = RemoteReads(client, ids, opts.threads + (os.cpu_count() or 1) * uring,
+                # Connections for the serving threads' fetches and the windows read-ahead lands in C (cache.py).
+                remote = RemoteReads(client, ids, opts.threads + (os.cpu_count() or 1) * uring + PREFETCH_WORKERS,
                                      bound=cache.fetcher.replicas.latency.hedge_after)
                 if remote.learned:
                     cache.on_alone = remote.learn

@@ -101,6 +101,8 @@ class MountStats:
             "in_place_bytes": (c.fetcher.local.bytes if c.fetcher.local is not None else 0) + block_bytes,
             # windows of this machine's chunk files read, checked and published in C as they landed
             "windows_landed": c.fetcher.local.landed if c.fetcher.local is not None else 0,
+            # and windows of other machines' chunks fetched on the serving threads' connections so
+            "windows_landed_remote": c.landed_remote,
             # files read in order whose stream the serving threads started (no READ of theirs missed yet)
             "streams_hinted": c.hinted,
             "fetch_seconds": c.fetcher.fetch_seconds.to_dict(),
