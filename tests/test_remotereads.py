@@ -338,4 +338,9 @@ async def test_the_route_names_each_chunks_first_replica_and_follows_the_nodes_h
         assert all(a == b for a, b in zip(first, after) if b != 1 and a != 1)  # the others' chunks stay put
         client._answered("n0")
         assert list(remote.route()) == list(first) and client.health_changes == seen + 2
+        # A mount that reads n1's chunk files in place never asks n1's daemon for them: the next replica.
+        in_place = RemoteReads(client, ids, fetchers=4, in_place="n1")
+        assert list(in_place.route()) == [
+            remote.slot[next(s.name for s in client.replicas(c) if s.name != "n1")] for c in ids]
+        assert 2 not in set(in_place.route()) and set(in_place.route()) == {1, 3}
         nursery.cancel_scope.cancel()

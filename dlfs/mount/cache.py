@@ -620,11 +620,13 @@ class ChunkCache:
 
     def _lands_remote(self, extents: list[Extent], cid: bytes, base: int, length: int, least: int) -> bool:
         """Whether a window of these records may be fetched and landed in C (_land_remote): the serving
-        threads fetch from the data daemons, every record is uncompressed and few enough, and the disk cache
-        (read before the replicas) does not hold the window."""
+        threads fetch from the data daemons, every record is uncompressed and few enough, the chunk's file is
+        not on this machine, and the disk cache (read before the replicas) does not hold the window."""
         if (not self.threads_fetch or self.shared is None or len(extents) > LAND_MAX
                 or any(e.record.flags & FLAG_LZ4 or e.record.raw_len != e.record.stored_len for e in extents)):
             return False
+        if self.fetcher.local is not None and self.fetcher.local.here(cid):
+            return False  # its file here did not land it (a failed check): the usual path says so, then fails over
         disk = self.fetcher.disk
         return disk is None or not disk.holds(cid, [(base, length)], least)
 

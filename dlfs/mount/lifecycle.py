@@ -379,7 +379,8 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                 # (The last: one data node, and this machine is it: every chunk is read in place.)
                 # Connections for the serving threads' fetches and the windows read-ahead lands in C (cache.py).
                 remote = RemoteReads(client, ids, opts.threads + (os.cpu_count() or 1) * uring + PREFETCH_WORKERS,
-                                     bound=cache.fetcher.replicas.latency.hedge_after)
+                                     bound=cache.fetcher.replicas.latency.hedge_after,
+                                     in_place=cache.fetcher.local.node if cache.fetcher.local is not None else None)
                 if remote.learned:
                     cache.on_alone = remote.learn
                     log.info("%s: the serving threads' route is learned as chunks are read: making it whole for %d "

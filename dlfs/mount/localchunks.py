@@ -300,6 +300,11 @@ class LocalChunks:
         self.forget(cid)
         return False
 
+    def here(self, cid: bytes) -> bool:
+        """Whether chunk `cid`'s file was found here when last looked at (and not passed over as bad)."""
+        seen = self._seen.get(cid)
+        return seen is not None and seen[1] != 0
+
     def forget(self, cid: bytes) -> None:
         """Close what is kept of chunk `cid`: the next read opens its path again."""
         self._seen.pop(cid, None)

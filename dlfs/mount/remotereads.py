@@ -76,9 +76,13 @@ class RemoteReads:
     """Owner of the serving threads' route and data connections, for one mount."""
 
     def __init__(self, client: ClusterClient, chunk_ids: Sequence[bytes], fetchers: int,
-                 learned: bool | None = None, bound: Callable[[], float] | None = None) -> None:
+                 learned: bool | None = None, bound: Callable[[], float] | None = None,
+                 in_place: str | None = None) -> None:
         assert native is not None
         self.client = client
+        # This machine's node where the mount reads its chunk files in place: its daemon would send the same
+        # bytes (a copy that failed its check there, again), so the route names the next replica.
+        self.in_place = in_place
         self.bound = bound  # seconds: how long a fetch may wait for its node (Python's hedge bound)
         self.chunk_ids = chunk_ids
         # The route made whole, or learned chunk by chunk (learn()) where making it would cost too much.
@@ -99,12 +103,19 @@ class RemoteReads:
         self._timeouts_seen = 0  # every node's fetches past the bound, summed, when last looked at
         self._node_timeouts: dict[int, int] = {}  # node slot -> its fetches past the bound, when last looked at
 
+    def _first(self, cid: bytes) -> int:
+        """Chunk `cid`'s node slot: its first replica in the client's order (failing nodes last) but the one
+        read in place; 0 if none."""
+        for spec in self.client.replicas(cid):
+            if spec.name != self.in_place:
+                return self.slot.get(spec.name, 0)
+        return 0
+
     def route(self) -> array.array:
-        """Each chunk's node slot: its first replica in the client's order (failing nodes last)."""
+        """Each chunk's node slot (_first)."""
         out = array.array("H", bytes(2 * len(self.chunk_ids)))
         for i, cid in enumerate(self.chunk_ids):
-            first = self.client.replicas(cid)[0]
-            out[i] = self.slot.get(first.name, 0)
+            out[i] = self._first(cid)
         return out
 
     async def _reroute(self) -> None:
@@ -127,7 +138,7 @@ class RemoteReads:
             return
         self._known[chunk] = 1
         assert native is not None
-        native.remote_route_set(chunk, self.slot.get(self.client.replicas(self.chunk_ids[chunk])[0].name, 0))
+        native.remote_route_set(chunk, self._first(self.chunk_ids[chunk]))
 
     async def open_one(self, slot: int) -> None:
         """One more authenticated connection to node `slot`'s data daemon, handed to the threads."""
