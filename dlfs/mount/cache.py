@@ -605,11 +605,17 @@ class ChunkCache:
                                   for i, e in zip(run, extents)], urgent=need is not None, order=order)
         if start is None:
             return None
+        self.fetcher.count_local(length)
+        return self._keep_landed(run, extents, base, length, slab, start, part, need, direct)
+
+    def _keep_landed(self, run: list[int], extents: list[Extent], base: int, length: int, slab: int, start: int,
+                     part: int, need: int | None, direct: bool) -> tuple[bytes | memoryview | None]:
+        """A window landed in C, published there (chunk bytes from `base` at `start` of `slab`), kept here as
+        _keep keeps one: (`need`'s bytes,)."""
         offsets = {i: start + e.record.offset - base for i, e in zip(run, extents)}
         kept: dict[int, bytes | memoryview] = {i: self.slabs.view(slab, o, e.record.stored_len)
                                                 for (i, o), e in zip(offsets.items(), extents)}
         self.held.add(slab, 0, kept, offsets, direct, part, published=True)
-        self.fetcher.count_local(length)
         if need is None:
             self.prefetched_bytes += length
         for i in run:  # sent whole to the kernel between its landing and now: dropped now
@@ -643,20 +649,10 @@ class ChunkCache:
         bad = await trio.to_thread.run_sync(self.shared.land_remote, ci, cid, base, length, slab, at, recs)
         if bad is None or bad >= 0:
             return None
-        offsets = {i: at + e.record.offset - base for i, e in zip(run, extents)}
-        kept: dict[int, bytes | memoryview] = {i: self.slabs.view(slab, o, e.record.stored_len)
-                                                for (i, o), e in zip(offsets.items(), extents)}
-        self.held.add(slab, 0, kept, offsets, direct, part, published=True)
         if self.fetcher.disk is not None:  # copied now, as a replica's window is: the slab is reused once read
             self.fetcher.disk.put(cid, [(base, length)], [self.slabs.view(slab, at, length)])
         self.landed_remote += 1
-        if need is None:
-            self.prefetched_bytes += length
-        for i in run:  # sent whole to the kernel between its landing and now: dropped now
-            if i in self._early:
-                self._early.discard(i)
-                self._consumed(i)
-        return (kept[need] if need is not None else None,)
+        return self._keep_landed(run, extents, base, length, slab, at, part, need, direct)
 
     async def _keep(self, run: list[int], extents: list[Extent], cid: bytes, base: int,
                     data: bytes | bytearray | memoryview, node: str, need: int | None,
@@ -727,6 +723,7 @@ class ChunkCache:
                "prefetched_bytes": self.prefetched_bytes, "consumed": self.held.consumed,
                "evictions": self.held.evictions, "cached_bytes": self.held.cached_bytes,
                "retired_slabs": self.slabs.retired, "retired_pinned": self.slabs.retired_pinned,
-               "own_bytes": self.held.own_size, "landed_remote": self.landed_remote, "given_back_bytes": self.slabs.given_back,
+               "own_bytes": self.held.own_size, "given_back_bytes": self.slabs.given_back,
+               "landed_remote": self.landed_remote,
                **self.fetcher.stats()}
         return out
