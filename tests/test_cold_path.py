@@ -79,6 +79,15 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x55]))
 
 
+def _one_file(tmp_path: Path, seed: int, size: int) -> tuple[Path, bytes]:
+    """A source directory holding one file "f" of `size` random bytes: the directory and the bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(seed).randbytes(size)
+    (src / "f").write_bytes(data)
+    return src, data
+
+
 def _cold_read_is_eio(path: Path) -> None:
     """Reading `path` whole, cold, fails with EIO (not wrong bytes)."""
     drop_caches()
@@ -395,10 +404,7 @@ def test_a_mount_says_how_much_cache_memory_it_faulted_in(cold: Cold, tmp_path: 
 def test_a_corrupt_record_fails_exactly_its_bytes(tmp_path: Path) -> None:
     """One replica, one flipped byte in the second record of a 12 MiB file: a read of that record is
     EIO (after every source was tried), and every byte before and after it reads right."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = random.Random(5).randbytes(12 * MiB)
-    (src / "f").write_bytes(data)
+    src, data = _one_file(tmp_path, 5, 12 * MiB)
     with running_node(tmp_path / "home", tmp_path) as node:
         node.ingest(src, "bad")
         idx = Index(node.home / "meta/index/bad/1.idx")
@@ -432,10 +438,7 @@ def test_a_stream_through_the_daemons_whose_copies_go_bad_goes_on_from_the_other
     """Two replicas, read through the data daemons (no chunk file read in place): every other chunk of a
     40 MB file is damaged on n1, the rest on n2, so each window the serving threads' route names a bad copy
     of fails its check where it lands in C; Python then fetches it from the other replica, every byte right."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = random.Random(9).randbytes(40_000_000)
-    (src / "f").write_bytes(data)
+    src, data = _one_file(tmp_path, 9, 40_000_000)
     with running_cluster(tmp_path / "cluster", 2) as (n1, n2):
         n1.ingest(src, "twice")
         for k, path in enumerate(sorted(p for p in (n1.home / "data/chunks").rglob("*") if p.is_file())):
@@ -458,10 +461,7 @@ def test_a_stream_whose_local_copy_goes_bad_midway_goes_on_from_the_other_replic
     """Two replicas; on the mount's own node every other chunk of a 40 MB file is damaged (a flipped
     byte, or cut short) part way through the file: the stream reads the rest from the other node,
     every byte right; with that node down too, exactly the damaged records are EIO."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = random.Random(8).randbytes(40_000_000)
-    (src / "f").write_bytes(data)
+    src, data = _one_file(tmp_path, 8, 40_000_000)
     with running_cluster(tmp_path / "cluster", 2) as (n1, n2):
         n1.ingest(src, "twice")
         chunks = sorted(p for p in (n1.home / "data/chunks").rglob("*") if p.is_file())
