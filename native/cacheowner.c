@@ -369,21 +369,19 @@ static PyObject *owner_land_remote(CacheOwner *o, PyObject *args)
         return NULL;
     if (id_len != DLFS_CHUNK_ID)
         return PyErr_Format(PyExc_ValueError, "a chunk id is %d bytes, not %zd", DLFS_CHUNK_ID, id_len);
-    if (nbytes > UINT32_MAX)
-        return PyErr_Format(PyExc_ValueError, "a window of %llu bytes", nbytes);
-    struct landing *recs = landing_of(o, records, slab, at, nbytes, &n);
+    struct landing *recs = landing_of(o, records, slab, at, nbytes, &n); /* nbytes within a slab: a uint32_t */
     if (!recs)
         return NULL;
     char *base = (char *)o->r.shm.mem + slab * o->r.shm.h.slab_size;
     Py_ssize_t bad = -1;
-    int node;
+    int got;
     Py_BEGIN_ALLOW_THREADS
-    node = dlfs_remote_range(chunk, id, off, (uint32_t)nbytes, base + at, NULL);
-    if (node > 0)
+    got = dlfs_remote_range(chunk, id, off, (uint32_t)nbytes, base + at, NULL);
+    if (got == 0)
         bad = land_checked(o, base, slab, at + nbytes, recs, n);
     Py_END_ALLOW_THREADS
     PyMem_Free(recs);
-    if (node <= 0)
+    if (got < 0)
         Py_RETURN_NONE;
     return PyLong_FromSsize_t(bad);
 }

@@ -290,7 +290,7 @@ static int range_fetch(uint64_t chunk, const uint8_t *id, uint64_t offset, uint3
     __atomic_store_n(&c->state, IDLE, __ATOMIC_RELEASE);
     ADD(&nd->reads, 1);
     ADD(&nd->bytes, data_len);
-    return (int)slot;
+    return 0;
 broken:
     if (errno == ETIMEDOUT || errno == EAGAIN || errno == EWOULDBLOCK) { /* silent past the bound: Python's to tell */
         ADD(&nd->timeouts, 1);
@@ -310,9 +310,9 @@ int dlfs_remote_range(uint64_t chunk, const uint8_t *id, uint64_t offset, uint32
     /* Counted before the route is looked at, and the close clears the route before it looks at the count
      * (both sequentially consistent): a fetch either sees no route or is waited for. */
     __atomic_fetch_add(&R.fetching, 1, __ATOMIC_SEQ_CST);
-    int slot = range_fetch(chunk, id, offset, length, buf, cnt);
+    int got = range_fetch(chunk, id, offset, length, buf, cnt);
     __atomic_fetch_sub(&R.fetching, 1, __ATOMIC_SEQ_CST);
-    return slot;
+    return got;
 }
 
 int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
@@ -320,7 +320,7 @@ int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, 
 {
     if (e->stored_len > room)
         return -1;
-    return dlfs_remote_range(e->chunk, id, e->offset, e->stored_len, buf, c) < 0 ? -1 : 0;
+    return dlfs_remote_range(e->chunk, id, e->offset, e->stored_len, buf, c);
 }
 
 void dlfs_remote_close(void)

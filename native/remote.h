@@ -62,7 +62,7 @@ int dlfs_remote_on(void);
 int dlfs_remote_read(const struct dlfs_extent *e, const uint8_t *id, char *buf, uint32_t room,
                      struct dlfs_counters *c);
 /* Bytes [offset, offset + length) of chunk `chunk` (`id`) fetched into `buf` from the node its route names
- * (a read-ahead window, landed in C by a Python thread: cacheowner.c): that node's slot (> 0), or -1
+ * (a read-ahead window, landed in C by a Python thread: cacheowner.c): 0, or -1
  * (Python's to fetch: no route, no idle connection, an error, a bound passed, a reply of another length).
  * Blocks for the fetch, bounded; `c` (the thread's counters) may be NULL. */
 int dlfs_remote_range(uint64_t chunk, const uint8_t *id, uint64_t offset, uint32_t length, char *buf,

@@ -586,11 +586,15 @@ class ChunkCache:
                 (self.slabs.release_part if part else self.slabs.give)(slab)
             self._unclaim(run, length, done, urgent=need is not None)
 
-    def _lands_in_c(self, extents: list[Extent]) -> bool:
-        """Whether a window of these records may land in C (LocalChunks.land): read from this machine's
-        chunk file, every record uncompressed (its stored bytes are its bytes) and few enough."""
-        return (self.shared is not None and self.fetcher.local is not None and len(extents) <= LAND_MAX
+    def _landable(self, extents: list[Extent]) -> bool:
+        """Whether a window of these records may land in C at all: a shared cache, every record uncompressed
+        (its stored bytes are its bytes) and few enough."""
+        return (self.shared is not None and len(extents) <= LAND_MAX
                 and all(not e.record.flags & FLAG_LZ4 and e.record.raw_len == e.record.stored_len for e in extents))
+
+    def _lands_in_c(self, extents: list[Extent]) -> bool:
+        """Whether a window of these records may land in C read from this machine's chunk file (LocalChunks.land)."""
+        return self.fetcher.local is not None and self._landable(extents)
 
     async def _land(self, run: list[int], extents: list[Extent], cid: bytes, base: int, length: int, slab: int,
                     at: int, room: int, part: int, need: int | None, direct: bool,
@@ -626,10 +630,9 @@ class ChunkCache:
 
     def _lands_remote(self, extents: list[Extent], cid: bytes, base: int, length: int, least: int) -> bool:
         """Whether a window of these records may be fetched and landed in C (_land_remote): the serving
-        threads fetch from the data daemons, every record is uncompressed and few enough, the chunk's file is
-        not on this machine, and the disk cache (read before the replicas) does not hold the window."""
-        if (not self.threads_fetch or self.shared is None or len(extents) > LAND_MAX
-                or any(e.record.flags & FLAG_LZ4 or e.record.raw_len != e.record.stored_len for e in extents)):
+        threads fetch from the data daemons, it may land in C at all, the chunk's file is not on this machine,
+        and the disk cache (read before the replicas) does not hold the window."""
+        if not self.threads_fetch or not self._landable(extents):
             return False
         if self.fetcher.local is not None and self.fetcher.local.here(cid):
             return False  # its file here did not land it (a failed check): the usual path says so, then fails over
