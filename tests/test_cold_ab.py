@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import needs_fuse, pid_alive
 
+from dlfs.bench.baselines import DlfsNode
 from dlfs.procmounts import mounts_under
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,6 +33,18 @@ def test_a_variant_that_names_no_built_checkout_is_refused_in_one_line(tmp_path:
     proc = _run("--dir", str(tmp_path), "--variant", f"x={tmp_path}", timeout=60)
     assert proc.returncode != 0 and "has no built native module" in proc.stderr, proc.stderr
     assert not (tmp_path / "cold-sample").exists()  # refused before any work
+
+
+def test_a_variants_dlfs_is_its_checkouts_even_run_from_this_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `python -m dlfs` puts the working directory first in sys.path: run from this repository's root (as
+    # cold_ab.py's default --dir suggests), every variant ran this checkout's dlfs, whatever it named.
+    other = tmp_path / "other"
+    (other / "dlfs").mkdir(parents=True)
+    (other / "dlfs" / "__init__.py").write_text("")
+    (other / "dlfs" / "__main__.py").write_text("print(__file__)\n")
+    monkeypatch.chdir(REPO)
+    out = DlfsNode(tmp_path / "home").cli("--version", code=other)
+    assert Path(out.strip()) == other / "dlfs" / "__main__.py", out
 
 
 @needs_fuse

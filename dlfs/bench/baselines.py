@@ -267,7 +267,9 @@ class DlfsNode:
         """Run `dlfs ARGS` against this node (with the dlfs of checkout `code`, its native module built in
         place, where given); its stdout, or a DlfsError with its last error line."""
         argv = [sys.executable, "-m", "dlfs", *args]
-        env = self.env if code is None else dict(self.env, PYTHONPATH=str(code))
+        # PYTHONSAFEPATH: `-m` puts the working directory first in sys.path, ahead of PYTHONPATH, so run from
+        # a checkout (the repository's root) it would import that checkout's dlfs, not `code`'s.
+        env = self.env if code is None else dict(self.env, PYTHONPATH=str(code), PYTHONSAFEPATH="1")
         proc = subprocess.run(self.wrap(argv) if args[:1] == ("mount",) else argv, env=env,
                               capture_output=True, text=True, timeout=timeout, check=False)
         if proc.returncode != 0:
