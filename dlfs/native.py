@@ -96,3 +96,8 @@ def start_engine(index: Index, shared: Any, row: int, timeout: float, threads: i
 def engine_stats() -> dict[str, Any]:
     """Counters of the serving engine: requests answered natively, forwarded to Python, READs served."""
     return dict(native.engine_stats()) if native is not None else {}
+
+
+def miss_readers() -> int:
+    """Distinct processes behind the latest READs the serving engine sent to Python (0: none, or no engine)."""
+    return int(native.miss_readers()) if native is not None else 0

@@ -268,6 +268,9 @@ class EngineFigures(Struct, frozen=True):
     remote_failures: int = 0
     # Whole files read from the disk cache's files by the serving threads (scan mode, --cache-dir).
     disk_cache_reads: int = 0
+    # Distinct processes behind the latest READs that went to Python (the random-order latch counts windows
+    # partly read per reader: cache.py).
+    miss_readers: int = 0
 
 
 class DirectFigures(Struct, frozen=True):
@@ -356,7 +359,8 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> StatsView:
                              str(eng["io_uring"]), int(cur.get("direct_io_min", 0)), int(eng.get("record_reads", 0)),
                              int(eng.get("records_ahead_used", 0)), bool(eng.get("scan", False)),
                              bool(cur.get("scan_kept", False)), int(eng.get("remote_reads", 0)),
-                             int(eng.get("remote_failures", 0)), int(eng.get("disk_cache_reads", 0))) if eng else None,
+                             int(eng.get("remote_failures", 0)), int(eng.get("disk_cache_reads", 0)),
+                             int(eng.get("miss_readers", 0))) if eng else None,
         direct=DirectFigures(cur["direct_clients"], cur["direct_requests"],
                              cur["direct_pinned"] + cur["direct_inline"]) if "direct_clients" in cur else None,
         failing_nodes=list(cur["failing_nodes"]), thread_connections=dict(cur.get("thread_connections", {})),

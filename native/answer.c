@@ -614,6 +614,34 @@ int dlfs_scan_mode(void)
     return __atomic_load_n(&scan_mode, __ATOMIC_RELAXED);
 }
 
+/* The processes (thread ids, as FUSE gives them) behind the latest READs that went to Python: how many
+ * readers there are, which cache.py's random-order latch is judged against (a reader in order leaves one
+ * or two windows partly read, a random order one per miss). A ring, written racily: a count, not a log. */
+#define MISS_PIDS 32
+static uint32_t miss_pids[MISS_PIDS];
+static uint32_t miss_at;
+
+static void note_miss(uint32_t pid)
+{
+    uint32_t at = __atomic_fetch_add(&miss_at, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&miss_pids[at % MISS_PIDS], pid, __ATOMIC_RELAXED);
+}
+
+unsigned dlfs_miss_readers(void)
+{
+    uint32_t seen[MISS_PIDS];
+    unsigned n = 0;
+    for (int i = 0; i < MISS_PIDS; i++) {
+        uint32_t pid = __atomic_load_n(&miss_pids[i], __ATOMIC_RELAXED);
+        unsigned j = 0;
+        while (j < n && seen[j] != pid)
+            j++;
+        if (pid && j == n)
+            seen[n++] = pid;
+    }
+    return n;
+}
+
 static uint64_t direct_io_min;
 
 void dlfs_set_direct_io(uint64_t min)
@@ -1072,6 +1100,7 @@ miss:
     unpin_all(sv, rp);
     rp->n = 1;
     DLFS_COUNT(c, read_misses, 1);
+    note_miss(rq->in->pid);
     return DLFS_FORWARD;
 }
 

@@ -194,6 +194,8 @@ int dlfs_scan_mode(void);
  * once (no_open), and the kernel keeps the pages of every file. */
 void dlfs_set_direct_io(uint64_t min);
 uint64_t dlfs_direct_io_min(void);
+/* Distinct processes behind the latest READs that went to Python (0: none yet). */
+unsigned dlfs_miss_readers(void);
 /* Kernels since 6.6 map a FOPEN_DIRECT_IO file MAP_SHARED only if INIT's reply says so; libfuse 3.14
  * cannot say it, so its INIT reply (`init_out`, `len` bytes) is amended in direct mode: 1 if it was. */
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP

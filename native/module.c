@@ -297,7 +297,7 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
     static const char *uring[] = {"off", "registering", "serving"};
     const char *state = s.uring_state >= 0 && s.uring_state <= 2 ? uring[s.uring_state] : strerror(-s.uring_state);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s,s:O,s:K,s:O,s:O,s:O,s:K}",
         "parked", s.c.parked, "parked_answered", s.c.parked_answered, "parked_forwarded", s.c.parked_forwarded,
         "records_ahead", s.c.records_ahead, "records_ahead_used", s.c.records_ahead_used,
         "requests", s.c.requests, "block_reads", s.c.block_reads, "block_bytes", s.c.block_bytes, "block_failures",
@@ -310,7 +310,7 @@ static PyObject *engine_stats(PyObject *self, PyObject *unused)
         s.uring_queues, "queued_max", s.queued_max, "write_errors", s.write_errors, "python_replies",
         s.python_replies, "chunk_files_opened", s.chunk_files_opened, "io_uring", state, "ended", s.ended ? Py_True : Py_False, "abandoned", s.abandoned,
         "answering", dlfs_engine_answering() ? Py_True : Py_False, "direct_mmap", s.direct_mmap ? Py_True : Py_False,
-        "scan", dlfs_scan_mode() ? Py_True : Py_False);
+        "scan", dlfs_scan_mode() ? Py_True : Py_False, "miss_readers", (unsigned long long)dlfs_miss_readers());
 }
 
 static PyObject *remote_route(PyObject *self, PyObject *arg)
@@ -523,6 +523,11 @@ static PyObject *set_direct_io(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *miss_readers(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLong(dlfs_miss_readers());
+}
+
 static PyObject *wake_parked(PyObject *self, PyObject *unused)
 {
     int n;
@@ -583,6 +588,8 @@ static PyMethodDef methods[] = {
     {"lanes_room", lanes_room, METH_NOARGS, "Whether a range lane would be taken now."},
     {"lanes_stats", lanes_stats, METH_NOARGS, "The range lanes' counters."},
     {"lanes_stop", lanes_stop, METH_NOARGS, "Stop the range lanes' threads and close every lane."},
+    {"miss_readers", miss_readers, METH_NOARGS,
+     "miss_readers(): distinct processes behind the latest READs the engine sent to Python (0: none yet)."},
     {"set_direct_io", set_direct_io, METH_O,
      "set_direct_io(min): files of min bytes or more open FOPEN_DIRECT_IO, the rest keep their pages (0: no_open)."},
     {"engine_running", engine_running, METH_NOARGS, "True while the engine's threads serve the mount."},

@@ -22,7 +22,7 @@ from dlfs.config import Cluster, NodeSpec, key_path
 from dlfs.data.store import chunk_path
 from dlfs.format.chunk import ChunkWriter, Record
 from dlfs.format.index import Index
-from dlfs.mount.cache import ChunkCache, slab_size
+from dlfs.mount.cache import LATCH_MIN, LATCH_WINDOWS, ChunkCache, slab_size
 from dlfs.mount.localchunks import LocalChunks
 from dlfs.mount.slabs import NO_SLAB
 from dlfs.pagecache import all_cached
@@ -717,6 +717,33 @@ async def test_an_epoch_in_a_random_order_stays_in_scan_mode_though_the_dataset_
         fetches, fetched = cache.fetcher.fetches - since[0], cache.fetcher.fetched_bytes - since[1]
         assert fetches > 0 and fetched <= fetches * max(map(len, payloads)), (fetches, fetched)  # records alone
         assert cache.held.cached_bytes == 0 and cache.held.partial == 0  # all consumed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("readers", [2, 0], ids=["two-readers", "readers-unknown"])
+async def test_a_random_order_latches_past_two_windows_partly_read_a_reader(tmp_path: Path, readers: int) -> None:
+    # The serving engine counts the processes behind the READs it sends to Python (native.miss_readers).
+    # Two readers each through their own run in order leave a window or two partly read each: no latch.
+    # At random, where the engine says 2, scan mode latches once more than 4 windows are partly read
+    # (each window before it was read for one file); where nobody says, past 16.
+    async with _local_cache(tmp_path, 12, 83, 96 * SLAB) as (cache, payloads):
+        cache.readers = lambda: readers
+        half = len(payloads) // 2
+        runs = [range(1, half), range(half + 1, len(payloads))]  # off the windows' bounds
+        for turn in range(half):
+            for run in runs:
+                if turn < len(run):
+                    await _read_as_the_kernel(cache, payloads, [run[turn]])
+        assert not cache.scan_latched and cache.fetcher.fetches < len(payloads) // 2  # by window
+        order = list(range(len(payloads)))
+        random.Random(5).shuffle(order)
+        at = None
+        for ext in order:
+            await _read_as_the_kernel(cache, payloads, [ext])
+            if cache.scan_latched and at is None:
+                at = cache.held.partial
+        assert at is not None, "a random order never latched scan mode"
+        assert (LATCH_MIN < at <= 2 * readers + 2) if readers else at > LATCH_WINDOWS, at
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -375,6 +376,57 @@ def test_two_cold_epochs_on_one_mount_fetch_alike(cold: Cold) -> None:
         python.append(after["python_reads"] - before["python_reads"])
     assert fetched[1] == fetched[0] and python[1] == python[0], (fetched, python)
     assert fetched[0] < len(files) / 4, "a miss brings its window: most files are then hits"
+
+
+@pytest.mark.timeout(120)
+def test_two_readers_at_random_latch_scan_mode_within_a_few_windows_and_eight_in_order_never(
+        cold: Cold, tmp_path: Path) -> None:
+    """The serving engine counts the processes (FUSE gives thread ids) behind the READs it sends to Python,
+    and the cache latches scan mode past two partly read windows a reader (cache.py, latch_at). Two readers
+    at random, cold: latched within a few windows (past 16 before, each an 8 MiB read for one file), and
+    the stats say 2 readers. Eight readers each through its own run in order, cold, on a fresh mount:
+    never latched, by window."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(23)
+    tree = {f"f{i:04d}": rng.randbytes(rng.randrange(50_000, 90_000)) for i in range(1200)}  # ~25 windows
+    for name, data in tree.items():
+        (src / name).write_bytes(data)
+    cold.node.ingest(src, "latch")
+    names = sorted(tree)
+
+    def epoch(mnt: Path, runs: list[list[str]]) -> dict:
+        drop_caches()
+        bad: list[str] = []
+
+        def work(run: list[str]) -> None:
+            bad.extend(n for n in run if _read(mnt / n) != tree[n])
+
+        threads = [threading.Thread(target=work, args=(run,)) for run in runs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not bad and not any(t.is_alive() for t in threads), bad[:3]
+        return _idle(cold, mnt)
+
+    shuffled = random.Random(2).sample(names, len(names))
+    mnt = cold.node.mount("latch", tmp_path / "random")
+    try:
+        stats = epoch(mnt, [shuffled[0::2], shuffled[1::2]])
+        assert stats["scan_kept"] and stats["engine"]["miss_readers"] == 2, stats["engine"]
+        said = re.search(r"(\d+) windows are partly read, \d+ records of them, by 2 readers \(a random order\)",
+                         cold.node.mount_log("latch", mnt).read_text())
+        assert said and int(said.group(1)) <= 8, said
+    finally:
+        cold.node.umount(mnt)
+    mnt = cold.node.mount("latch", tmp_path / "in-order")
+    try:
+        stats = epoch(mnt, [names[i * 150:(i + 1) * 150] for i in range(8)])
+        assert not stats["scan_kept"], cold.node.mount_log("latch", mnt).read_text()[-2000:]
+        assert stats["fetches"] < len(names) // 4, stats["fetches"]  # by window
+    finally:
+        cold.node.umount(mnt)
 
 
 @pytest.mark.timeout(120)

@@ -282,12 +282,13 @@ def test_datasets_and_stats_as_json(node: Node, tmp_path: Path) -> None:
     if view["engine"] is not None:
         assert set(view["engine"]) == {"requests", "answered", "forwarded", "threads", "io_uring", "direct_io_min",
                                        "chunk_file_reads", "started_at_lookup", "scan", "scan_kept", "remote_reads",
-                                       "remote_failures", "disk_cache_reads"}
+                                       "remote_failures", "disk_cache_reads", "miss_readers"}
         assert view["engine"]["remote_reads"] == view["engine"]["remote_failures"] == view["engine"]["disk_cache_reads"] == 0
         assert view["engine"]["direct_io_min"] == 0  # small files, far less than memory: --direct-io auto is off
         # Ten files in a default cache: read-ahead has room, nothing is read whole from chunk files.
         assert view["engine"]["scan"] is False and view["engine"]["chunk_file_reads"] == 0
         assert view["engine"]["scan_kept"] is False
+        assert view["engine"]["miss_readers"] == 1  # this test reads: its first READ went to Python
         assert view["engine"]["threads"] >= 1
 
     # --watch --json: JSON Lines, one object a view, each with its own interval

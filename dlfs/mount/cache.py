@@ -74,8 +74,13 @@ MOUNT_SLACK = 64 << 20
 # Windows partly read at once past this (or a quarter of read-ahead's), most with one record read: a
 # random order. DataLoader workers reading in order have one or two each, read through from their starts
 # (at 32, a random epoch's latch came later: 99-150 us of mount CPU a file in the cold bench's first
-# epoch against 80-98).
+# epoch against 80-98). Where the serving engine says how many processes read (the READs it sent to
+# Python), two per reader, but no fewer than LATCH_MIN: each window before the latch is 8 MiB read and
+# fresh memory touched for one file (the cold bench's first epoch, 2 readers at random, latched past 4
+# against 16: 55-67 against 105-126 MB of cache touched, 74-86 against 78-96 us of mount CPU a file, the
+# same files/s within this VM's noise; 16 readers in order latched past 4, wrongly: 0.66x against 0.86x).
 LATCH_WINDOWS = 16
+LATCH_MIN = 4
 DIRECT_RECENT = 8  # chunks of the latest dlfs.direct misses (whether the reads are chunk-local)
 PACKED_MIN = 4  # fetches of at most a slab / this (with their page-aligned slack) share slabs (slabs.py)
 
@@ -153,6 +158,8 @@ class ChunkCache:
         # Only where the threads can read the files themselves (_reads_in_place).
         self.scan_latched = False
         self._latch_partial = max(2, min(LATCH_WINDOWS, self.held.readahead_cap // self.slab_size // 4))
+        # Distinct processes behind the latest misses (0: unknown); the mount sets native.miss_readers.
+        self.readers: Callable[[], int] = lambda: 0
         # A dataset bigger than read-ahead's bound also latches when read-ahead fills.
         self._bigger = index.totals.bytes > self.held.readahead_cap
         self._inflight: dict[int, trio.Event] = {}  # extent -> its fetch's end (one fetch for concurrent misses)
@@ -243,7 +250,7 @@ class ChunkCache:
             room = self._room(self.slab_size)
             # Under 1.5 records read a partly read window: a random order (about 1.05 when it latches);
             # readers in order have read 2 or more of theirs from their second file on.
-            shuffled = self.held.partial > self._latch_partial and 2 * self.held.partial_read < 3 * self.held.partial
+            shuffled = self.held.partial > self.latch_at() and 2 * self.held.partial_read < 3 * self.held.partial
             # Through a daemon, a random order alone keeps the windows (a dataset that fits is read from
             # the cache the next epoch); one bigger than read-ahead is scan mode's once the threads fetch.
             # Latching a random order there too (tried 2026-12-06, the threads fetching): on loopback the
@@ -253,8 +260,10 @@ class ChunkCache:
             full, in_place = self._bigger and not room, self._reads_in_place()
             if (shuffled and in_place) or (full and (in_place or self.threads_fetch)):
                 room, self.scan_latched = False, True
-                why = (f"{self.held.partial} windows are partly read, {self.held.partial_read} records of them "
-                       "(a random order)" if shuffled and in_place else
+                readers = self.readers()
+                why = (f"{self.held.partial} windows are partly read, {self.held.partial_read} records of them"
+                       + (f", by {readers} reader{'s' * (readers > 1)}" if readers else "")
+                       + " (a random order)" if shuffled and in_place else
                        f"read-ahead is full and the dataset ({human_bytes(self.index.totals.bytes)}) is bigger "
                        f"than its bound ({human_bytes(self.held.readahead_cap)})")
                 log.info("%s: from now on small files are read one by one, each from its lookup on, not by window",
@@ -264,6 +273,12 @@ class ChunkCache:
             if native is not None and self.shared is not None:
                 native.set_scan(self._scan)
         return room
+
+    def latch_at(self) -> int:
+        """Windows partly read at once past which a random order latches scan mode: two per reader (one in
+        order has one or two), at least LATCH_MIN; _latch_partial where the readers are not known."""
+        readers = self.readers() if self.held.partial > LATCH_MIN else 0  # (only asked once it matters)
+        return min(self._latch_partial, max(LATCH_MIN, 2 * readers)) if readers else self._latch_partial
 
     def _reads_in_place(self) -> bool:
         """Whether most of the latest fetches read this machine's chunk files (or the disk cache's, where

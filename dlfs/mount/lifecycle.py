@@ -53,7 +53,7 @@ from dlfs.mount.records import (
 )
 from dlfs.mount.remotereads import ROUTE_WORK_MAX, IndexChunkIds, RemoteReads
 from dlfs.mount.statsfile import SAMPLE_NOW, MountStats
-from dlfs.native import engine_stats, engine_threads, native, start_engine
+from dlfs.native import engine_stats, engine_threads, miss_readers, native, start_engine
 from dlfs.private import tighten_home
 from dlfs.procmounts import is_mount_point, mount_points
 from dlfs.procs import Holder, holders, raise_open_files_limit, running, set_title, start_ticks
@@ -357,6 +357,7 @@ async def serve_mount(opts: MountOptions, ready: Callable[[str], None]) -> None:
                      " on any CPU, never preempting a reader (a dataset of big files)" if bulk else "",
                      f", files of {human_mib(DIRECT_IO_MIN)} or more past the page cache" if direct_io else "")
             stack.callback(lambda: log.info("%s: native engine: %s", label, engine_stats()))
+            cache.readers = miss_readers  # how many read: the random-order latch counts windows per reader
             # Scan mode's misses of other machines' chunks fetched by the serving threads themselves, over
             # TCP (an RDMA client reads through Python).
             disk_reads, ids = None, IndexChunkIds(index)  # (read from the index as asked)
