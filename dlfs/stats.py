@@ -159,6 +159,8 @@ def render(prev: dict[str, Any], cur: dict[str, Any]) -> Any:
             files = eng.get("record_reads", 0) - was.get("record_reads", 0)
             mode = ("scan mode kept (a random order, or read-ahead full with a dataset bigger than it)"
                     if cur.get("scan_kept") else f"read-ahead {'full now' if eng.get('scan') else 'has room now'}")
+            if eng.get("miss_readers"):  # what the random-order latch is judged against (cache.py)
+                mode += f"; {eng['miss_readers']} reader{'s' * (eng['miss_readers'] > 1)} behind the latest misses"
             t.add_row("read whole from chunk files", f"{files / r.seconds:,.0f}/s" if r.seconds else "",
                       f"{eng.get('record_reads', 0):,} files, {eng.get('records_ahead_used', 0):,} started at their "
                       f"LOOKUP; {mode}")

@@ -418,6 +418,8 @@ def test_two_readers_at_random_latch_scan_mode_within_a_few_windows_and_eight_in
         said = re.search(r"(\d+) windows are partly read, \d+ records of them, by 2 readers \(a random order\)",
                          cold.node.mount_log("latch", mnt).read_text())
         assert said and int(said.group(1)) <= 8, said
+        shown = " ".join(cold.node.run("stats", mnt).stdout.split())  # what a user sees of it (unwrapped)
+        assert re.search(r"scan mode kept .*; 2 readers behind the latest misses", shown), shown
     finally:
         cold.node.umount(mnt)
     mnt = cold.node.mount("latch", tmp_path / "in-order")
