@@ -178,6 +178,21 @@ def test_the_cold_section_runs_with_one_file(tmp_path: Path) -> None:
     cold = json.loads(report.read_text())["cold"]
     assert cold["dataset"]["small_files"] == 1
     assert cold["small"][baselines.DlfsMount.VIA_DISK_CACHE[0]]["first"]["files"] == 1, sorted(cold["small"])
+    # Each figure the mean of two passes, the second round in the reverse order (the warmup once, first).
+    assert cold["rounds"] == 2
+    said = [line.split("cold path: ", 1)[1] for line in proc.stderr.splitlines() if "cold path: " in line]
+    big = [line for line in said if line.startswith("big files read whole, 1 reader(s)")]
+    assert [line.rsplit(": ", 1)[1] for line in big] == [
+        "local disk (round 1 of 2)", "squashfuse_ll (round 1 of 2)", "dlfs (round 1 of 2)",
+        "dlfs --direct-io (round 1 of 2)", "dlfs via daemon (round 1 of 2)", "dlfs via daemon (round 2 of 2)",
+        "dlfs --direct-io (round 2 of 2)", "dlfs (round 2 of 2)", "squashfuse_ll (round 2 of 2)",
+        "local disk (round 2 of 2)"], big
+    assert sum(line.startswith("dlfs warmup") for line in said) == 1, said
+    for by in (*cold["big"].values(), *({k: t[k] for k in ("first", "second")} for t in cold["small"].values())):
+        for name, r in by.items():
+            assert len(r["rounds"]) == 2, name
+            assert r["seconds"] == pytest.approx(sum(p["seconds"] for p in r["rounds"]) / 2), name
+            assert r["files_per_s"] == pytest.approx(r["files"] / r["seconds"]), name
 
 
 @pytest.mark.drops_caches
@@ -239,6 +254,7 @@ def test_tiny_bench_run_measures_every_workload_and_leaves_nothing_mounted(tmp_p
             assert by["dlfs"]["bytes"] == by["local"]["bytes"] > total
         cold = out["cold"]  # 2 big files of each size, the 300 small ones
         assert cold["dataset"]["big_files"] == 4 and cold["dataset"]["small_files"] == 300
+        assert cold["rounds"] == 1  # --quick: one pass of each
         for readers in ("1", "2"):
             assert set(cold["big"][readers]) == {"local", "squashfuse_ll", "dlfs", "dlfs_direct_io", "dlfs_via_daemon"}
             # In place the mount reads this machine's chunk files; via the daemon, none of them.

@@ -17,6 +17,10 @@ them (a mount chooses how it serves by its dataset: see want_io_uring):
     bigger than the memory a job may use: each miss one record, fetched by the serving threads), and
     through such a mount with a disk cache (--cache-dir) that `dlfs warmup` filled first (a compute node's
     epochs after its first: each miss one record, read from the disk cache by the serving threads).
+
+Each figure is the mean of ROUNDS passes (--quick: one), the systems' order reversed every other round:
+on this VM a pass's figure moves with what ran just before it, and one pass of each swung 0.77-1.16x
+local disk in three runs of one build (big files at 1 reader).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dlfs.bench.baselines import (
     fresh_start,
     unmount_all_under,
 )
-from dlfs.bench.epoch import list_files, timed_epoch
+from dlfs.bench.epoch import cpu_cost, list_files, timed_epoch
 from dlfs.bench.sample import make_sample
 
 Say = Callable[[str], None]
@@ -53,6 +57,7 @@ DLFS_LABELS = {"dlfs": DlfsMount.label, DlfsMount.DIRECT_IO[0]: DlfsMount.DIRECT
 # machine here, so loopback, the daemon sharing the CPUs with the readers)
 SHOWN = {**DLFS_LABELS, **dict([DlfsMount.VIA_DAEMON, DlfsMount.VIA_DAEMON_SMALL_CACHE, DlfsMount.VIA_DISK_CACHE])}
 MIN_CACHE = 16 << 20  # the smallest cache the quarter-cache mount gets (tiny runs)
+ROUNDS = 2  # passes of each system, the order reversed every other round (see the module's docstring)
 
 
 def section_size(files: int, big_files: int) -> tuple[int, int]:
@@ -101,6 +106,34 @@ def _spent(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
+def mean_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's passes of one workload as one figure: the mean time (files/s and MB/s over it), the
+    mean CPU and READs to Python; each pass under "rounds"."""
+    first, n = passes[0], len(passes)
+    seconds = sum(p["seconds"] for p in passes) / n
+    cpus = [p["cpu_s"] for p in passes]
+    cpu = None if None in cpus else sum(cpus) / n
+    reader = sum(p["reader_cpu_s"] for p in passes) / n
+    out = {**first, "seconds": seconds, "files_per_s": first["files"] / seconds, "mb_per_s": first["bytes"] / 1e6 / seconds,
+           "cpu_s": cpu, **cpu_cost(cpu, first["files"], first["bytes"]), "reader_cpu_s": reader,
+           "reader_cpu_s_per_gb": reader / (first["bytes"] / 1e9) if first["bytes"] else None, "rounds": passes}
+    if "python" in first:
+        out["python"] = {k: round(sum(p["python"][k] for p in passes) / n) for k in first["python"]}
+    return out
+
+
+def mean_epochs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """two_cold_epochs' results over the rounds as one (see mean_pass)."""
+    out = {k: mean_pass([r[k] for r in runs]) for k in ("first", "second")}
+    out["second_over_first"] = out["second"]["files_per_s"] / out["first"]["files_per_s"]
+    return out
+
+
+def in_round(systems: list[System], r: int) -> list[System]:
+    """The systems in round `r`'s order: as given, reversed every other round."""
+    return systems[::-1] if r % 2 else systems
+
+
 def two_cold_epochs(s: System, relpaths: list[str], readers: int) -> dict[str, Any]:
     """Two cold epochs on one mount of `s`, the page cache dropped before each (a fresh mount first)."""
     fresh_start(s)
@@ -116,8 +149,9 @@ def two_cold_epochs(s: System, relpaths: list[str], readers: int) -> dict[str, A
 
 
 def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | None = None,
-             io_uring: str | None = None) -> dict[str, Any]:
-    """The section's figures (see the module's docstring); cleans up its node and mounts on any exit."""
+             io_uring: str | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
+    """The section's figures (see the module's docstring), each the mean of `rounds` passes; cleans up its
+    node and mounts on any exit."""
     src, mnt = work / "cold-sample", work / "cold-mnt"
     node = DlfsNode(work / "cold-home", transport, io_uring)
     unmount_all_under(mnt)
@@ -127,7 +161,7 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
     bigs, smalls, total = make_dataset(src, n_big, n_small)
     image = work / "cold.img"
     out: dict[str, Any] = {"dataset": {"src": str(src), "big_files": len(bigs), "small_files": len(smalls),
-                                       "bytes": total}, "big": {}, "small": {}}
+                                       "bytes": total}, "rounds": rounds, "big": {}, "small": {}}
     node.start()
     try:
         say(f"cold path: dlfs ingest and mksquashfs of {len(bigs) + len(smalls)} files ({total / 1e9:.2f} GB), untimed")
@@ -151,24 +185,34 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
         for s in [*base[1:], *dlfs.values(), direct, *remote.values(), quarter, on_disk]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
+            of = f" (round {{}} of {rounds})" if rounds > 1 else ""
             for readers in (1, 2):
-                out["big"][str(readers)] = {}
-                for s in [*base, dlfs["big"], direct, remote["big"]]:
-                    say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}")
-                    fresh_start(s)
-                    before = mount_sample(s)
-                    r = timed_epoch(s, bigs, readers, seed=readers, read="open")
-                    r["python"] = _spent(before, mount_sample(s))
-                    out["big"][str(readers)][s.name] = r
-            for s in [*base, dlfs["small"], remote["small"], quarter, on_disk]:
-                if s is on_disk:
-                    say(f"cold path: dlfs warmup of the small files into a disk cache ({disk_cache}), untimed")
-                    # Bounded by size, not by the file system's free share: a shared machine's free space
-                    # must not decide whether this row measures a disk cache at all.
-                    node.cli("warmup", DATASETS["small"], "--cache-dir", str(disk_cache), "--no-short-circuit",
-                             "--cache-dir-size", f"{max(2 * small_bytes, MIN_CACHE) >> 20}M", timeout=600)
-                say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}")
-                out["small"][s.name] = two_cold_epochs(s, smalls, 2)
+                passes: dict[str, list[dict[str, Any]]] = {}
+                for rnd in range(rounds):
+                    for s in in_round([*base, dlfs["big"], direct, remote["big"]], rnd):
+                        say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}{of.format(rnd + 1)}")
+                        fresh_start(s)
+                        before = mount_sample(s)
+                        r = timed_epoch(s, bigs, readers, seed=readers, read="open")
+                        r["python"] = _spent(before, mount_sample(s))
+                        passes.setdefault(s.name, []).append(r)
+                out["big"][str(readers)] = {name: mean_pass(p) for name, p in passes.items()}
+            runs: dict[str, list[dict[str, Any]]] = {}
+            warm_disk_cache = True
+            for rnd in range(rounds):
+                for s in in_round([*base, dlfs["small"], remote["small"], quarter, on_disk], rnd):
+                    if s is on_disk and warm_disk_cache:
+                        say(f"cold path: dlfs warmup of the small files into a disk cache ({disk_cache}), untimed")
+                        # Bounded by size, not by the file system's free share: a shared machine's free space
+                        # must not decide whether this row measures a disk cache at all.
+                        node.cli("warmup", DATASETS["small"], "--cache-dir", str(disk_cache), "--no-short-circuit",
+                                 "--cache-dir-size", f"{max(2 * small_bytes, MIN_CACHE) >> 20}M", timeout=600)
+                        warm_disk_cache = False
+                    say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}"
+                        f"{of.format(rnd + 1)}")
+                    runs.setdefault(s.name, []).append(two_cold_epochs(s, smalls, 2))
+            # In the order of the first round: the report's rows follow it.
+            out["small"] = {name: mean_epochs(r) for name, r in runs.items()}
         finally:
             for s in [*base, *dlfs.values(), direct, *remote.values(), quarter, on_disk]:
                 s.unmount()
@@ -200,8 +244,11 @@ def cold_targets(c: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_cold(c: dict[str, Any]) -> list[str]:
     d = c["dataset"]
+    rounds = c.get("rounds", 1)
     lines = ["", f"cold path ({d['big_files']} big files of 16 MiB and 40 MB, {d['small_files']} files of ~110 KB, "
-                 f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped)",
+                 f"{d['bytes'] / 1e9:.2f} GB; every pass cold: page cache dropped"
+                 + (f"; each figure the mean of {rounds} passes, the order reversed every other round)" if rounds > 1
+                    else ")"),
              f"  {'workload':<44}{'system':<29}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
              f"{'to Python':>10}{'reader s/GB':>12}"]
 

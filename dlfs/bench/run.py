@@ -41,6 +41,7 @@ from dlfs.bench.baselines import (
     unmount_all_under,
 )
 from dlfs.bench.bigfiles import PREAD_SIZE, run_bigfiles
+from dlfs.bench.cold import ROUNDS as COLD_ROUNDS
 from dlfs.bench.cold import run_cold, section_size
 from dlfs.bench.direct import TORCH_KINDS, run_direct
 from dlfs.bench.epoch import MARKER, READS, list_files, timed_epoch, verify_system
@@ -97,7 +98,8 @@ PASSES = {
                 "page cache dropped",
     "cold_path": "its own dataset of big files (16 MiB, 40 MB) and ~110 KB files: big files read whole, cold (page "
                  "cache dropped, a fresh mount), 1 and 2 readers; two cold epochs of the small files on one mount with "
-                 "the page cache dropped between them, 2 readers; READs sent to Python counted from the mount's stats",
+                 "the page cache dropped between them, 2 readers; READs sent to Python counted from the mount's stats; "
+                 "each figure the mean of 2 passes (--quick 1), the order reversed in the second",
     "ingest_trees": "trees of ~110 KB files at ~1 GB and ~2.5 GB (--quick: 0.25 and 0.6 GB): dlfs ingest into an "
                     "empty node, mksquashfs -comp lz4, cp -a; each from a dropped cache until synced, 3 passes "
                     "(--quick 1) in a rotating order",
@@ -245,7 +247,8 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
                         "rss_bytes_per_file_remount": scale.bytes_per_file(points, remount=True),
                         "index_bytes_per_file": scale.index_bytes_per_file(points)}
     with _sigterm_as_interrupt():  # its own node, after the main one is gone
-        out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport, opts.io_uring)
+        out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport, opts.io_uring,
+                               1 if opts.quick else COLD_ROUNDS)
     if opts.memory:  # after the main node is gone: nothing else runs beside the group
         with _sigterm_as_interrupt():
             out["memory"] = memory_section(opts, work, say, src, total)
@@ -273,7 +276,7 @@ def run_sections(opts: BenchOptions, work: Path, say: Say, t_start: float) -> di
     if "cold" in opts.only:
         with _sigterm_as_interrupt():
             out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport,
-                                   opts.io_uring)
+                                   opts.io_uring, 1 if opts.quick else COLD_ROUNDS)
     if "ingest" in opts.only:
         with _sigterm_as_interrupt():
             out["ingest_trees"] = run_ingest(work, say, opts.quick, 1 if opts.quick else 3, opts.transport)
