@@ -1141,7 +1141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from dlfs.bench.run import bench_options, check_plotting, format_report, run_bench, write_plot
+    from dlfs.bench.run import bench_options, check_plotting, format_report, kept_bytes, run_bench, write_plot
 
     _setup_logging(args)
     opts = bench_options(args.dir, args.src, args.files, args.readers, args.scale, args.quick, args.transport,
@@ -1163,6 +1163,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(out, Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr)
+    # A full run keeps ~23 GB there: say so, since a disk it fills changes what runs beside it.
+    print(f"{human_bytes(kept_bytes(opts.work_dir))} left in {opts.work_dir}: the samples, images and chunks, reused by "
+          "the next run (remove the folder to free the space)", file=sys.stderr)
     return 0
 
 

@@ -188,6 +188,14 @@ def test_the_cold_section_runs_with_one_file(tmp_path: Path) -> None:
         "dlfs --direct-io (round 2 of 2)", "dlfs (round 2 of 2)", "squashfuse_ll (round 2 of 2)",
         "local disk (round 2 of 2)"], big
     assert sum(line.startswith("dlfs warmup") for line in said) == 1, said
+    # It says what it leaves behind for the next run, as du counts it.
+    left = proc.stderr.rstrip().splitlines()[-1]
+    work = tmp_path / "work"
+    assert left.endswith(f"left in {work}: the samples, images and chunks, reused by the next run (remove the "
+                         "folder to free the space)"), left
+    du = int(subprocess.run(["du", "-s", "-B1", str(work)], capture_output=True, text=True, check=True).stdout.split()[0])
+    number, unit = left.split()[:2]
+    assert abs(float(number) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[unit] - du) <= 0.1 * du, (left, du)
     for by in (*cold["big"].values(), *({k: t[k] for k in ("first", "second")} for t in cold["small"].values())):
         for name, r in by.items():
             assert len(r["rounds"]) == 2, name

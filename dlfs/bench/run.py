@@ -373,6 +373,19 @@ def check_space(work: Path, size: int, present: int) -> None:
                           "use --dir elsewhere or fewer --files")
 
 
+def kept_bytes(work: Path) -> int:
+    """What a run leaves on disk under `work` (allocated blocks, as du counts them): the samples, images and
+    chunks the next run reuses."""
+    n = 0
+    for dirpath, _dirs, names in os.walk(work):
+        for name in names:
+            try:
+                n += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:  # gone meanwhile
+                pass
+    return n
+
+
 @contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so the cleanup runs."""
