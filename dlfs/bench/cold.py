@@ -185,12 +185,15 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
         for s in [*base[1:], *dlfs.values(), direct, *remote.values(), quarter, on_disk]:
             s.root.mkdir(parents=True, exist_ok=True)
         try:
-            of = f" (round {{}} of {rounds})" if rounds > 1 else ""
+
+            def of(rnd: int) -> str:
+                return f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""
+
             for readers in (1, 2):
                 passes: dict[str, list[dict[str, Any]]] = {}
                 for rnd in range(rounds):
                     for s in in_round([*base, dlfs["big"], direct, remote["big"]], rnd):
-                        say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}{of.format(rnd + 1)}")
+                        say(f"cold path: big files read whole, {readers} reader(s), cold: {s.label}{of(rnd)}")
                         fresh_start(s)
                         before = mount_sample(s)
                         r = timed_epoch(s, bigs, readers, seed=readers, read="open")
@@ -198,18 +201,16 @@ def run_cold(work: Path, say: Say, n_big: int, n_small: int, transport: str | No
                         passes.setdefault(s.name, []).append(r)
                 out["big"][str(readers)] = {name: mean_pass(p) for name, p in passes.items()}
             runs: dict[str, list[dict[str, Any]]] = {}
-            warm_disk_cache = True
             for rnd in range(rounds):
                 for s in in_round([*base, dlfs["small"], remote["small"], quarter, on_disk], rnd):
-                    if s is on_disk and warm_disk_cache:
+                    if s is on_disk and rnd == 0:  # once, before its first pass
                         say(f"cold path: dlfs warmup of the small files into a disk cache ({disk_cache}), untimed")
                         # Bounded by size, not by the file system's free share: a shared machine's free space
                         # must not decide whether this row measures a disk cache at all.
                         node.cli("warmup", DATASETS["small"], "--cache-dir", str(disk_cache), "--no-short-circuit",
                                  "--cache-dir-size", f"{max(2 * small_bytes, MIN_CACHE) >> 20}M", timeout=600)
-                        warm_disk_cache = False
                     say(f"cold path: two cold epochs of the small files on one mount, 2 readers: {s.label}"
-                        f"{of.format(rnd + 1)}")
+                        f"{of(rnd)}")
                     runs.setdefault(s.name, []).append(two_cold_epochs(s, smalls, 2))
             # In the order of the first round: the report's rows follow it.
             out["small"] = {name: mean_epochs(r) for name, r in runs.items()}
