@@ -247,8 +247,7 @@ def run_bench(opts: BenchOptions, say: Say) -> dict[str, Any]:
                         "rss_bytes_per_file_remount": scale.bytes_per_file(points, remount=True),
                         "index_bytes_per_file": scale.index_bytes_per_file(points)}
     with _sigterm_as_interrupt():  # its own node, after the main one is gone
-        out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport, opts.io_uring,
-                               1 if opts.quick else COLD_ROUNDS)
+        out["cold"] = cold_section(opts, work, say)
     if opts.memory:  # after the main node is gone: nothing else runs beside the group
         with _sigterm_as_interrupt():
             out["memory"] = memory_section(opts, work, say, src, total)
@@ -275,8 +274,7 @@ def run_sections(opts: BenchOptions, work: Path, say: Say, t_start: float) -> di
         total = _kept_sample_bytes(src) or None  # a complete sample of an earlier run, if any
     if "cold" in opts.only:
         with _sigterm_as_interrupt():
-            out["cold"] = run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport,
-                                   opts.io_uring, 1 if opts.quick else COLD_ROUNDS)
+            out["cold"] = cold_section(opts, work, say)
     if "ingest" in opts.only:
         with _sigterm_as_interrupt():
             out["ingest_trees"] = run_ingest(work, say, opts.quick, 1 if opts.quick else 3, opts.transport)
@@ -371,6 +369,12 @@ def check_space(work: Path, size: int, present: int) -> None:
         raise StorageFull(f"{work} has {free / 1e9:.1f} GB free; the bench needs {need / 1e9:.1f} GB "
                           f"({SPACE_FACTOR}x the {size / 1e9:.2f} GB dataset: image, chunks, room); "
                           "use --dir elsewhere or fewer --files")
+
+
+def cold_section(opts: BenchOptions, work: Path, say: Say) -> dict[str, Any]:
+    """The cold path's section (cold.py) as this run's options size it: one round of passes with --quick."""
+    return run_cold(work, say, *section_size(opts.files, opts.big_files), opts.transport, opts.io_uring,
+                    1 if opts.quick else COLD_ROUNDS)
 
 
 def kept_bytes(work: Path) -> int:
