@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import DLFS, REPO, dlfs_env
 
-from dlfs.bench import baselines, memory, scale
+from dlfs.bench import baselines, cold, memory, scale
 from dlfs.bench import ingest as ingest_section
 from dlfs.bench.baselines import mounts_under
 from dlfs.bench.report import (
@@ -162,6 +162,35 @@ def test_bigfile_targets_are_issue_12s_and_21s() -> None:
     assert [t["met"] for t in bigfile_targets(big(2.01, 1999.0, 899.0, 1.21))] == [False, False, False, False]
     # No block device under the work dir (tmpfs, overlayfs): not measured.
     assert [t["met"] for t in bigfile_targets(big(2.0, 2000.0, 900.0, None))] == [True, True, None, True]
+
+
+def test_the_cold_table_shows_each_rounds_ratio_beside_the_mean() -> None:
+    """One pass swings 0.64-1.08x local disk on this VM: each row shows its passes against local disk's
+    pass of the same round, so that a reader sees how far a mean of two stands from each."""
+
+    def p(files_per_s: float) -> dict:
+        seconds = 1000 / files_per_s  # as timed_epoch gives a pass
+        return {"files": 1000, "bytes": 10**8, "seconds": seconds, "files_per_s": files_per_s,
+                "mb_per_s": 100 / seconds, "cpu_s": 0.1, "reader_cpu_s": 0.1}
+
+    def by(local: tuple[float, float], dlfs: tuple[float, float]) -> dict:
+        return {"local": cold.mean_pass([p(x) for x in local]), "dlfs": cold.mean_pass([p(x) for x in dlfs])}
+
+    epochs = by((8000, 6000), (4000, 6600))
+    c = {"dataset": {"big_files": 2, "small_files": 1000, "bytes": 10**8}, "rounds": 2,
+         "big": {"1": by((1000, 1000), (1000, 1200))},
+         "small": {name: {"first": e, "second": e, "second_over_first": 1.0} for name, e in epochs.items()}}
+    lines = cold.format_cold(c)
+    assert lines[2].endswith("vs local, each round"), lines[2]
+    rows = {(line[2:46].strip(), line[46:75].strip()): line for line in lines[3:] if line[46:75].strip()}
+    assert rows[("big files whole, 1 reader(s)", "dlfs")].endswith("1.00x 1.20x")
+    assert rows[("small files, 2 readers, first cold epoch", "dlfs")].endswith("0.50x 1.10x")
+    assert rows[("small files, 2 readers, first cold epoch", "local")].endswith("  -")
+    # The mean's ratio is over the mean time: 1000 files in 0.25+0.1515 s against 0.125+0.1667 s.
+    assert " 0.73x" in rows[("small files, 2 readers, first cold epoch", "dlfs")]
+    # One round (--quick): no such column.
+    c1 = {**c, "rounds": 1}
+    assert "each round" not in cold.format_cold(c1)[2]
 
 
 @pytest.mark.drops_caches

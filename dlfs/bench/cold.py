@@ -251,16 +251,19 @@ def format_cold(c: dict[str, Any]) -> list[str]:
                  + (f"; each figure the mean of {rounds} passes, the order reversed every other round)" if rounds > 1
                     else ")"),
              f"  {'workload':<44}{'system':<29}{'MB/s':>9}{'files/s':>9}{'CPU us/file':>12}{'vs local':>10}"
-             f"{'to Python':>10}{'reader s/GB':>12}"]
+             f"{'to Python':>10}{'reader s/GB':>12}" + ("  vs local, each round" if rounds > 1 else "")]
 
     def row(what: str, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> str:
         cpu = r.get("cpu_us_per_file")
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
         shown = SHOWN.get(name, name)
+        # Each round's pass against local disk's in that round: how far one pass moves on this machine.
+        each = "  " + (" ".join(f"{p[key] / b[key]:.2f}x" for p, b in zip(r["rounds"], base["rounds"]))
+                       if r is not base else "-") if rounds > 1 and len(r.get("rounds", ())) > 1 else ""
         return (f"  {what:<44}{shown:<29}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
-                f"{'-' if own is None else f'{own:.2f}':>12}")
+                f"{'-' if own is None else f'{own:.2f}':>12}{each}")
 
     for readers, by in c["big"].items():
         for name, r in by.items():
