@@ -258,9 +258,10 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         py = r.get("python", {}).get("python_reads")
         own = r.get("reader_cpu_s_per_gb")
         shown = SHOWN.get(name, name)
-        # Each round's pass against local disk's in that round: how far one pass moves on this machine.
-        each = "  " + (" ".join(f"{p[key] / b[key]:.2f}x" for p, b in zip(r["rounds"], base["rounds"]))
-                       if r is not base else "-") if rounds > 1 and len(r.get("rounds", ())) > 1 else ""
+        each = ""  # each round's pass against local disk's in that round: how far one pass moves here
+        if rounds > 1 and len(r.get("rounds", ())) > 1:
+            each = "  " + ("-" if r is base else " ".join(f"{p[key] / b[key]:.2f}x"
+                                                          for p, b in zip(r["rounds"], base["rounds"])))
         return (f"  {what:<44}{shown:<29}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
                 f"{'-' if cpu is None else f'{cpu:.0f}':>12}{r[key] / base[key]:>9.2f}x{'-' if py is None else py:>10}"
                 f"{'-' if own is None else f'{own:.2f}':>12}{each}")
