@@ -259,7 +259,7 @@ def format_cold(c: dict[str, Any]) -> list[str]:
         own = r.get("reader_cpu_s_per_gb")
         shown = SHOWN.get(name, name)
         each = ""  # each round's pass against local disk's in that round: how far one pass moves here
-        if rounds > 1 and len(r.get("rounds", ())) > 1:
+        if rounds > 1:  # (mean_pass keeps each row's passes under "rounds")
             each = "  " + ("-" if r is base else " ".join(f"{p[key] / b[key]:.2f}x"
                                                           for p, b in zip(r["rounds"], base["rounds"])))
         return (f"  {what:<44}{shown:<29}{r['mb_per_s']:>9.0f}{r['files_per_s']:>9.0f}"
